@@ -1,0 +1,323 @@
+"""Control-plane messages: every message any tier sends over NATS.
+
+Each message is a pydantic model tagged by ``kind``; :data:`AnyMessage` is their discriminated
+union and :func:`decode` is the one way to read bytes off the wire. Messages carry the wire schema
+version in ``protocol`` ("MAJOR.MINOR"): another MAJOR is refused with :class:`ProtocolMismatch`,
+a MINOR skew is accepted and unknown fields are ignored. Bulk data never rides here: messages
+carry :class:`TensorRef` s to the gRPC tensor plane.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from rlfleet.common.errors import MessageDecodeError, MessageTooLarge, ProtocolMismatch
+from rlfleet.common.refs import TensorRef
+
+PROTOCOL = "1.0"
+"""The wire schema version this code speaks: bump MINOR for additive changes, MAJOR otherwise."""
+
+Tier = Literal["controller", "rollout", "reward", "trainer"]
+
+
+class Message(BaseModel):
+    """Base of every control message."""
+
+    model_config = ConfigDict(extra="ignore", frozen=False)
+
+    protocol: str = Field(default=PROTOCOL, description="wire schema version, MAJOR.MINOR")
+
+
+# --- membership -----------------------------------------------------------------------------
+
+
+class WorkerAnnounce(Message):
+    """A worker says it is up and what it offers."""
+
+    kind: Literal["worker.announce"] = "worker.announce"
+    tier: Tier
+    worker_id: str
+    subject: str = Field(default="", description="NATS subject for requests addressed to this worker alone")
+    data_address: str = Field(default="", description="host:port of the worker's TensorStore, if any")
+    capacity: int = Field(default=1, ge=1, description="how many jobs the worker takes at once")
+    model_id: str = ""
+    weight_version: int = -1
+    pool: str = "default"
+    pid: int = 0
+
+
+class Heartbeat(Message):
+    """Periodic liveness from a worker."""
+
+    kind: Literal["worker.heartbeat"] = "worker.heartbeat"
+    tier: Tier
+    worker_id: str
+    weight_version: int = -1
+    busy: int = Field(default=0, description="jobs in progress")
+    pool: str = "default"
+
+
+class WorkerLeave(Message):
+    """A worker leaves on purpose (shutdown, drain)."""
+
+    kind: Literal["worker.leave"] = "worker.leave"
+    tier: Tier
+    worker_id: str
+    reason: str = ""
+
+
+class Ping(Message):
+    """Asks workers of a tier to announce themselves again (used by a controller that joins late)."""
+
+    kind: Literal["worker.ping"] = "worker.ping"
+
+
+# --- rollout --------------------------------------------------------------------------------
+
+
+class SamplingParams(BaseModel):
+    """How to sample: mirrors vLLM's SamplingParams for the fields rlfleet uses."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    n: int = Field(default=1, ge=1, description="samples per prompt")
+    temperature: float = Field(default=1.0, ge=0.0, description="0 means greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, description="-1 disables top-k")
+    max_tokens: int = Field(default=64, ge=1, description="response length cap in tokens")
+    stop_token_ids: list[int] = Field(default_factory=list, description="besides the model's EOS")
+    seed: int | None = None
+    logprobs: bool = True
+
+
+class GenerateRequest(Message):
+    """Generate ``n`` samples for each prompt at ``weight_version``."""
+
+    kind: Literal["rollout.generate"] = "rollout.generate"
+    job_id: str
+    prompt_token_ids: list[list[int]]
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    weight_version: int = Field(default=-1, description="-1: whatever the worker holds")
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class GenerateResult(Message):
+    """Where a finished generate job's batch lives (see the rollout-batch tensor contract)."""
+
+    kind: Literal["rollout.result"] = "rollout.result"
+    job_id: str
+    worker_id: str
+    weight_version: int
+    ref: TensorRef
+    num_samples: int
+    num_tokens: int = Field(default=0, description="generated tokens in the batch")
+    seconds: float = 0.0
+
+
+class LoadWeights(Message):
+    """Tell rollout workers to pull new weights, bucket by bucket, and load them in place."""
+
+    kind: Literal["rollout.load_weights"] = "rollout.load_weights"
+    weight_version: int
+    buckets: list[TensorRef]
+    dtype: str = Field(default="", description="dtype the engine should load as; empty: keep")
+
+
+class WeightsLoaded(Message):
+    """A rollout worker now serves ``weight_version``."""
+
+    kind: Literal["rollout.weights_loaded"] = "rollout.weights_loaded"
+    worker_id: str
+    weight_version: int
+    seconds: float = 0.0
+
+
+# --- reward ---------------------------------------------------------------------------------
+
+
+class ScoreRequest(Message):
+    """Score a rollout batch with an endpoint's reward spec."""
+
+    kind: Literal["reward.score"] = "reward.score"
+    job_id: str
+    endpoint: str = "default"
+    rollout: TensorRef
+    metadata: list[dict[str, Any]] = Field(default_factory=list, description="per prompt (group), e.g. answers")
+    token: str = Field(default="", description="tenant API token")
+
+
+class ScoreResult(Message):
+    """Scores for every sample of a batch, and each component on its own."""
+
+    kind: Literal["reward.result"] = "reward.result"
+    job_id: str
+    endpoint: str
+    spec_version: str
+    scores: list[float]
+    components: dict[str, list[float]] = Field(default_factory=dict)
+
+
+class SetRewardSpec(Message):
+    """Replace an endpoint's reward spec (the spec syntax of rlfleet-reward)."""
+
+    kind: Literal["reward.set_spec"] = "reward.set_spec"
+    endpoint: str = "default"
+    spec: str | dict[str, Any]
+    token: str = ""
+
+
+class RewardSpecSet(Message):
+    """An endpoint switched to a new spec."""
+
+    kind: Literal["reward.spec_set"] = "reward.spec_set"
+    endpoint: str
+    spec_version: str
+
+
+# --- trainer --------------------------------------------------------------------------------
+
+
+class TrainStepRequest(Message):
+    """Run one policy update on rollout batches and their scores."""
+
+    kind: Literal["trainer.step"] = "trainer.step"
+    step: int
+    rollouts: list[TensorRef]
+    scores: list[float]
+    algorithm: str = "grpo"
+    hyperparams: dict[str, float | int | str | bool] = Field(default_factory=dict)
+
+
+class TrainStepResult(Message):
+    """Metrics of one update."""
+
+    kind: Literal["trainer.step_result"] = "trainer.step_result"
+    step: int
+    metrics: dict[str, float]
+    weight_version: int
+
+
+class PublishWeights(Message):
+    """Ask the trainer to push its current weights to the rollout workers."""
+
+    kind: Literal["trainer.publish"] = "trainer.publish"
+    weight_version: int = Field(default=-1, description="-1: next version")
+    bucket_mb: float = 64.0
+
+
+class WeightsPublished(Message):
+    """The trainer has staged a weight version and every rollout worker loaded it."""
+
+    kind: Literal["trainer.published"] = "trainer.published"
+    weight_version: int
+    buckets: list[TensorRef]
+    nbytes: int
+    seconds: float
+    loaded_by: list[str] = Field(default_factory=list)
+
+
+class SaveCheckpoint(Message):
+    """Ask the trainer to save an HF-format checkpoint to a path."""
+
+    kind: Literal["trainer.save"] = "trainer.save"
+    path: str
+
+
+class Saved(Message):
+    """A checkpoint was written."""
+
+    kind: Literal["trainer.saved"] = "trainer.saved"
+    path: str
+
+
+# --- generic --------------------------------------------------------------------------------
+
+
+class Ack(Message):
+    """Plain acknowledgement."""
+
+    kind: Literal["ack"] = "ack"
+    detail: str = ""
+
+
+class Shutdown(Message):
+    """Ask a worker to stop after its current job."""
+
+    kind: Literal["shutdown"] = "shutdown"
+    reason: str = ""
+
+
+class ErrorReply(Message):
+    """A request failed: ``code`` is machine-readable, ``message`` is for people."""
+
+    kind: Literal["error"] = "error"
+    tier: str = ""
+    code: str
+    message: str
+    retryable: bool = False
+
+
+AnyMessage = Annotated[
+    Union[
+        WorkerAnnounce, Heartbeat, WorkerLeave, Ping,
+        GenerateRequest, GenerateResult, LoadWeights, WeightsLoaded,
+        ScoreRequest, ScoreResult, SetRewardSpec, RewardSpecSet,
+        TrainStepRequest, TrainStepResult, PublishWeights, WeightsPublished, SaveCheckpoint, Saved,
+        Ack, Shutdown, ErrorReply,
+    ],
+    Field(discriminator="kind"),
+]  # fmt: skip
+MESSAGES: TypeAdapter[AnyMessage] = TypeAdapter(AnyMessage)
+
+MAX_MESSAGE_BYTES = 1 << 20
+"""nats-server's default max_payload; a message over it belongs on the tensor plane."""
+
+
+def _major(version: str) -> str:
+    return version.split(".", 1)[0]
+
+
+def check_protocol(theirs: object) -> None:
+    """Raise :class:`ProtocolMismatch` unless ``theirs`` shares our MAJOR version."""
+    if not isinstance(theirs, str) or not theirs:
+        raise MessageDecodeError(f"'protocol' must be a 'MAJOR.MINOR' string, got {theirs!r}")
+    if _major(theirs) != _major(PROTOCOL):
+        raise ProtocolMismatch(PROTOCOL, theirs)
+
+
+def encode(message: Message, *, limit: int = MAX_MESSAGE_BYTES) -> bytes:
+    """Serialize a message to JSON bytes, refusing ones over ``limit``."""
+    data = message.model_dump_json().encode()
+    if len(data) > limit:
+        raise MessageTooLarge(len(data), limit, f"{getattr(message, 'kind', 'message')} message")
+    return data
+
+
+def decode(data: bytes | str) -> AnyMessage:
+    """Read one message off the wire.
+
+    Raises :class:`MessageDecodeError` for anything that is not a message of a known kind and
+    :class:`ProtocolMismatch` for a message of another MAJOR version; nothing else.
+    """
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise MessageDecodeError(f"not JSON ({exc.__class__.__name__})") from None
+    if not isinstance(raw, dict):
+        raise MessageDecodeError(f"expected a JSON object, got {type(raw).__name__}")
+    check_protocol(raw.get("protocol"))
+    try:
+        return MESSAGES.validate_python(raw)
+    except (ValidationError, RecursionError) as exc:
+        raise MessageDecodeError(_summarize(exc)) from None
+
+
+def _summarize(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "<root>"
+        return f"{where}: {first.get('msg', 'invalid')} ({exc.error_count()} error(s))"
+    return exc.__class__.__name__
