@@ -1,0 +1,190 @@
+"""RewardScaler: turns raw reward scores into the rewards a trainer sees.
+
+Order of operations, for each raw score ``x`` of a batch::
+
+    x = x / temperature                       # 1. temperature
+    x = (x - mean) / (std + eps)              # 2. only with normalize=True (running stats, see below)
+    x = min(max(x, -clip), clip)              # 3. only with clip set
+    x = max(x, min_reward)                    # 4. only with min_reward set: a floor that always holds
+
+Normalization keeps running statistics of the tempered scores across calls (Welford's algorithm;
+population std). A call first folds its batch into the statistics, then normalizes with them, so
+the first batch is normalized by its own mean and std. ``update=False`` normalizes with the
+statistics as they stand (for evaluation). The statistics are the scaler's own state:
+:meth:`RewardScaler.state_dict` / :meth:`RewardScaler.load_state_dict` save and restore them as
+plain numbers.
+
+A scaler built with a scorer (``RewardScaler(fn=build_reward(spec))`` or ``scaler.wrap(fn)``) also
+computes rewards from text: ``compute_reward(prompts, responses, **kw)``. A scorer is any callable
+``(prompts, responses, **kw) -> list[float] | ScoreBatch``. ``model_name`` is stored for the
+reward-model tier; this package does not load models by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from rlfleet.reward.composite import ScoreBatch
+from rlfleet.reward.errors import NoScorer, RewardInputError
+
+logger = logging.getLogger(__name__)
+
+BatchScorer = Callable[..., Sequence[float] | ScoreBatch]
+"""``(prompts, responses, **kw) -> (N,) scores``, e.g. a :class:`CompositeReward`."""
+
+
+class ScalerConfig(BaseModel):
+    """The options of a :class:`RewardScaler`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    model_name: str | None = Field(default=None, description="reward model the scores come from, if any")
+    temperature: float = Field(
+        default=1.0, gt=0, allow_inf_nan=False, description="raw scores are divided by it"
+    )
+    min_reward: float | None = Field(default=None, allow_inf_nan=False, description="floor applied last")
+    clip: float | None = Field(default=None, gt=0, allow_inf_nan=False, description="clip to [-clip, clip]")
+    normalize: bool = Field(default=False, description="running mean/std normalization")
+    eps: float = Field(default=1e-6, gt=0, allow_inf_nan=False, description="added to std before dividing")
+
+    @model_validator(mode="after")
+    def _floor_below_clip(self) -> ScalerConfig:
+        if self.clip is not None and self.min_reward is not None and self.min_reward > self.clip:
+            raise ValueError(
+                f"min_reward ({self.min_reward}) above clip ({self.clip}) would make every reward equal"
+            )
+        return self
+
+
+class ScalerState(BaseModel):
+    """Running statistics of the tempered scores (Welford): count, mean, sum of squared deviations."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    count: int = Field(ge=0, description="scores seen")
+    mean: float = Field(allow_inf_nan=False, description="their mean")
+    m2: float = Field(ge=0, allow_inf_nan=False, description="sum of squared deviations from the mean")
+
+    @classmethod
+    def empty(cls) -> ScalerState:
+        """No scores seen yet."""
+        return cls(count=0, mean=0.0, m2=0.0)
+
+
+class RewardScaler:
+    """Temperature, running normalization, clipping and a floor, applied to batches of scores."""
+
+    def __init__(
+        self,
+        model_name: str | None = None,
+        *,
+        fn: BatchScorer | None = None,
+        temperature: float = 1.0,
+        min_reward: float | None = None,
+        clip: float | None = None,
+        normalize: bool = False,
+        eps: float = 1e-6,
+    ) -> None:
+        self.config = ScalerConfig(
+            model_name=model_name,
+            temperature=temperature,
+            min_reward=min_reward,
+            clip=clip,
+            normalize=normalize,
+            eps=eps,
+        )
+        self.fn = fn
+        self._state = ScalerState.empty()
+
+    @classmethod
+    def from_config(cls, config: ScalerConfig, *, fn: BatchScorer | None = None) -> RewardScaler:
+        """A scaler with ``config``'s options and fresh statistics."""
+        return cls(**config.model_dump(), fn=fn)
+
+    @property
+    def model_name(self) -> str | None:
+        """The reward model name given at construction (stored only)."""
+        return self.config.model_name
+
+    @property
+    def count(self) -> int:
+        """How many scores the running statistics have seen."""
+        return self._state.count
+
+    @property
+    def mean(self) -> float:
+        """Running mean of the tempered scores."""
+        return self._state.mean
+
+    @property
+    def std(self) -> float:
+        """Running population std of the tempered scores (0 before two scores)."""
+        s = self._state
+        return math.sqrt(s.m2 / s.count) if s.count else 0.0
+
+    def _update(self, values: Sequence[float]) -> None:
+        s = self._state
+        for x in values:
+            s.count += 1
+            delta = x - s.mean
+            s.mean += delta / s.count
+            s.m2 += delta * (x - s.mean)
+
+    def __call__(self, scores: Sequence[float], *, update: bool = True) -> list[float]:
+        """Scale a batch of raw scores (N,) -> (N,); see the module docstring for the order."""
+        values = [float(x) for x in scores]
+        for i, x in enumerate(values):
+            if not math.isfinite(x):
+                raise RewardInputError(f"raw score {i} is {x}; rewards must be finite numbers")
+        cfg = self.config
+        values = [x / cfg.temperature for x in values]
+        if cfg.normalize and values:
+            if update:
+                self._update(values)
+            elif self._state.count == 0:
+                raise RewardInputError("no running statistics yet: scale a batch with update=True first")
+            mean, denom = self.mean, self.std + cfg.eps
+            values = [(x - mean) / denom for x in values]
+        if cfg.clip is not None:
+            values = [min(max(x, -cfg.clip), cfg.clip) for x in values]
+        if cfg.min_reward is not None:
+            values = [max(x, cfg.min_reward) for x in values]
+        return values
+
+    def compute_reward(self, prompts: Sequence[str], responses: Sequence[str], **kw: Any) -> list[float]:
+        """Score with the scorer, then scale: ``self(fn(prompts, responses, **kw))``, (N,) floats.
+
+        ``kw`` goes to the scorer as is (a CompositeReward takes ``metadata_list``).
+        """
+        if self.fn is None:
+            raise NoScorer(self.config.model_name)
+        raw = self.fn(prompts, responses, **kw)
+        totals = raw.total if isinstance(raw, ScoreBatch) else list(raw)
+        if len(totals) != len(responses):
+            raise RewardInputError(f"the scorer returned {len(totals)} scores for {len(responses)} responses")
+        return self(totals)
+
+    def wrap(self, fn: BatchScorer) -> RewardScaler:
+        """A new scaler with these options and a copy of these statistics, scoring with ``fn``."""
+        other = RewardScaler.from_config(self.config, fn=fn)
+        other.load_state_dict(self.state_dict())
+        return other
+
+    def state_dict(self) -> dict[str, Any]:
+        """The running statistics as plain numbers: ``{"count": int, "mean": float, "m2": float}``."""
+        return self._state.model_dump()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore statistics saved by :meth:`state_dict` (validated; a bad dict raises ValueError)."""
+        self._state = ScalerState.model_validate(dict(state))
+
+    def reset(self) -> None:
+        """Forget the running statistics."""
+        self._state = ScalerState.empty()
+
+    def __repr__(self) -> str:
+        return f"RewardScaler({self.config!r}, count={self.count})"
