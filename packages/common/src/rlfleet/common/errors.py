@@ -180,3 +180,37 @@ class StoreFull(TensorError, MemoryError):
             f"TensorStore full: {requested} more bytes asked, {used} of {capacity} in use; "
             "delete consumed keys, shorten the TTL or raise the capacity"
         )
+
+
+class MalformedChunk(TensorError, ValueError):
+    """A tensor chunk that cannot be decoded or breaks the stream's rules (order, key, fields)."""
+
+    def __init__(self, detail: str, key: str = "", name: str = "") -> None:
+        self.detail = detail
+        self.key = key
+        self.name = name
+        where = "".join([f"key {key!r} " if key else "", f"tensor {name!r} " if name else ""])
+        super().__init__(f"malformed tensor chunk{': ' + where.strip() if where else ''}: {detail}")
+
+
+class UnknownTensor(TensorError, KeyError):
+    """A key is stored but holds no tensor of the requested name."""
+
+    def __init__(self, key: str, name: str, available: tuple[str, ...] = ()) -> None:
+        self.key = key
+        self.name = name
+        self.available = tuple(available)
+        shown = ", ".join(repr(n) for n in self.available[:8]) + (" ..." if len(self.available) > 8 else "")
+        super().__init__(f"key {key!r} holds no tensor named {name!r} (it holds: {shown or 'nothing'})")
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the sentence readable
+        return str(self.args[0])
+
+
+class TensorStoreUnavailable(TensorError, ConnectionError):
+    """The TensorStore server at an address cannot be reached (down, wrong address, shut down)."""
+
+    def __init__(self, address: str, detail: str = "") -> None:
+        self.address = address
+        self.detail = detail
+        super().__init__(f"TensorStore at {address} is unreachable" + (f": {detail}" if detail else ""))

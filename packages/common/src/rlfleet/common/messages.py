@@ -112,6 +112,7 @@ class GenerateResult(Message):
     worker_id: str
     weight_version: int
     ref: TensorRef
+    num_prompts: int
     num_samples: int
     num_tokens: int = Field(default=0, description="generated tokens in the batch")
     seconds: float = 0.0

@@ -1,0 +1,263 @@
+"""Tensor-plane throughput: a dict of tensors between two processes over loopback, through the
+TensorStore gRPC service and over a plain TCP socket, in the same run.
+
+    uv run python benchmarks/tensor_stream.py                # 512 MiB, bf16 + fp32 tensors
+    uv run python benchmarks/tensor_stream.py --mb 128 --reps 3
+
+A producer process holds the payload in a TensorStoreServer (``put_local``) and also serves the
+same bytes on a raw TCP socket. The consumer (this process) takes turns: ``TensorStoreClient.get``
+(gRPC, chunked, crc32-checked) and a raw ``recv_into`` of each tensor into a fresh tensor, the
+best a Python socket can do. It also times the other direction (``put`` against a raw upload).
+Each figure is the median over ``--reps`` rounds, after one warm-up round; the rounds interleave
+so that load from other processes hits both paths alike. Results go to
+benchmarks/results/tensor_stream.json; benchmarks/README.md explains them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import struct
+import threading
+import time
+import zlib
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from rlfleet.common.tensor_codec import DTYPES, dtype_name, tensor_buffer
+from rlfleet.common.tensor_store import TensorStoreClient, TensorStoreServer
+
+logger = logging.getLogger(__name__)
+
+KEY = "payload"
+TENSOR_MB = 16
+RESULTS = Path(__file__).parent / "results" / "tensor_stream.json"
+
+
+def make_payload(mb: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """About ``mb`` MiB of tensors of 16 MiB, bf16 and fp32 in turn, plus a few small ones."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {
+        "scalar": torch.tensor(1.5),
+        "bias": torch.randn(4096, generator=gen).bfloat16(),
+        "mask": torch.rand(1000, generator=gen) > 0.5,
+    }
+    budget = (mb << 20) - sum(t.numel() * t.element_size() for t in tensors.values())
+    index = 0
+    while budget > 0:
+        dtype = torch.bfloat16 if index % 2 == 0 else torch.float32
+        nbytes = min(TENSOR_MB << 20, budget)
+        numel = max(nbytes // dtype.itemsize, 1)
+        tensors[f"layers.{index}.weight"] = torch.randn(numel, generator=gen).to(dtype).reshape(-1, 256)
+        budget -= numel * dtype.itemsize
+        index += 1
+    return tensors
+
+
+def payload_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def crcs(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    return {name: zlib.crc32(tensor_buffer(t)) for name, t in tensors.items()}
+
+
+# --- raw TCP: a JSON header line per tensor, then its bytes -----------------------------------
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("raw peer closed mid-tensor")
+        got += n
+
+
+def raw_send(sock: socket.socket, tensors: dict[str, torch.Tensor]) -> None:
+    for name, tensor in tensors.items():
+        buf = tensor_buffer(tensor)
+        head = json.dumps({"name": name, "dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)})
+        sock.sendall(struct.pack("<IQ", len(head), len(buf)) + head.encode())
+        sock.sendall(buf)
+    sock.sendall(struct.pack("<IQ", 0, 0))
+
+
+def raw_recv(sock: socket.socket) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    while True:
+        fixed = bytearray(12)
+        _recv_exact(sock, memoryview(fixed))
+        head_len, nbytes = struct.unpack("<IQ", fixed)
+        if head_len == 0:
+            return out
+        head_raw = bytearray(head_len)
+        _recv_exact(sock, memoryview(head_raw))
+        head = json.loads(head_raw)
+        data = torch.empty(nbytes, dtype=torch.uint8)
+        _recv_exact(sock, memoryview(data.numpy()))
+        out[head["name"]] = data.view(DTYPES[head["dtype"]]).reshape(head["shape"])
+
+
+def _raw_server(listener: socket.socket, tensors: dict[str, torch.Tensor]) -> None:
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            command = conn.recv(1)
+            if command == b"G":
+                raw_send(conn, tensors)
+            elif command == b"P":
+                raw_recv(conn)
+                conn.sendall(b"k")
+            else:
+                return
+
+
+# --- the producer process ----------------------------------------------------------------------
+
+
+def producer(mb: int, chunk_bytes: int, conn: Connection) -> None:
+    tensors = make_payload(mb)
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_raw_server, args=(listener, tensors), daemon=True).start()
+    asyncio.run(_produce(tensors, chunk_bytes, conn, listener.getsockname()[1]))
+
+
+async def _produce(
+    tensors: dict[str, torch.Tensor], chunk_bytes: int, conn: Connection, raw_port: int
+) -> None:
+    server = TensorStoreServer(capacity_bytes=8 << 30, ttl_s=3600.0, chunk_bytes=chunk_bytes)
+    address = await server.start()
+    server.put_local(KEY, tensors)
+    conn.send(
+        {"address": address, "raw_port": raw_port, "crcs": crcs(tensors), "nbytes": payload_bytes(tensors)}
+    )
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, conn.recv)  # the consumer says when it is done
+    await server.stop()
+
+
+# --- the consumer's timed rounds ---------------------------------------------------------------
+
+
+def _raw_get(port: int) -> dict[str, torch.Tensor]:
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"G")
+        return raw_recv(sock)
+
+
+def _raw_put(port: int, tensors: dict[str, torch.Tensor]) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"P")
+        raw_send(sock, tensors)
+        if sock.recv(1) != b"k":
+            raise ConnectionError("raw upload not acknowledged")
+
+
+async def _timed(coro_fn, nbytes: int) -> float:  # type: ignore[no-untyped-def]
+    start = time.perf_counter()
+    result = await coro_fn()
+    elapsed = time.perf_counter() - start
+    del result
+    return nbytes / elapsed / 2**20
+
+
+async def consume(info: dict, mb: int, reps: int, chunk_bytes: int, with_put: bool) -> dict[str, list[float]]:
+    expected = info["crcs"]
+    upload = make_payload(mb, seed=1) if with_put else {}
+    nbytes = info["nbytes"]
+    client = TensorStoreClient(info["address"], chunk_bytes=chunk_bytes)
+    port = info["raw_port"]
+    got = await client.get(KEY)
+    raw = await asyncio.to_thread(_raw_get, port)
+    if crcs(got) != expected or crcs(raw) != expected:
+        raise AssertionError("payload damaged in transit")
+    del got, raw
+    rounds: dict[str, list[float]] = {"grpc_get": [], "raw_get": [], "grpc_put": [], "raw_put": []}
+    for rep in range(reps + 1):
+        sample = {
+            "grpc_get": await _timed(lambda: client.get(KEY), nbytes),
+            "raw_get": await _timed(lambda: asyncio.to_thread(_raw_get, port), nbytes),
+        }
+        if with_put:
+            sample["grpc_put"] = await _timed(lambda: client.put("upload", upload), nbytes)
+            await client.delete("upload")
+            sample["raw_put"] = await _timed(lambda: asyncio.to_thread(_raw_put, port, upload), nbytes)
+        if rep > 0:  # round 0 warms up
+            for name, value in sample.items():
+                rounds[name].append(value)
+        print(f"round {rep}: " + "  ".join(f"{k} {v:7.0f} MB/s" for k, v in sample.items()), flush=True)
+    await client.close()
+    return rounds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--mb", type=int, default=512, help="payload size in MiB")
+    parser.add_argument("--reps", type=int, default=5, help="timed rounds (after one warm-up round)")
+    parser.add_argument(
+        "--chunk-mb", type=float, default=None, help="chunk payload in MiB (default: library's)"
+    )
+    parser.add_argument("--no-put", action="store_true", help="time only the get direction")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON results")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    from rlfleet.common.tensor_codec import DEFAULT_CHUNK_BYTES
+
+    chunk_bytes = int(args.chunk_mb * 2**20) if args.chunk_mb else DEFAULT_CHUNK_BYTES
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=producer, args=(args.mb, chunk_bytes, theirs), daemon=True)
+    proc.start()
+    try:
+        info = ours.recv()
+        rounds = asyncio.run(consume(info, args.mb, args.reps, chunk_bytes, not args.no_put))
+    finally:
+        ours.send("done")
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.terminate()
+    report(rounds, args, chunk_bytes)
+
+
+def report(rounds: dict[str, list[float]], args: argparse.Namespace, chunk_bytes: int) -> None:
+    med = {name: statistics.median(v) for name, v in rounds.items() if v}
+    result = {
+        "payload_mb": args.mb,
+        "chunk_mb": chunk_bytes / 2**20,
+        "reps": args.reps,
+        "grpc_mb_s": round(med["grpc_get"], 1),
+        "raw_tcp_mb_s": round(med["raw_get"], 1),
+        "ratio": round(med["grpc_get"] / med["raw_get"], 3),
+        "grpc_put_mb_s": round(med["grpc_put"], 1) if "grpc_put" in med else None,
+        "raw_tcp_put_mb_s": round(med["raw_put"], 1) if "raw_put" in med else None,
+        "put_ratio": round(med["grpc_put"] / med["raw_put"], 3) if "grpc_put" in med else None,
+        "rounds_mb_s": {k: [round(x, 1) for x in v] for k, v in rounds.items() if v},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+        "unix_time": int(time.time()),
+    }
+    print(f"\npayload {args.mb} MiB, chunk {chunk_bytes / 2**20:g} MiB, median of {args.reps} rounds")
+    print(f"{'path':<28}{'MB/s':>10}{'vs raw TCP':>12}")
+    print(f"{'gRPC TensorStore get':<28}{result['grpc_mb_s']:>10.0f}{result['ratio']:>12.2f}")
+    print(f"{'raw TCP socket (get)':<28}{result['raw_tcp_mb_s']:>10.0f}{1.0:>12.2f}")
+    if result["grpc_put_mb_s"] is not None:
+        print(f"{'gRPC TensorStore put':<28}{result['grpc_put_mb_s']:>10.0f}{result['put_ratio']:>12.2f}")
+        print(f"{'raw TCP socket (put)':<28}{result['raw_tcp_put_mb_s']:>10.0f}{1.0:>12.2f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

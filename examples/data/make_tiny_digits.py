@@ -1,0 +1,53 @@
+"""Regenerate tiny_digits.jsonl: prompts for the tiny CI task "answer with digits only".
+
+Each prompt is a short list of random digits followed by an arrow, e.g. ``q: 4 7 1 ->``; the
+reward (``charset:allowed=0123456789``) pays a completion for being digits only, so a tiny
+random-init model can learn the task in a few steps. The output is deterministic in ``--seed``.
+
+    uv run python examples/data/make_tiny_digits.py            # rewrites the file next to this script
+    uv run python examples/data/make_tiny_digits.py --out x.jsonl --count 50 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+DEFAULT_OUT = Path(__file__).with_name("tiny_digits.jsonl")
+PREFIXES = ("q:", "digits:", "n:", "in:")
+
+
+def make_prompts(count: int = 200, seed: int = 0) -> list[dict[str, str]]:
+    """``count`` distinct rows ``{"prompt": "q: 4 7 1 ->", "digits": "471"}`` drawn from ``seed``."""
+    rng = random.Random(seed)
+    rows: list[dict[str, str]] = []
+    seen: set[str] = set()
+    while len(rows) < count:
+        digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 5)))
+        prompt = f"{rng.choice(PREFIXES)} {' '.join(digits)} ->"
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        rows.append({"prompt": prompt, "digits": digits})
+    return rows
+
+
+def write_jsonl(rows: list[dict[str, str]], out: Path) -> None:
+    """One JSON object per line, keys in a fixed order, so reruns give identical bytes."""
+    out.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output JSONL file")
+    parser.add_argument("--count", type=int, default=200, help="number of prompts")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    args = parser.parse_args()
+    write_jsonl(make_prompts(args.count, args.seed), args.out)
+    print(f"wrote {args.count} prompts to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

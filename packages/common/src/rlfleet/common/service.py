@@ -1,0 +1,256 @@
+"""What every tier's worker process shares: connect, announce, heartbeat, serve, leave.
+
+A tier subclasses :class:`Worker`, subscribes its handlers in :meth:`Worker.setup`, and its
+console script's ``main()`` calls :func:`run_worker_main`. Workers announce on the cluster's
+membership subject, send heartbeats, answer :class:`Ping` with a fresh announce, stop on
+:class:`Shutdown`, SIGTERM or SIGINT, and say :class:`WorkerLeave` on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import ClassVar, Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlfleet.common.messages import Ack, AnyMessage, Heartbeat, Ping, Shutdown, WorkerAnnounce, WorkerLeave
+from rlfleet.common.subjects import membership_subject, worker_subject
+from rlfleet.common.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+
+class ServiceConfig(BaseModel):
+    """Settings every worker process takes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    nats_url: str = Field(default="nats://127.0.0.1:4222", description="NATS server to join")
+    cluster: str = Field(default="default", description="cluster name: the second token of every subject")
+    worker_id: str = Field(default="", description="unique worker id; empty: <tier>-<host>-<pid>")
+    pool: str = Field(default="default", description="pool this worker serves (rollout routing)")
+    heartbeat_s: float = Field(default=2.0, gt=0, description="seconds between heartbeats")
+    log_level: str = Field(default="INFO", description="logging level")
+    log_json: bool = Field(default=False, description="log one JSON object per line")
+
+
+C = TypeVar("C", bound=ServiceConfig)
+
+
+class Worker(Generic[C]):
+    """Base of a tier's worker: lifecycle and membership; subclasses add handlers in ``setup``."""
+
+    tier: ClassVar[str] = ""
+
+    def __init__(self, config: C, transport: Transport) -> None:
+        self.config = config
+        self.transport = transport
+        self.worker_id = config.worker_id or f"{self.tier}-{socket.gethostname()}-{os.getpid()}"
+        self.weight_version = -1
+        self.busy = 0
+        self._stopped = asyncio.Event()
+        self._heartbeat_task: asyncio.Task[None] | None = None
+
+    # --- to override ----------------------------------------------------------------------
+
+    async def setup(self) -> None:
+        """Start resources and subscribe handlers; called before the first announce."""
+
+    async def teardown(self) -> None:
+        """Release resources; called after the leave message."""
+
+    def announce_fields(self) -> dict[str, object]:
+        """Extra WorkerAnnounce fields (data_address, capacity, model_id...)."""
+        return {}
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def own_subject(self) -> str:
+        return worker_subject(self.config.cluster, self.tier, self.worker_id)
+
+    def announcement(self) -> WorkerAnnounce:
+        return WorkerAnnounce(
+            tier=self.tier,  # type: ignore[arg-type]
+            worker_id=self.worker_id,
+            subject=self.own_subject,
+            weight_version=self.weight_version,
+            pool=self.config.pool,
+            pid=os.getpid(),
+            **self.announce_fields(),  # type: ignore[arg-type]
+        )
+
+    async def announce(self) -> None:
+        await self.transport.publish(membership_subject(self.config.cluster), self.announcement())
+
+    async def start(self) -> None:
+        await self.setup()
+        await self.transport.subscribe(self.own_subject, self._on_own)
+        await self.transport.subscribe(membership_subject(self.config.cluster), self._on_membership)
+        await self.announce()
+        self._heartbeat_task = asyncio.create_task(self._heartbeats(), name=f"{self.worker_id}-heartbeat")
+        logger.info("%s worker %s is up on cluster %s", self.tier, self.worker_id, self.config.cluster)
+
+    async def _on_own(self, message: AnyMessage) -> AnyMessage | None:
+        if isinstance(message, Shutdown):
+            logger.info("shutdown asked: %s", message.reason or "no reason given")
+            self._stopped.set()
+            return Ack(detail=f"{self.worker_id} stopping")
+        return await self.handle_own(message)
+
+    async def handle_own(self, message: AnyMessage) -> AnyMessage | None:
+        """Messages addressed to this worker alone (besides Shutdown)."""
+        raise ValueError(f"{self.tier} worker does not handle {message.kind!r} messages")
+
+    async def _on_membership(self, message: AnyMessage) -> None:
+        if isinstance(message, Ping):
+            await self.announce()
+        return None
+
+    async def _heartbeats(self) -> None:
+        subject = membership_subject(self.config.cluster)
+        while not self._stopped.is_set():
+            beat = Heartbeat(
+                tier=self.tier,  # type: ignore[arg-type]
+                worker_id=self.worker_id,
+                weight_version=self.weight_version,
+                busy=self.busy,
+                pool=self.config.pool,
+            )
+            try:
+                await self.transport.publish(subject, beat)
+            except ConnectionError as exc:  # a reconnecting transport; the next beat retries
+                logger.warning("heartbeat not sent: %s", exc)
+            try:
+                await asyncio.wait_for(self._stopped.wait(), timeout=self.config.heartbeat_s)
+            except TimeoutError:
+                pass
+
+    def request_stop(self) -> None:
+        self._stopped.set()
+
+    async def serve_forever(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self, reason: str = "") -> None:
+        self._stopped.set()
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+        try:
+            leave = WorkerLeave(tier=self.tier, worker_id=self.worker_id, reason=reason)  # type: ignore[arg-type]
+            await self.transport.publish(membership_subject(self.config.cluster), leave)
+            await self.transport.flush()
+        except ConnectionError as exc:
+            logger.warning("leave message not sent: %s", exc)
+        await self.teardown()
+
+
+# --- entry points ---------------------------------------------------------------------------
+
+
+def configure_logging(level: str, as_json: bool, name: str) -> None:
+    """Set up the root logger; only ever called from a ``main()``."""
+    handler = logging.StreamHandler(sys.stderr)
+    if as_json:
+        handler.setFormatter(_JsonFormatter(name))
+    else:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+class _JsonFormatter(logging.Formatter):
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": self.formatTime(record),
+            "service": self.service,
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def parse_service_args(prog: str, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``PROG serve [--config FILE] [--nats URL] [--cluster NAME] [--worker-id ID] [key=value ...]``."""
+    parser = argparse.ArgumentParser(prog=prog, description=f"run a {prog} worker")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start a worker and join a cluster")
+    serve.add_argument("--config", type=Path, default=None, help="YAML or TOML worker config")
+    serve.add_argument("--nats", dest="nats_url", default=None, help="NATS URL (overrides the config)")
+    serve.add_argument("--cluster", default=None, help="cluster name (overrides the config)")
+    serve.add_argument("--worker-id", default=None, help="worker id (overrides the config)")
+    serve.add_argument("--pool", default=None, help="pool name (overrides the config)")
+    serve.add_argument("overrides", nargs="*", help="config overrides a.b.c=value")
+    return parser.parse_args(argv)
+
+
+def cli_overrides(args: argparse.Namespace) -> list[str]:
+    """Turn the common flags into ``key=value`` overrides, after the free-form ones."""
+    extra = [
+        f"{key}={value}"
+        for key, value in (
+            ("nats_url", args.nats_url),
+            ("cluster", args.cluster),
+            ("worker_id", args.worker_id),
+            ("pool", args.pool),
+        )
+        if value is not None
+    ]
+    return [*args.overrides, *extra]
+
+
+async def serve(worker: Worker[C]) -> None:
+    """Run ``worker`` until Shutdown, SIGTERM or SIGINT, then leave cleanly."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.request_stop)
+    try:
+        await worker.start()
+        await worker.serve_forever()
+    finally:
+        await worker.stop("shutdown")
+
+
+def run_worker_main(
+    prog: str,
+    config_cls: type[C],
+    make_worker: Callable[[C, Transport], Worker[C]],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """The whole ``main()`` of a tier's console script."""
+    from rlfleet.common.config import load_config
+    from rlfleet.common.errors import ConfigError
+    from rlfleet.common.nats_transport import NatsTransport
+
+    args = parse_service_args(prog, argv)
+    try:
+        config = load_config(config_cls, args.config, cli_overrides(args))
+    except ConfigError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_level, config.log_json, prog)
+
+    async def _main() -> None:
+        transport = await NatsTransport.connect(config.nats_url, name=prog, tier=prog.removeprefix("rlfleet-"))
+        try:
+            await serve(make_worker(config, transport))
+        finally:
+            await transport.close()
+
+    asyncio.run(_main())
+    return 0

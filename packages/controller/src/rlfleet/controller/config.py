@@ -1,0 +1,113 @@
+"""Typed configuration of a training run: :class:`TrainerConfig` and the CLI's :class:`JobConfig`.
+
+``TrainerConfig`` is what a library user passes to ``GRPOTrainer(config=...)``. A job file for
+``rlfleet train`` is a ``TrainerConfig`` plus what the library user passes as arguments (model,
+reward, data, epochs), so every field is reachable from the command line as ``a.b=value``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RolloutConfig(_Config):
+    """How the rollout tier generates."""
+
+    engine: Literal["hf", "vllm", "auto"] = Field(
+        default="hf", description="generation engine; auto = vLLM when importable, else HF transformers"
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="engine dtype")
+    max_batch_size: int = Field(default=64, ge=1, description="sequences generated together by one worker")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling")
+    top_k: int = Field(default=-1, description="top-k sampling; -1 disables")
+
+
+class TrainerConfig(_Config):
+    """Hyperparameters and run settings shared by the GRPO/PPO trainers."""
+
+    algorithm: Literal["grpo"] = Field(default="grpo", description="RL algorithm")
+    rollout_batch_size: int = Field(default=16, ge=1, description="prompts per step")
+    train_batch_size: int = Field(
+        default=16, ge=1, description="prompts per optimizer update; rollout_batch_size must be a multiple"
+    )
+    micro_batch_size: int = Field(default=8, ge=1, description="sequences per forward/backward pass")
+    group_size: int = Field(default=4, ge=2, description="samples per prompt (GRPO group)")
+    num_rollout_workers: int = Field(default=1, ge=1, description="rollout worker processes")
+    num_train_workers: int = Field(default=1, ge=1, description="trainer ranks")
+    ppo_epochs: int = Field(default=1, ge=1, description="passes over each rollout batch")
+    kl_coef: float = Field(default=0.05, ge=0.0, description="weight of the KL-to-reference loss term")
+    clip_eps: float = Field(default=0.2, gt=0.0, description="PPO ratio clip range")
+    entropy_coef: float = Field(default=0.0, description="entropy bonus weight")
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
+        default="token-mean", description="how per-token losses are averaged"
+    )
+    max_grad_norm: float = Field(default=1.0, gt=0.0, description="gradient clipping norm")
+    learning_rate: float = Field(default=1e-6, gt=0.0, description="AdamW learning rate")
+    weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay")
+    max_prompt_length: int = Field(default=512, ge=1, description="longest prompt in tokens")
+    max_response_length: int = Field(default=128, ge=1, description="longest response in tokens")
+    temperature: float = Field(default=1.0, gt=0.0, description="sampling temperature")
+    seed: int = Field(default=42, description="seed for data order, sampling and init")
+    output_dir: str = Field(default="outputs/run", description="metrics, logs and checkpoints go here")
+    log_every: int = Field(default=1, ge=1, description="steps between [PROGRESS] lines")
+    save_every: int = Field(default=0, ge=0, description="steps between checkpoints; 0 = only the final one")
+    loggers: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["console", "jsonl", "tensorboard"], description="metric sinks"
+    )
+    weight_bucket_mb: float = Field(default=64.0, gt=0.0, description="weight publish bucket size")
+    reward_endpoint: str = Field(default="default", description="reward endpoint that scores rollouts")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="where the trainer runs")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout tier settings")
+    nats_url: str | None = Field(
+        default=None, description="join a running fleet at this NATS URL; None starts an embedded one"
+    )
+    cluster: str = Field(default="", description="cluster name; empty: a fresh name per run")
+    startup_timeout_s: float = Field(default=180.0, gt=0, description="wait for workers to announce")
+    request_timeout_s: float = Field(default=900.0, gt=0, description="longest a single tier request may take")
+    sample_table_size: int = Field(default=4, ge=0, description="prompts shown in the before/after table")
+
+    @model_validator(mode="after")
+    def _check_batches(self) -> TrainerConfig:
+        if self.rollout_batch_size % self.train_batch_size:
+            raise ValueError(
+                f"rollout_batch_size ({self.rollout_batch_size}) must be a multiple of train_batch_size "
+                f"({self.train_batch_size}); set train_batch_size to a divisor of it"
+            )
+        if self.num_train_workers > 1:
+            raise ValueError(
+                f"num_train_workers={self.num_train_workers}: this version trains in one process; "
+                "set num_train_workers=1 (FSDP2 across ranks is not available yet)"
+            )
+        return self
+
+
+class DataConfig(_Config):
+    """Where prompts come from."""
+
+    path: str = Field(description="JSONL, CSV or Parquet file of prompts")
+    prompt_key: str = Field(default="prompt", description="column holding the prompt (text or chat messages)")
+    max_prompt_length: int | None = Field(default=None, description="overrides the trainer's when set")
+    overlong: Literal["filter", "truncate", "error"] = Field(default="filter", description="overlong prompts")
+    system_prompt: str | None = Field(default=None, description="system message for chat templates")
+    num_workers: int = Field(default=1, ge=1, description="tokenizer threads")
+
+
+class JobConfig(TrainerConfig):
+    """A whole run for ``rlfleet train``: the trainer's settings plus model, reward and data."""
+
+    model: str = Field(description="actor model: a local HF dir, 'smollm2', or 'tiny:<name>'")
+    reward: str | dict[str, Any] = Field(description="reward spec for the reward tier")
+    data: DataConfig = Field(description="prompt dataset")
+    num_epochs: int = Field(default=1, ge=1, description="passes over the dataset")
+    max_steps: int | None = Field(default=None, ge=1, description="stop after this many steps")
+    description: str = Field(default="", description="free text shown at start")
+
+    def trainer_config(self) -> TrainerConfig:
+        """The TrainerConfig part of this job."""
+        return TrainerConfig(**{name: getattr(self, name) for name in TrainerConfig.model_fields})

@@ -1,0 +1,128 @@
+"""Metric sinks: console progress, metrics.jsonl, TensorBoard and Weights & Biases.
+
+Chosen by ``TrainerConfig.loggers``; each sink gets every step's flat ``{name: float}`` dict.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+
+class MetricSink(Protocol):
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """Appends one JSON object per step to ``metrics.jsonl``."""
+
+    def __init__(self, output_dir: Path) -> None:
+        self.path = output_dir / "metrics.jsonl"
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None) for k, v in metrics.items()}
+        self._file.write(json.dumps({"step": step, **clean}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardSink:
+    """Scalars into TensorBoard event files under ``output_dir/tensorboard``."""
+
+    def __init__(self, output_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self._writer.add_scalar(name, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbSink:
+    """Weights & Biases, when installed (``WANDB_MODE=offline`` works without a network)."""
+
+    def __init__(self, output_dir: Path, config: dict[str, Any], project: str = "rlfleet") -> None:
+        try:
+            import wandb
+        except ImportError as exc:
+            raise ValueError("loggers: 'wandb' is selected but the wandb package is not installed") from exc
+        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", project), dir=str(output_dir),
+                               config=config, reinit=True)  # fmt: skip
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self._run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class ConsoleProgress:
+    """A progress bar plus a ``[PROGRESS]`` line every ``log_every`` steps."""
+
+    def __init__(self, total_steps: int, num_epochs: int, log_every: int, enabled: bool = True) -> None:
+        from tqdm import tqdm
+
+        self.total_steps = total_steps
+        self.num_epochs = num_epochs
+        self.log_every = log_every
+        self.enabled = enabled
+        self._bar = tqdm(total=total_steps, desc="train", unit="step", file=sys.stderr, disable=not enabled,
+                         dynamic_ncols=True, leave=False)  # fmt: skip
+
+    def update(self, step: int, epoch: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self._bar.update(1)
+        self._bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
+        if step % self.log_every == 0 or step == self.total_steps:
+            self.write(progress_line(epoch, self.num_epochs, step, self.total_steps, metrics))
+
+    def write(self, text: str) -> None:
+        if self.enabled:
+            self._bar.clear()
+            print(text, flush=True)
+            self._bar.refresh()
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def progress_line(epoch: int, num_epochs: int, step: int, total: int, metrics: dict[str, float]) -> str:
+    """``[PROGRESS] Epoch 1/3 | Step 100/1200 | Loss: 2.14 | Reward: 4.21 | KL: 0.087``."""
+    return (
+        f"[PROGRESS] Epoch {epoch}/{num_epochs} | Step {step}/{total} | "
+        f"Loss: {metrics.get('loss', float('nan')):.4g} | Reward: {metrics.get('reward/mean', float('nan')):.4g} | "
+        f"KL: {metrics.get('kl', float('nan')):.4g} | Len: {metrics.get('response_length', float('nan')):.1f}"
+    )
+
+
+def make_sinks(names: list[str], output_dir: Path, config: dict[str, Any]) -> list[MetricSink]:
+    """The sinks named in the config ('console' is handled by ConsoleProgress)."""
+    sinks: list[MetricSink] = []
+    for name in names:
+        if name == "jsonl":
+            sinks.append(JsonlSink(output_dir))
+        elif name == "tensorboard":
+            sinks.append(TensorBoardSink(output_dir))
+        elif name == "wandb":
+            sinks.append(WandbSink(output_dir, config))
+    return sinks

@@ -1,0 +1,236 @@
+"""``FleetRunner``: what every controller-side trainer shares.
+
+It resolves the model, binds the dataset to its tokenizer, brings up the fleet (embedded:
+a private nats-server and each tier as a process; cluster: joins ``nats_url``), runs the
+async steps on its own event loop so users drive training with plain synchronous calls, logs
+metrics, saves the final checkpoint and stops exactly what it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from rlfleet.controller.config import TrainerConfig
+from rlfleet.controller.dataset import PromptDataset
+from rlfleet.controller.fleet import Fleet
+from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec
+from rlfleet.controller.loggers import ConsoleProgress, MetricSink, make_sinks
+from rlfleet.controller.models import resolve_model
+from rlfleet.controller.samples import SampleTable
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class FleetRunner:
+    """Base of the RL trainers: fleet lifecycle, event loop, metrics and checkpoints."""
+
+    def __init__(
+        self, actor_model_name: str, reward: str | dict[str, Any], dataset: PromptDataset | str,
+        config: TrainerConfig,
+    ) -> None:  # fmt: skip
+        self.config = config
+        self.kl_coef = config.kl_coef
+        self.reward_spec = reward
+        self.global_step = 0
+        self.weight_version = 0
+        self._epoch = 0
+        self.output_dir = Path(config.output_dir)
+        self.model_path = resolve_model(actor_model_name, seed=config.seed)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        if isinstance(dataset, (str, Path)):
+            dataset = PromptDataset(str(dataset), max_prompt_length=config.max_prompt_length, seed=config.seed)
+        dataset.bind_tokenizer(self.tokenizer)
+        self.dataset = dataset
+        self.cluster = config.cluster or f"run-{uuid.uuid4().hex[:8]}"
+        self._loop = asyncio.new_event_loop()
+        self._launcher: EmbeddedFleet | None = None
+        self._transport: Any = None
+        self._fleet: Fleet | None = None
+        self._sinks: list[MetricSink] = []
+        self._progress: ConsoleProgress | None = None
+        self._table: SampleTable | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def fleet(self) -> Fleet:
+        if self._fleet is None:
+            raise RuntimeError("the fleet is not started; call start() or train() first")
+        return self._fleet
+
+    def start(self) -> None:
+        """Bring up the fleet (idempotent)."""
+        if self._fleet is not None:
+            return
+        cfg = self.config
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "config.yaml").write_text(self.resolved_config_yaml())
+        try:
+            url = cfg.nats_url
+            if url is None:
+                self._launcher = EmbeddedFleet(self.output_dir / "fleet")
+                url = self._launcher.start_nats()
+                for spec in self.worker_specs():
+                    self._launcher.spawn(spec)
+            self.run(self._connect(url))
+            if cfg.sample_table_size:
+                self._table = SampleTable(self, self.dataset.sample_items(cfg.sample_table_size))
+                self.run(self._table.capture("before"))
+        except BaseException:
+            self.close()
+            raise
+
+    async def _connect(self, url: str) -> None:
+        from rlfleet.common.nats_transport import NatsTransport
+
+        self._transport = await NatsTransport.connect(url, name="rlfleet-controller", tier="controller")
+        fleet = Fleet(self._transport, self.cluster, request_timeout=self.config.request_timeout_s)
+        await fleet.start()
+        self._fleet = fleet
+        await fleet.wait_ready(self.tier_counts(), self.config.startup_timeout_s)
+        logger.info("fleet ready: %s", self.tier_counts())
+
+    def tier_counts(self) -> dict[str, int]:
+        return {"rollout": self.config.num_rollout_workers, "reward": 1, "trainer": 1}
+
+    def worker_specs(self) -> list[WorkerSpec]:
+        """The processes an embedded run starts."""
+        cfg = self.config
+        common = {"cluster": self.cluster}
+        specs = [
+            WorkerSpec("trainer", "trainer-0", {**common, **self.trainer_worker_config()}),
+            WorkerSpec("reward", "reward-0", {**common, "endpoints": {cfg.reward_endpoint: self.reward_spec}}),
+        ]
+        for i in range(cfg.num_rollout_workers):
+            specs.append(WorkerSpec("rollout", f"rollout-{i}", {
+                **common, "model_path": str(self.model_path), "engine": cfg.rollout.engine,
+                "dtype": cfg.rollout.dtype, "max_batch_size": cfg.rollout.max_batch_size,
+                "seed": cfg.seed + i, "device": cfg.device,
+            }))  # fmt: skip
+        return specs
+
+    def trainer_worker_config(self) -> dict[str, Any]:
+        cfg = self.config
+        keys = ("learning_rate", "weight_decay", "micro_batch_size", "max_grad_norm", "clip_eps", "kl_coef",
+                "entropy_coef", "loss_agg", "ppo_epochs", "temperature", "seed", "algorithm", "device")  # fmt: skip
+        return {"model_path": str(self.model_path), **{k: getattr(cfg, k) for k in keys}}
+
+    def resolved_config_yaml(self) -> str:
+        data = {"model_path": str(self.model_path), "reward": self.reward_spec,
+                "dataset": str(getattr(self.dataset, "data_path", "")), **self.config.model_dump(mode="json")}  # fmt: skip
+        return yaml.safe_dump(data, sort_keys=False)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine on the controller's loop, failing fast if a worker process dies."""
+        return self._loop.run_until_complete(self._guarded(coro))
+
+    async def _guarded(self, coro: Coroutine[Any, Any, T]) -> T:
+        task = asyncio.ensure_future(coro)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if done:
+                    return task.result()
+                if self._launcher is not None:
+                    self._launcher.check()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    # --- metrics --------------------------------------------------------------------------
+
+    def total_steps(self, num_epochs: int, max_steps: int | None) -> int:
+        per_epoch = self.dataset.steps_per_epoch(self.config.rollout_batch_size)
+        total = per_epoch * num_epochs
+        return min(total, max_steps) if max_steps else total
+
+    def _begin(self, total: int, num_epochs: int) -> None:
+        if self._progress is None:
+            self._progress = ConsoleProgress(total, num_epochs, self.config.log_every,
+                                             enabled="console" in self.config.loggers)  # fmt: skip
+            self._sinks = make_sinks(self.config.loggers, self.output_dir, self.config.model_dump(mode="json"))
+
+    def _record(self, step: int, epoch: int, metrics: dict[str, float]) -> None:
+        metrics["epoch"] = float(epoch)
+        for sink in self._sinks:
+            sink.log(step, metrics)
+        if self._progress is not None:
+            self._progress.update(step, epoch, metrics)
+        if self.config.save_every and step % self.config.save_every == 0:
+            self.save(self.output_dir / f"checkpoint-{step}")
+
+    def save(self, path: str | Path) -> Path:
+        """Save the actor in HF format (loadable with ``AutoModelForCausalLM.from_pretrained``)."""
+        return Path(self.run(self.fleet.save(str(Path(path).resolve()))))
+
+    def finish(self) -> None:
+        """Final checkpoint and the before/after table."""
+        final = self.save(self.output_dir / "final")
+        if self._table is not None:
+            self.run(self._table.capture("after"))
+            text = self._table.render()
+            (self.output_dir / "samples.md").write_text(text)
+            self._say(text)
+        self._say(f"final model saved to {final}")
+
+    def _say(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        """Stop the fleet this run started and release everything (idempotent)."""
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+        if self._transport is not None:
+            transport, self._transport = self._transport, None
+            try:
+                if self._fleet is not None:
+                    self._loop.run_until_complete(self._fleet.close())
+                self._loop.run_until_complete(transport.close())
+            except (ConnectionError, RuntimeError) as exc:
+                logger.debug("transport close: %s", exc)
+        self._fleet = None
+        if self._launcher is not None:
+            self._launcher.stop()
+            self._launcher = None
+
+    def __enter__(self) -> FleetRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- between steps ---------------------------------------------------------------------
+
+    def set_reward_fn(self, spec: str | dict[str, Any]) -> str:
+        """Switch the reward spec for the next steps (progressive rewards); returns its version."""
+        self.reward_spec = spec
+        return self.run(self.fleet.set_reward_spec(spec, self.config.reward_endpoint))
+
+    async def _release(self, results: list[Any]) -> None:
+        """Free consumed rollout batches in their workers' stores."""
+        from rlfleet.common.tensor_store import TensorStoreClient
+
+        for result in results:
+            client = TensorStoreClient(result.ref.address)
+            try:
+                await client.delete(result.ref.key)
+            finally:
+                await client.close()

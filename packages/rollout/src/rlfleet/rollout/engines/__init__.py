@@ -1,0 +1,19 @@
+"""Rollout engines behind one protocol: :class:`Engine`, its implementations and their registry."""
+
+from rlfleet.rollout.engines.base import Completion, Engine, FinishReason, WeightsInput
+from rlfleet.rollout.engines.hf import HFEngine
+from rlfleet.rollout.engines.registry import ENGINES, make_engine
+from rlfleet.rollout.engines.tensors import pack_texts, to_rollout_tensors, unpack_texts
+
+__all__ = [
+    "ENGINES",
+    "Completion",
+    "Engine",
+    "FinishReason",
+    "HFEngine",
+    "WeightsInput",
+    "make_engine",
+    "pack_texts",
+    "to_rollout_tensors",
+    "unpack_texts",
+]

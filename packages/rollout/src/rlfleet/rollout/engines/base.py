@@ -1,0 +1,90 @@
+"""The seam every rollout engine sits behind: the :class:`Engine` protocol and its :class:`Completion`.
+
+An engine turns prompts (token ids) into completions and takes new weights in place, bucket by
+bucket, while it serves. The rollout service only ever talks to this protocol, so the HF
+transformers engine (CPU, tests, fallback) and the vLLM engine (GPU, throughput) are interchangeable.
+
+Logprob convention (shared with the trainer, which computes ``log_softmax(logits / temperature)``):
+``Completion.logprobs[t]`` is ``log p(token_t)`` under ``softmax(raw_logits_t / temperature)``,
+where ``raw_logits_t`` are the model's logits before any top-p / top-k truncation. With
+``temperature == 0`` (greedy) the temperature is taken as 1, i.e. the logprob is under the
+model's plain ``softmax(raw_logits_t)``. These are exactly the numbers the trainer recomputes,
+so the importance ratio is 1 at the same weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+
+from rlfleet.common.messages import SamplingParams
+
+FinishReason = Literal["stop", "length"]
+
+WeightsInput = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+"""What ``load_weights`` takes: ``(name, tensor)`` pairs or a ``{name: tensor}`` mapping (one bucket)."""
+
+
+@dataclass
+class Completion:
+    """One generated sample.
+
+    ``token_ids`` are the generated tokens only (the prompt is in ``prompt_token_ids``). When the
+    sample stopped on the model's EOS or one of ``SamplingParams.stop_token_ids``, that stop token
+    is kept as the last element of ``token_ids`` (and has a logprob) and ``finish_reason`` is
+    ``"stop"``; otherwise exactly ``max_tokens`` tokens were generated and it is ``"length"``.
+    ``logprobs`` has one entry per element of ``token_ids`` (see the module docstring for which
+    distribution), or is empty when ``SamplingParams.logprobs`` was false. ``text`` is
+    ``token_ids`` decoded with ``skip_special_tokens=True``.
+    """
+
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason = "length"
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A generation engine holding one model whose weights can be replaced in place.
+
+    ``generate`` returns ``len(prompt_token_ids) * params.n`` completions ordered prompt-major:
+    all ``n`` samples of prompt 0 (``sample_index`` 0..n-1), then prompt 1, and so on.
+    ``weight_version`` is 0 right after the model is loaded from disk; a weight publish loads
+    every bucket with ``load_weights(bucket)`` and then calls ``set_weight_version(v)`` once
+    (or passes ``version=v`` with the last bucket).
+    """
+
+    model_id: str
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Sample ``params.n`` completions for each prompt."""
+        ...
+
+    def load_weights(self, weights: WeightsInput, version: int | None = None) -> None:
+        """Copy tensors into the live model by HF parameter name; set the version if given."""
+        ...
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights being served (0 after loading from disk)."""
+        ...
+
+    def set_weight_version(self, version: int) -> None:
+        """Record that the weights now loaded are ``version``."""
+        ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (a ``transformers`` tokenizer)."""
+        ...
+
+    def close(self) -> None:
+        """Free the model; later calls raise ``EngineClosed``."""
+        ...

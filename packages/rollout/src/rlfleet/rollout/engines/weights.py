@@ -1,0 +1,89 @@
+"""Load named tensors into a live ``torch.nn.Module`` in place, validating every name, shape and dtype.
+
+Used by the HF engine to take a weight bucket from the trainer: each tensor is copied into the
+existing parameter's storage (``param.data.copy_``), so optimizer-free inference state such as
+the KV-cache layout, compiled graphs and tied parameters stay intact. A bucket is validated as a
+whole before anything is copied, so a bad bucket leaves the model untouched.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from rlfleet.rollout.engines.base import WeightsInput
+from rlfleet.rollout.errors import UnknownWeight, WeightDtypeMismatch, WeightShapeMismatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TiedPair:
+    """Two state_dict names that must hold the same values (e.g. input embedding and LM head)."""
+
+    first: str
+    second: str
+
+
+def load_targets(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every loadable tensor of ``module`` by state_dict name: parameters and persistent buffers.
+
+    Tied parameters appear under each of their names (both point to one ``Parameter``).
+    """
+    return dict(module.state_dict(keep_vars=True))
+
+
+def _items(weights: WeightsInput) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(weights, Mapping):
+        return list(weights.items())
+    return list(weights)
+
+
+def validate(targets: Mapping[str, torch.Tensor], items: list[tuple[str, torch.Tensor]]) -> None:
+    """Raise :class:`UnknownWeight`, :class:`WeightShapeMismatch` or :class:`WeightDtypeMismatch`."""
+    unknown = [name for name, _ in items if name not in targets]
+    if unknown:
+        known = list(targets)
+        suggestions = {n: difflib.get_close_matches(n, known, n=1, cutoff=0.6) for n in unknown}
+        raise UnknownWeight(unknown, suggestions, known[:3])
+    for name, tensor in items:
+        target = targets[name]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise WeightShapeMismatch(name, tuple(target.shape), tuple(tensor.shape))
+        if tensor.is_complex() or tensor.is_floating_point() != target.is_floating_point():
+            raise WeightDtypeMismatch(name, str(target.dtype), str(tensor.dtype))
+
+
+def copy_weights(
+    targets: Mapping[str, torch.Tensor], weights: WeightsInput, tied: tuple[TiedPair, ...] = ()
+) -> list[str]:
+    """Copy ``weights`` into ``targets`` in place (casting dtype and device); return the names loaded.
+
+    For each :class:`TiedPair` whose tensors do not share storage, a tensor that arrived under one
+    name only is copied into the other as well.
+    """
+    items = _items(weights)
+    validate(targets, items)
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in items:
+            targets[name].data.copy_(tensor)
+            loaded.add(name)
+        for pair in tied:
+            source, dest = _tie_direction(pair, loaded)
+            if source and targets[source].data_ptr() != targets[dest].data_ptr():
+                targets[dest].data.copy_(targets[source].data)
+    logger.debug("loaded %d tensors in place", len(items))
+    return [name for name, _ in items]
+
+
+def _tie_direction(pair: TiedPair, loaded: set[str]) -> tuple[str, str]:
+    if pair.first in loaded and pair.second not in loaded:
+        return pair.first, pair.second
+    if pair.second in loaded and pair.first not in loaded:
+        return pair.second, pair.first
+    return "", ""

@@ -1,0 +1,102 @@
+"""Every error rlfleet-rollout raises, in one place.
+
+Each error subclasses a builtin (and :class:`~rlfleet.common.errors.RlfleetError`), keeps its
+fields and builds its own message. User mistakes (a bad prompt, an unknown engine or weight name)
+are ``ValueError``/``KeyError`` s; using an engine after ``close()`` is a ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rlfleet.common.errors import RlfleetError
+
+
+class UnknownEngine(RlfleetError, ValueError):
+    """``make_engine`` was asked for an engine name that is not registered."""
+
+    def __init__(self, name: str, known: Sequence[str]) -> None:
+        self.name = name
+        self.known = tuple(known)
+        super().__init__(f"unknown rollout engine {name!r}; registered engines: {', '.join(self.known)}")
+
+
+class InvalidPrompt(RlfleetError, ValueError):
+    """A prompt given to ``generate`` is empty or holds token ids outside the vocabulary."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        self.index = index
+        self.reason = reason
+        super().__init__(f"prompt {index}: {reason}")
+
+
+class UnknownWeight(RlfleetError, KeyError):
+    """``load_weights`` got tensor names the model does not have."""
+
+    def __init__(
+        self, names: Sequence[str], suggestions: dict[str, list[str]], examples: Sequence[str]
+    ) -> None:
+        self.names = tuple(names)
+        self.suggestions = suggestions
+        self.examples = tuple(examples)
+        shown = ", ".join(
+            f"{n!r}" + (f" (did you mean {suggestions[n][0]!r}?)" if suggestions.get(n) else "")
+            for n in self.names[:5]
+        )
+        more = f" and {len(self.names) - 5} more" if len(self.names) > 5 else ""
+        super().__init__(
+            f"{len(self.names)} unknown weight name(s): {shown}{more}; the model's names look like "
+            f"{', '.join(repr(e) for e in self.examples)} (HF state_dict names, no wrapper prefixes)"
+        )
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the sentence readable
+        return str(self.args[0])
+
+
+class WeightShapeMismatch(RlfleetError, ValueError):
+    """A tensor given to ``load_weights`` has another shape than the parameter it targets."""
+
+    def __init__(self, name: str, expected: tuple[int, ...], actual: tuple[int, ...]) -> None:
+        self.name = name
+        self.expected = tuple(expected)
+        self.actual = tuple(actual)
+        super().__init__(
+            f"weight {name!r}: shape {list(self.actual)} does not match the model's {list(self.expected)} "
+            "(send full, unsharded tensors)"
+        )
+
+
+class WeightDtypeMismatch(RlfleetError, TypeError):
+    """A tensor cannot be cast to its parameter's dtype (e.g. integers into a float parameter)."""
+
+    def __init__(self, name: str, expected: str, actual: str) -> None:
+        self.name = name
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"weight {name!r}: dtype {actual} cannot be loaded into a {expected} parameter "
+            "(floating-point casts are allowed, other kinds are not)"
+        )
+
+
+class EngineClosed(RlfleetError, RuntimeError):
+    """An engine was used after ``close()``."""
+
+    def __init__(self, model_id: str) -> None:
+        self.model_id = model_id
+        super().__init__(f"rollout engine for {model_id!r} is closed")
+
+
+class StaleWeights(RlfleetError, RuntimeError):
+    """A generate request asked for a weight version this worker does not hold (yet)."""
+
+    code = "stale_weights"
+    retryable = True
+
+    def __init__(self, worker_id: str, held: int, asked: int) -> None:
+        self.worker_id = worker_id
+        self.held = held
+        self.asked = asked
+        super().__init__(
+            f"rollout worker {worker_id} holds weight version {held}, the request asks for {asked}"
+        )

@@ -1,0 +1,120 @@
+"""The rollout tier's worker: generate jobs in, rollout refs out; weights pulled in place.
+
+Results stay in the worker's own TensorStore; the reply carries only a :class:`TensorRef`, so the
+reward and trainer tiers stream them straight from here. A generate request pinned to a weight
+version this worker does not hold is refused as retryable, never served on stale weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+
+from rlfleet.common.messages import AnyMessage, GenerateRequest, GenerateResult, LoadWeights, WeightsLoaded
+from rlfleet.common.service import ServiceConfig, Worker
+from rlfleet.common.subjects import subject
+from rlfleet.common.tensor_store import TensorStoreClient, TensorStoreServer
+from rlfleet.rollout.engines.registry import make_engine
+from rlfleet.rollout.engines.tensors import to_rollout_tensors
+from rlfleet.rollout.errors import StaleWeights
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutServiceConfig(ServiceConfig):
+    """Settings of a rollout worker."""
+
+    model_path: str = Field(description="local HF model directory to serve")
+    engine: Literal["hf", "vllm", "auto"] = Field(default="hf", description="generation engine")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="engine dtype")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: CUDA when available")
+    max_batch_size: int = Field(default=64, ge=1, description="sequences generated together")
+    seed: int = Field(default=0, description="sampling seed")
+    capacity: int = Field(default=1, ge=1, description="generate jobs taken at once")
+    store_capacity_mb: float = Field(default=4096, gt=0, description="TensorStore capacity for results")
+    store_ttl_s: float = Field(default=1800, gt=0, description="results not fetched by then are dropped")
+
+
+class RolloutWorker(Worker[RolloutServiceConfig]):
+    """Serves ``rollout.generate`` (queue group and own subject) and ``rollout.load_weights``."""
+
+    tier = "rollout"
+
+    async def setup(self) -> None:
+        cfg = self.config
+        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        name = cfg.engine if cfg.engine != "auto" else "hf"
+        self.engine: Any = await asyncio.to_thread(
+            make_engine, name, cfg.model_path, dtype=cfg.dtype, device=device, seed=cfg.seed,
+            max_batch_size=cfg.max_batch_size,
+        )  # fmt: skip
+        self.weight_version = self.engine.weight_version
+        self.store = TensorStoreServer(capacity_bytes=int(cfg.store_capacity_mb * 2**20), ttl_s=cfg.store_ttl_s)
+        self.data_address = await self.store.start()
+        self._clients: dict[str, TensorStoreClient] = {}
+        self._gpu = asyncio.Lock()  # one engine call at a time: generation and weight loads never overlap
+        await self.transport.subscribe(subject(cfg.cluster, "rollout", "generate"), self._on_generate,
+                                       queue=f"rollout-{cfg.pool}", max_concurrency=cfg.capacity)  # fmt: skip
+
+    def announce_fields(self) -> dict[str, object]:
+        return {"data_address": self.data_address, "capacity": self.config.capacity,
+                "model_id": self.config.model_path}  # fmt: skip
+
+    async def handle_own(self, message: AnyMessage) -> AnyMessage | None:
+        if isinstance(message, GenerateRequest):
+            return await self.generate(message)
+        if isinstance(message, LoadWeights):
+            return await self.load_weights(message)
+        return await super().handle_own(message)
+
+    async def _on_generate(self, message: AnyMessage) -> AnyMessage:
+        if not isinstance(message, GenerateRequest):
+            raise ValueError(f"rollout.generate takes generate requests, got {message.kind!r}")
+        return await self.generate(message)
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        if request.weight_version >= 0 and request.weight_version != self.weight_version:
+            raise StaleWeights(self.worker_id, self.weight_version, request.weight_version)
+        async with self._gpu:
+            self.busy += 1
+            try:
+                t0 = time.perf_counter()
+                completions = await asyncio.to_thread(self.engine.generate, request.prompt_token_ids,
+                                                      request.sampling)  # fmt: skip
+                seconds = time.perf_counter() - t0
+                tensors = to_rollout_tensors(completions, self.engine.pad_token_id, self.engine.tokenizer)
+            finally:
+                self.busy -= 1
+        ref = self.store.put_local(f"rollout/{request.job_id}", tensors)
+        return GenerateResult(
+            job_id=request.job_id, worker_id=self.worker_id, weight_version=self.weight_version, ref=ref,
+            num_prompts=len(request.prompt_token_ids), num_samples=len(completions),
+            num_tokens=sum(len(c.token_ids) for c in completions), seconds=seconds,
+        )  # fmt: skip
+
+    async def load_weights(self, message: LoadWeights) -> WeightsLoaded:
+        """Pull each bucket from the trainer's store and load it in place, then switch version."""
+        t0 = time.perf_counter()
+        async with self._gpu:
+            for ref in message.buckets:
+                client = self._clients.get(ref.address)
+                if client is None:
+                    client = self._clients[ref.address] = TensorStoreClient(ref.address)
+                bucket = await client.fetch(ref)
+                await asyncio.to_thread(self.engine.load_weights, bucket)
+            self.engine.set_weight_version(message.weight_version)
+            self.weight_version = message.weight_version
+        seconds = time.perf_counter() - t0
+        logger.info("loaded weight version %d in %.2fs", message.weight_version, seconds)
+        return WeightsLoaded(worker_id=self.worker_id, weight_version=message.weight_version, seconds=seconds)
+
+    async def teardown(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+        await self.store.stop()
+        self.engine.close()

@@ -1,0 +1,351 @@
+"""The actor: a trainable HF causal LM, its frozen reference, and one RL policy update.
+
+One call to :meth:`Actor.update` on a rollout batch (see the batch contract)::
+
+    batch ──build_policy_inputs──> inputs (N, P+R)
+      │  no_grad, micro-batched: old_logprobs (current policy), ref_logprobs (frozen reference)
+      v
+    for epoch in ppo_epochs:
+      for mini-batch in rows (one by default):           ── one optimizer step each
+        for micro-batch in mini-batch:                  ── gradient accumulation
+          logp, entropy = token_logprobs(policy, micro)
+          loss = pg(logp, old, A) - c_H * H + c_KL * KL(logp, ref)   # divisors of the mini-batch
+          loss.backward()
+        clip grad norm; AdamW step; LR schedule step
+
+Every divisor is the mini-batch's (tokens for ``token-mean``, sequences for ``seq-mean-*``), so
+the accumulated gradient equals the gradient of the whole mini-batch's loss. Dropout is disabled:
+the first step's ratio is then exactly 1. Runs in one process on one device; sharding comes later.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from rlfleet.trainer.algorithms.advantages import broadcast_to_tokens
+from rlfleet.trainer.algorithms.aggregation import aggregate, masked_mean, masked_sum
+from rlfleet.trainer.algorithms.kl import KL_ESTIMATORS, kl_k3
+from rlfleet.trainer.algorithms.losses import approx_kl, ppo_clip_loss
+from rlfleet.trainer.config import ActorConfig, PolicyLossConfig, UpdateConfig
+from rlfleet.trainer.inputs import PolicyInputs, build_policy_inputs
+from rlfleet.trainer.logprobs import token_logprobs
+from rlfleet.trainer.model_io import disable_dropout, freeze, load_causal_lm, save_hf, set_seed
+from rlfleet.trainer.weights import iter_weight_buckets
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    """A batch ready for loss computation, all on the actor's device.
+
+    Attributes:
+        inputs: forward inputs, (N, P + R).
+        old_logprobs: (N, R) float32, the current policy before the update (no grad).
+        advantages: (N, R) float32, zero at padding.
+        ref_logprobs: (N, R) float32 under the reference model, or None.
+        rollout_logprobs: (N, R) float32 the engine reported, or None.
+    """
+
+    inputs: PolicyInputs
+    old_logprobs: Tensor
+    advantages: Tensor
+    ref_logprobs: Tensor | None = None
+    rollout_logprobs: Tensor | None = None
+
+
+class Actor:
+    """A policy model with its optimizer, and (on demand) a frozen reference copy.
+
+    The reference is loaded from ``config.model_path`` the first time it is needed (``kl_coef > 0``
+    or ``use_reference``), so that directory must still hold the initial weights then.
+    """
+
+    def __init__(self, config: ActorConfig) -> None:
+        self.config = config
+        if config.seed is not None:
+            set_seed(config.seed)
+        self._dtype = getattr(torch, config.dtype)
+        self.model: PreTrainedModel = self._load()
+        disable_dropout(self.model)
+        if config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.requires_grad_(True)
+        optim = config.optim
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=optim.lr,
+            betas=optim.betas,
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+        )
+        warmup = optim.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+        )
+        self._generator = torch.Generator()
+        if config.seed is not None:
+            self._generator.manual_seed(config.seed)
+        else:
+            self._generator.seed()
+        self.ref_model: PreTrainedModel | None = None
+        self.steps = 0
+        if config.use_reference:
+            self.reference()
+
+    def _load(self) -> PreTrainedModel:
+        return load_causal_lm(
+            self.config.model_path,
+            dtype=self._dtype,
+            device=self.config.device,
+            attn_implementation=self.config.attn_implementation,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        """Where the policy's parameters live."""
+        return next(self.model.parameters()).device
+
+    def reference(self) -> PreTrainedModel:
+        """The frozen reference model, loaded from ``model_path`` on first use."""
+        if self.ref_model is None:
+            self.ref_model = freeze(self._load())
+        return self.ref_model
+
+    @torch.no_grad()
+    def compute_logprobs(
+        self, inputs: PolicyInputs, *, micro_batch_size: int, reference: bool = False
+    ) -> Tensor:
+        """Logprobs of the response tokens without grad: inputs (N, P+R) -> (N, R) float32, 0 at padding."""
+        model = self.reference() if reference else self.model
+        model.eval()
+        parts = []
+        for rows in torch.arange(inputs.num_samples).split(micro_batch_size):
+            mb = inputs.select(rows.to(inputs.input_ids.device))
+            logp, _ = token_logprobs(
+                model,
+                mb.input_ids,
+                mb.attention_mask,
+                mb.response_len,
+                position_ids=mb.position_ids,
+                temperature=self.config.temperature,
+                compute_entropy=False,
+                chunk_rows=self.config.logprob_chunk_rows,
+            )
+            parts.append(logp * mb.response_mask)
+        return torch.cat(parts)
+
+    def prepare(
+        self,
+        batch: Mapping[str, Tensor],
+        advantages: Tensor,
+        *,
+        micro_batch_size: int,
+        with_reference: bool = False,
+    ) -> PreparedBatch:
+        """Build inputs, recompute old (and reference) logprobs, spread advantages over tokens.
+
+        Args:
+            batch: a rollout batch per the batch contract (extra keys are ignored).
+            advantages: (N,) per sample or (N, R) per token.
+            micro_batch_size: samples per no-grad forward.
+            with_reference: also compute reference logprobs (loads the reference if needed).
+        """
+        inputs = build_policy_inputs(batch).to(self.device)
+        token_adv = broadcast_to_tokens(advantages.to(self.device).float(), inputs.response_mask)
+        rollout = batch.get("rollout_logprobs")
+        return PreparedBatch(
+            inputs=inputs,
+            old_logprobs=self.compute_logprobs(inputs, micro_batch_size=micro_batch_size),
+            advantages=token_adv,
+            ref_logprobs=(
+                self.compute_logprobs(inputs, micro_batch_size=micro_batch_size, reference=True)
+                if with_reference
+                else None
+            ),
+            rollout_logprobs=None if rollout is None else rollout.to(self.device).float(),
+        )
+
+    def forward_backward(
+        self, prepared: PreparedBatch, rows: Tensor, *, micro_batch_size: int, loss: PolicyLossConfig
+    ) -> dict[str, float]:
+        """Accumulate into ``.grad`` the gradient of the loss of the mini-batch ``rows`` (K,).
+
+        Micro-batches of ``micro_batch_size`` rows each add their share; the divisors are the
+        mini-batch's, so the sum equals the mini-batch loss. No optimizer step, no zeroing.
+
+        Returns:
+            the mini-batch's ``loss``, ``pg_loss``, ``entropy`` (token mean), ``clip_frac``,
+            ``approx_kl``, and ``kl_loss`` when ``kl_coef > 0``.
+        """
+        if loss.kl_coef > 0 and prepared.ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs reference logprobs: prepare(..., with_reference=True)")
+        mask_all = prepared.inputs.response_mask[rows]
+        num_tokens = float(mask_all.sum().clamp(min=1).item())
+        divisors = {"num_tokens": num_tokens, "num_seqs": float(len(rows))}
+        clip = {"clip_eps_low": loss.clip_eps, "clip_eps_high": loss.clip_eps_high}
+        self.model.train()
+        sums: dict[str, float] = defaultdict(float)
+        for chunk in rows.split(micro_batch_size):
+            mb = prepared.inputs.select(chunk)
+            logp, entropy = token_logprobs(
+                self.model,
+                mb.input_ids,
+                mb.attention_mask,
+                mb.response_len,
+                position_ids=mb.position_ids,
+                temperature=self.config.temperature,
+                chunk_rows=self.config.logprob_chunk_rows,
+            )
+            assert entropy is not None
+            mask, old = mb.response_mask, prepared.old_logprobs[chunk]
+            pg_tok, clipped = ppo_clip_loss(
+                logp, old, prepared.advantages[chunk], clip_ratio_c=loss.clip_ratio_c, **clip
+            )
+            pg = aggregate(pg_tok, mask, loss.loss_agg, **divisors)
+            total = pg
+            if loss.entropy_coef > 0:
+                total = total - loss.entropy_coef * aggregate(entropy, mask, loss.loss_agg, **divisors)
+            if loss.kl_coef > 0:
+                kl_tok = KL_ESTIMATORS[loss.kl_estimator](logp, prepared.ref_logprobs[chunk])
+                kl_loss = aggregate(kl_tok, mask, loss.loss_agg, **divisors)
+                total = total + loss.kl_coef * kl_loss
+                sums["kl_loss"] += kl_loss.item()
+            total.backward()
+            sums["loss"] += total.item()
+            sums["pg_loss"] += pg.item()
+            sums["entropy"] += masked_sum(entropy.detach(), mask).item() / num_tokens
+            sums["clip_frac"] += masked_sum(clipped, mask).item() / num_tokens
+            sums["approx_kl"] += masked_sum(approx_kl(logp.detach(), old), mask).item() / num_tokens
+        return dict(sums)
+
+    def optimizer_step(self, max_grad_norm: float | None = 1.0) -> dict[str, float]:
+        """Clip the accumulated gradient, step AdamW and the LR schedule, zero the gradient.
+
+        A non-finite gradient norm skips the parameter update (logged) but still counts the step.
+
+        Returns:
+            ``grad_norm`` (before clipping) and ``lr`` (the rate this step used).
+        """
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        limit = float("inf") if max_grad_norm is None else max_grad_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, limit)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            logger.warning("step %d: gradient norm is %s; parameter update skipped", self.steps, grad_norm)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return {"grad_norm": float(grad_norm.item()), "lr": lr}
+
+    def update(
+        self,
+        batch: Mapping[str, Tensor],
+        advantages: Tensor,
+        *,
+        micro_batch_size: int,
+        kl_coef: float = 0.0,
+        clip_eps: float = 0.2,
+        clip_eps_high: float | None = None,
+        clip_ratio_c: float | None = None,
+        entropy_coef: float = 0.0,
+        kl_estimator: str = "k3",
+        loss_agg: str = "token-mean",
+        max_grad_norm: float | None = 1.0,
+        ppo_epochs: int = 1,
+        mini_batch_size: int | None = None,
+        shuffle: bool = True,
+    ) -> dict[str, float]:
+        """One policy update on a rollout batch: by default one optimizer step over the whole batch.
+
+        Args:
+            batch: rollout batch per the batch contract; ``rollout_logprobs`` is optional.
+            advantages: (N,) per sample or (N, R) per token.
+            micro_batch_size: samples per forward/backward.
+            kl_coef, clip_eps, clip_eps_high, clip_ratio_c, entropy_coef, kl_estimator, loss_agg:
+                see :class:`PolicyLossConfig`.
+            max_grad_norm, ppo_epochs, mini_batch_size, shuffle: see :class:`UpdateConfig`.
+
+        Returns:
+            metrics: ``loss``, ``pg_loss``, ``entropy``, ``clip_frac``, ``approx_kl``, ``grad_norm``, ``lr``
+            (means over optimizer steps), ``response_length`` (mean tokens), ``num_optimizer_steps``;
+            ``rollout_logprob_diff`` (mean |old - rollout| logprob, a weight-sync health check) when the
+            batch has ``rollout_logprobs``; ``kl`` (token-mean k3 of the pre-update policy vs the
+            reference) when a reference is in use; ``kl_loss`` when ``kl_coef > 0``.
+        """
+        loss = PolicyLossConfig(
+            clip_eps=clip_eps,
+            clip_eps_high=clip_eps_high,
+            clip_ratio_c=clip_ratio_c,
+            kl_coef=kl_coef,
+            kl_estimator=kl_estimator,
+            entropy_coef=entropy_coef,
+            loss_agg=loss_agg,
+        )
+        plan = UpdateConfig(
+            micro_batch_size=micro_batch_size,
+            mini_batch_size=mini_batch_size,
+            ppo_epochs=ppo_epochs,
+            max_grad_norm=max_grad_norm,
+            shuffle=shuffle,
+        )
+        with_ref = loss.kl_coef > 0 or self.ref_model is not None
+        prepared = self.prepare(batch, advantages, micro_batch_size=micro_batch_size, with_reference=with_ref)
+        metrics = batch_metrics(prepared)
+        metrics.update(self._run_steps(prepared, loss, plan))
+        return metrics
+
+    def _run_steps(
+        self, prepared: PreparedBatch, loss: PolicyLossConfig, plan: UpdateConfig
+    ) -> dict[str, float]:
+        """The epoch/mini-batch loop of :meth:`update`; returns per-step metrics averaged over steps."""
+        n = prepared.inputs.num_samples
+        mini = plan.mini_batch_size or n
+        per_step: list[dict[str, float]] = []
+        for _ in range(plan.ppo_epochs):
+            if plan.shuffle and mini < n:
+                order = torch.randperm(n, generator=self._generator)
+            else:
+                order = torch.arange(n)
+            for rows in order.to(self.device).split(mini):
+                step = self.forward_backward(
+                    prepared, rows, micro_batch_size=plan.micro_batch_size, loss=loss
+                )
+                step.update(self.optimizer_step(plan.max_grad_norm))
+                per_step.append(step)
+        averaged = {key: sum(s[key] for s in per_step) / len(per_step) for key in per_step[0]}
+        averaged["num_optimizer_steps"] = float(len(per_step))
+        return averaged
+
+    def iter_weight_buckets(
+        self, bucket_bytes: int, *, dtype: torch.dtype | None = None, include_tied: bool = False
+    ) -> Iterator[dict[str, Tensor]]:
+        """The policy's state dict in buckets; see :func:`rlfleet.trainer.weights.iter_weight_buckets`."""
+        return iter_weight_buckets(self.model, bucket_bytes, dtype=dtype, include_tied=include_tied)
+
+    def save_hf(self, path: str | Path) -> Path:
+        """Save the policy (safetensors + config) and the source directory's tokenizer files to ``path``."""
+        return save_hf(self.model, path, source_dir=self.config.model_path)
+
+
+def batch_metrics(prepared: PreparedBatch) -> dict[str, float]:
+    """Metrics of the batch before any step: response length, rollout drift, KL to the reference."""
+    mask = prepared.inputs.response_mask
+    metrics = {"response_length": float(mask.sum(dim=-1).float().mean().item())}
+    if prepared.rollout_logprobs is not None:
+        diff = (prepared.old_logprobs - prepared.rollout_logprobs).abs()
+        metrics["rollout_logprob_diff"] = float(masked_mean(diff, mask).item())
+    if prepared.ref_logprobs is not None:
+        kl = kl_k3(prepared.old_logprobs, prepared.ref_logprobs)
+        metrics["kl"] = float(masked_mean(kl, mask).item())
+    return metrics

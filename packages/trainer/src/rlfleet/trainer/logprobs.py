@@ -1,0 +1,136 @@
+"""Per-token log-probabilities (and entropy) of the response tokens under a causal LM.
+
+Memory: the model is asked only for the logits of the last R + 1 positions (``logits_to_keep``),
+never the whole (B, T, V). They are then reduced in chunks of rows; each chunk is cast to float32,
+divided by the temperature, and reduced to ``logit[label] - logsumexp`` and to the entropy. Under
+autograd each chunk runs inside an activation checkpoint, so the float32 copies and softmax of the
+(B, R, V) logits are not kept for backward: only the logits themselves are, and the chunk's
+intermediates are rebuilt during backward.
+
+Temperature: logits are divided by the sampling temperature exactly as the rollout engine does
+before sampling, so the logprobs are those of the distribution the tokens were drawn from
+(top-p/top-k truncation is not modelled).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_ROWS = 1024
+"""Token rows reduced at once: one chunk's float32 (rows, V) copy is the transient peak."""
+
+
+def _chunk_logprob_entropy(
+    logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor]:
+    """(C, V) logits, (C,) labels -> logprob (C,), entropy (C,) (zeros when not asked)."""
+    z = logits.float() / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logprob = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    if with_entropy:
+        entropy = lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+    else:
+        entropy = torch.zeros_like(logprob)
+    return logprob, entropy
+
+
+def logprobs_from_logits(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    compute_entropy: bool = True,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> tuple[Tensor, Tensor | None]:
+    """Gathered log-softmax and entropy, chunked over tokens.
+
+    Args:
+        logits: (B, R, V) logits predicting ``labels`` (any float dtype).
+        labels: (B, R) int64 token ids.
+        temperature: logits are divided by it first (> 0).
+        compute_entropy: also return the entropy of each position's distribution.
+        chunk_rows: tokens reduced at once.
+
+    Returns:
+        logprobs (B, R) float32 and entropy (B, R) float32 (None without ``compute_entropy``).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to compute logprobs; got {temperature}")
+    b, r, v = logits.shape
+    flat_logits, flat_labels = logits.reshape(b * r, v), labels.reshape(b * r)
+    use_checkpoint = torch.is_grad_enabled() and logits.requires_grad
+    logprob_parts: list[Tensor] = []
+    entropy_parts: list[Tensor] = []
+    for start in range(0, b * r, max(chunk_rows, 1)):
+        chunk = flat_logits[start : start + chunk_rows]
+        chunk_labels = flat_labels[start : start + chunk_rows]
+        args = (chunk, chunk_labels, temperature, compute_entropy)
+        if use_checkpoint:
+            logprob, entropy = checkpoint(_chunk_logprob_entropy, *args, use_reentrant=False)
+        else:
+            logprob, entropy = _chunk_logprob_entropy(*args)
+        logprob_parts.append(logprob)
+        entropy_parts.append(entropy)
+    if not logprob_parts:  # R == 0 or B == 0
+        empty = logits.new_zeros((b, r), dtype=torch.float32)
+        return empty, (empty.clone() if compute_entropy else None)
+    logprobs = torch.cat(logprob_parts).reshape(b, r)
+    entropy = torch.cat(entropy_parts).reshape(b, r) if compute_entropy else None
+    return logprobs, entropy
+
+
+def _accepts_logits_to_keep(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes ``logits_to_keep`` (every recent HF causal LM does)."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def token_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    response_len: int,
+    *,
+    position_ids: Tensor | None = None,
+    temperature: float = 1.0,
+    compute_entropy: bool = True,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> tuple[Tensor, Tensor | None]:
+    """Logprobs and entropy of the last ``response_len`` tokens of each row.
+
+    Args:
+        model: an HF causal LM (``model(...).logits``).
+        input_ids: (B, T) prompt (left-padded) then response (right-padded), T > R.
+        attention_mask: (B, T) 1 for real tokens.
+        response_len: R, the response width at the end of each row.
+        position_ids: (B, T); defaults to the cumsum of the mask (left padding harmless).
+        temperature: sampling temperature of the rollout engine.
+        compute_entropy: also return per-token entropy.
+        chunk_rows: tokens reduced at once (see the module docstring).
+
+    Returns:
+        logprobs (B, R) float32 and entropy (B, R) float32 or None; values at padding are
+        meaningless, mask them with the response mask.
+    """
+    if not 0 < response_len < input_ids.shape[1]:
+        raise ValueError(f"response_len must be in (0, T={input_ids.shape[1]}); got {response_len}")
+    if position_ids is None:
+        position_ids = (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+    kwargs: dict[str, object] = {"use_cache": False}
+    if _accepts_logits_to_keep(model):
+        kwargs["logits_to_keep"] = response_len + 1
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+    ).logits
+    # the logit at position t predicts token t + 1: keep positions T-R-1 .. T-2
+    logits = logits[:, -(response_len + 1) : -1]
+    labels = input_ids[:, -response_len:]
+    return logprobs_from_logits(
+        logits, labels, temperature=temperature, compute_entropy=compute_entropy, chunk_rows=chunk_rows
+    )

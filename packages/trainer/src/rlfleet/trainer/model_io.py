@@ -1,0 +1,106 @@
+"""Loading, freezing, seeding and saving HF causal LMs from local directories (no hub access)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from rlfleet.trainer.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+"""Files :func:`save_hf` copies from the source model directory when they exist there."""
+
+
+def set_seed(seed: int) -> None:
+    """Seed Python's and torch's generators (CPU and every CUDA device)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def load_causal_lm(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str | None = None,
+) -> PreTrainedModel:
+    """Load an HF causal LM from a local directory, in ``dtype`` on ``device``, in eval mode.
+
+    Raises:
+        ModelLoadError: the directory does not exist or has no ``config.json``.
+    """
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(str(path), "no config.json there (expected a save_pretrained directory)")
+    kwargs: dict[str, object] = {"dtype": dtype, "local_files_only": True}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    model.to(device)
+    model.eval()
+    logger.info("loaded %s (%s, %s) from %s", type(model).__name__, dtype, device, path)
+    return model
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """Eval mode and no gradients for every parameter (a reference model); returns ``model``."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Zero every dropout in ``model``: RL ratios need train-mode and eval-mode forwards to agree.
+
+    Covers ``nn.Dropout`` modules and the float ``attention_dropout`` attribute HF attention
+    layers read in train mode.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def save_hf(model: PreTrainedModel, path: str | Path, *, source_dir: str | Path | None = None) -> Path:
+    """Save ``model`` as safetensors with its config, plus the tokenizer files of ``source_dir``.
+
+    Args:
+        model: the model to save (its current dtype).
+        path: target directory, created if needed.
+        source_dir: the directory the model was loaded from; its tokenizer files
+            (:data:`TOKENIZER_FILES`) are copied when present.
+
+    Returns:
+        the target directory.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path))
+    if source_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(source_dir) / name
+            if src.is_file():
+                shutil.copy2(src, path / name)
+    logger.info("saved %s to %s", type(model).__name__, path)
+    return path

@@ -1,0 +1,81 @@
+"""Fixtures for rollout tests: a char-level tokenizer and tiny Llama checkpoints built on the fly."""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+CHARS = list(string.ascii_lowercase + string.ascii_uppercase + string.digits + " .,!?")
+PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
+
+TokenizerBuilder = Callable[..., PreTrainedTokenizerFast]
+CheckpointBuilder = Callable[..., Path]
+
+
+def _build_char_tokenizer(with_pad: bool = True) -> PreTrainedTokenizerFast:
+    """One token per character (WordLevel over single chars), 4 specials first: vocab size 71."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    extra = {"pad_token": "<pad>"} if with_pad else {}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<eos>", bos_token="<bos>", unk_token="<unk>", **extra
+    )
+
+
+def _build_tiny_model(seed: int, vocab_size: int, tie: bool = True) -> LlamaForCausalLM:
+    """A 2-layer Llama, hidden 32, with a wide init so its next-token distributions are not flat."""
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        initializer_range=0.2,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def char_tokenizer() -> TokenizerBuilder:
+    """Builder: ``char_tokenizer(with_pad=True)`` -> a fresh PreTrainedTokenizerFast."""
+    return _build_char_tokenizer
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> CheckpointBuilder:
+    """Builder: ``make_checkpoint(seed=0, tie=True, with_pad=True)`` -> dir with a tiny model + tokenizer."""
+    made: dict[tuple[int, bool, bool], Path] = {}
+
+    def build(seed: int = 0, tie: bool = True, with_pad: bool = True) -> Path:
+        key = (seed, tie, with_pad)
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"tiny-llama-s{seed}-tie{int(tie)}-pad{int(with_pad)}")
+            tokenizer = _build_char_tokenizer(with_pad)
+            _build_tiny_model(seed, len(tokenizer), tie).save_pretrained(path)
+            tokenizer.save_pretrained(path)
+            made[key] = path
+        return made[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(make_checkpoint: CheckpointBuilder) -> Path:
+    """The default tiny checkpoint (seed 0, tied embeddings, tokenizer with a pad token)."""
+    return make_checkpoint()

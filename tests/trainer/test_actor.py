@@ -1,0 +1,180 @@
+"""The Actor on a tiny Llama: gradient accumulation, update direction, reference/KL, metrics, seeding."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlfleet.trainer.actor import Actor
+from rlfleet.trainer.algorithms import LOSS_AGG_MODES
+from rlfleet.trainer.config import ActorConfig, OptimizerConfig, PolicyLossConfig
+from rlfleet.trainer.inputs import build_policy_inputs
+from rlfleet.trainer.model_io import disable_dropout, load_causal_lm
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPTS, RESPONSES = [3, 5, 2, 4, 5], [4, 2, 6, 1, 3]
+
+
+def _actor(path: Path, lr: float = 1e-3, **kwargs: object) -> Actor:
+    return Actor(ActorConfig(model_path=str(path), optim=OptimizerConfig(lr=lr, weight_decay=0.0), **kwargs))
+
+
+def _grads(actor: Actor) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in actor.model.named_parameters() if p.grad is not None}
+    actor.optimizer.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize("loss_agg", LOSS_AGG_MODES)
+def test_micro_batching_gives_the_full_batch_gradient(
+    tiny_model_dir: Path, make_batch: Callable, loss_agg: str
+) -> None:
+    actor = _actor(tiny_model_dir)
+    batch = make_batch(PROMPTS, RESPONSES)
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.0, 0.3])
+    prepared = actor.prepare(batch, adv, micro_batch_size=5, with_reference=True)
+    # move old and ref logprobs away from the policy so that clipping and KL both act
+    noise = torch.randn(prepared.old_logprobs.shape, generator=torch.Generator().manual_seed(0))
+    prepared = dataclasses.replace(
+        prepared, old_logprobs=prepared.old_logprobs + 0.3 * noise, ref_logprobs=prepared.ref_logprobs - 0.2
+    )
+    loss = PolicyLossConfig(kl_coef=0.1, entropy_coef=0.01, loss_agg=loss_agg)
+    rows = torch.arange(5)
+    full_metrics = actor.forward_backward(prepared, rows, micro_batch_size=5, loss=loss)
+    full = _grads(actor)
+    assert full_metrics["clip_frac"] > 0
+    assert sum(g.abs().sum().item() for g in full.values()) > 0
+    for micro in (1, 2, 3):
+        metrics = actor.forward_backward(prepared, rows, micro_batch_size=micro, loss=loss)
+        grads = _grads(actor)
+        assert grads.keys() == full.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, full[name], atol=1e-6, rtol=1e-4, msg=name)
+        for key, value in full_metrics.items():
+            assert metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_update_moves_the_logprob_of_the_advantaged_sample(
+    tiny_model_dir: Path, make_batch: Callable, sign: float
+) -> None:
+    actor = _actor(tiny_model_dir, lr=1e-2)
+    batch = make_batch(PROMPTS, RESPONSES)
+    inputs = build_policy_inputs(batch)
+    before = actor.compute_logprobs(inputs, micro_batch_size=5)[0].sum().item()
+    adv = torch.tensor([sign, 0.0, 0.0, 0.0, 0.0])
+    metrics = actor.update(batch, adv, micro_batch_size=2)
+    after = actor.compute_logprobs(inputs, micro_batch_size=5)[0].sum().item()
+    assert sign * (after - before) > 0.05
+    # first step of an update: the policy is the sampling policy, so nothing is clipped
+    assert metrics["clip_frac"] == 0.0
+    assert metrics["approx_kl"] == pytest.approx(0.0, abs=1e-9)
+    assert metrics["num_optimizer_steps"] == 1.0
+    assert metrics["response_length"] == pytest.approx(sum(RESPONSES) / 5)
+    assert metrics["lr"] == pytest.approx(1e-2)
+    assert metrics["grad_norm"] > 0
+    assert "kl" not in metrics and actor.ref_model is None
+
+
+def test_rollout_logprob_diff_reports_engine_drift(tiny_model_dir: Path, make_batch: Callable) -> None:
+    actor = _actor(tiny_model_dir, lr=1e-9)
+    batch = make_batch(PROMPTS, RESPONSES)
+    exact = actor.compute_logprobs(build_policy_inputs(batch), micro_batch_size=5)
+    metrics = actor.update(dict(batch, rollout_logprobs=exact), torch.zeros(5), micro_batch_size=5)
+    assert metrics["rollout_logprob_diff"] == pytest.approx(0.0, abs=1e-6)
+    metrics = actor.update(
+        dict(batch, rollout_logprobs=torch.zeros_like(exact)), torch.zeros(5), micro_batch_size=5
+    )
+    mask = batch["response_mask"].bool()
+    assert metrics["rollout_logprob_diff"] == pytest.approx(exact[mask].abs().mean().item(), rel=1e-4)
+
+
+def test_kl_to_a_frozen_reference(tiny_model_dir: Path, make_batch: Callable) -> None:
+    actor = _actor(tiny_model_dir, lr=1e-2)
+    batch = make_batch(PROMPTS, RESPONSES)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0])
+    first = actor.update(batch, adv, micro_batch_size=5, kl_coef=0.1)
+    ref = actor.ref_model
+    assert ref is not None and not ref.training
+    assert all(not p.requires_grad for p in ref.parameters())
+    assert first["kl"] == pytest.approx(0.0, abs=1e-7)  # the policy still equals the reference
+    assert first["kl_loss"] == pytest.approx(0.0, abs=1e-7)
+    second = actor.update(batch, adv, micro_batch_size=5, kl_coef=0.1)
+    assert second["kl"] > 1e-5
+    ref_state = ref.state_dict()
+    fresh = _actor(tiny_model_dir).model.state_dict()
+    for name, value in fresh.items():
+        torch.testing.assert_close(ref_state[name], value, msg=name)
+
+
+def test_ppo_epochs_and_mini_batches(tiny_model_dir: Path, make_batch: Callable) -> None:
+    actor = Actor(ActorConfig(model_path=str(tiny_model_dir), optim=OptimizerConfig(lr=1e-2, warmup_steps=4)))
+    batch = make_batch(PROMPTS, RESPONSES)
+    metrics = actor.update(
+        batch, torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0]), micro_batch_size=2, mini_batch_size=2, ppo_epochs=2
+    )
+    assert metrics["num_optimizer_steps"] == 6.0  # ceil(5 / 2) mini-batches x 2 epochs
+    assert actor.steps == 6
+    # warmup: lr_k = lr * min(1, (k + 1) / 4) for steps k = 0..5
+    expected_lr = 1e-2 * sum(min(1.0, (k + 1) / 4) for k in range(6)) / 6
+    assert metrics["lr"] == pytest.approx(expected_lr)
+    assert metrics["approx_kl"] > 0  # later mini-batches see a moved policy
+
+
+def test_same_seed_same_training(tiny_model_dir: Path, make_batch: Callable) -> None:
+    batch = make_batch(PROMPTS, RESPONSES)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0])
+    states = []
+    for _ in range(2):
+        actor = _actor(tiny_model_dir, seed=7)
+        actor.update(batch, adv, micro_batch_size=2, mini_batch_size=3, ppo_epochs=2)
+        states.append(actor.model.state_dict())
+    for name, value in states[0].items():
+        torch.testing.assert_close(states[1][name], value, rtol=0, atol=0, msg=name)
+
+
+def test_update_validates_its_settings(tiny_model_dir: Path, make_batch: Callable) -> None:
+    actor = _actor(tiny_model_dir)
+    batch = make_batch(PROMPTS, RESPONSES)
+    with pytest.raises(ValueError, match="loss_agg"):
+        actor.update(batch, torch.zeros(5), micro_batch_size=2, loss_agg="mean-of-means")
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        actor.update(batch, torch.zeros(5), micro_batch_size=4, mini_batch_size=2)
+    prepared = actor.prepare(batch, torch.zeros(5), micro_batch_size=5)
+    with pytest.raises(ValueError, match="with_reference"):
+        actor.forward_backward(
+            prepared, torch.arange(5), micro_batch_size=5, loss=PolicyLossConfig(kl_coef=0.1)
+        )
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(tiny_model_dir: Path, make_batch: Callable) -> None:
+    batch = make_batch(PROMPTS, RESPONSES)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0])
+    grads = []
+    for checkpointing in (False, True):
+        actor = _actor(tiny_model_dir, gradient_checkpointing=checkpointing)
+        prepared = actor.prepare(batch, adv, micro_batch_size=5)
+        actor.forward_backward(prepared, torch.arange(5), micro_batch_size=2, loss=PolicyLossConfig())
+        grads.append(_grads(actor))
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_dropout_is_disabled_so_the_first_ratio_is_one(
+    tiny_model_dir: Path, make_batch: Callable, tmp_path: Path
+) -> None:
+    model = load_causal_lm(tiny_model_dir)
+    model.config.attention_dropout = 0.5
+    model.save_pretrained(tmp_path)
+    actor = _actor(tmp_path)
+    metrics = actor.update(make_batch(PROMPTS, RESPONSES), torch.ones(5), micro_batch_size=5)
+    assert metrics["approx_kl"] == pytest.approx(0.0, abs=1e-9)
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    disable_dropout(layer)
+    x = torch.randn(8, 4)
+    torch.testing.assert_close(layer.train()(x), layer.eval()(x))
