@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -37,7 +37,14 @@ from rlfleet.trainer.algorithms.losses import approx_kl, ppo_clip_loss
 from rlfleet.trainer.config import ActorConfig, PolicyLossConfig, UpdateConfig
 from rlfleet.trainer.inputs import PolicyInputs, build_policy_inputs
 from rlfleet.trainer.logprobs import token_logprobs
-from rlfleet.trainer.model_io import disable_dropout, freeze, load_causal_lm, save_hf, set_seed
+from rlfleet.trainer.model_io import (
+    disable_dropout,
+    freeze,
+    load_causal_lm,
+    save_hf,
+    set_seed,
+    train_top_layers,
+)
 from rlfleet.trainer.weights import iter_weight_buckets
 
 logger = logging.getLogger(__name__)
@@ -49,14 +56,16 @@ class PreparedBatch:
 
     Attributes:
         inputs: forward inputs, (N, P + R).
-        old_logprobs: (N, R) float32, the current policy before the update (no grad).
+        old_logprobs: (N, R) float32, the current policy before the update (no grad); None when the
+            update is on-policy (one optimizer step): the loss pass's own logprobs, detached, are
+            exactly the old ones then, which saves a forward pass.
         advantages: (N, R) float32, zero at padding.
         ref_logprobs: (N, R) float32 under the reference model, or None.
         rollout_logprobs: (N, R) float32 the engine reported, or None.
     """
 
     inputs: PolicyInputs
-    old_logprobs: Tensor
+    old_logprobs: Tensor | None
     advantages: Tensor
     ref_logprobs: Tensor | None = None
     rollout_logprobs: Tensor | None = None
@@ -79,6 +88,9 @@ class Actor:
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.requires_grad_(True)
+        self.trainable: set[str] | None = None
+        if config.trainable_layers is not None:
+            self.trainable = set(train_top_layers(self.model, config.trainable_layers))
         optim = config.optim
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
@@ -109,6 +121,12 @@ class Actor:
             attn_implementation=self.config.attn_implementation,
         )
 
+    def _autocast(self) -> torch.autocast:
+        """bf16 autocast when ``mixed_precision='bf16'``; parameters and optimizer stay in their dtype."""
+        return torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.config.mixed_precision == "bf16"
+        )
+
     @property
     def device(self) -> torch.device:
         """Where the policy's parameters live."""
@@ -130,16 +148,17 @@ class Actor:
         parts = []
         for rows in torch.arange(inputs.num_samples).split(micro_batch_size):
             mb = inputs.select(rows.to(inputs.input_ids.device))
-            logp, _ = token_logprobs(
-                model,
-                mb.input_ids,
-                mb.attention_mask,
-                mb.response_len,
-                position_ids=mb.position_ids,
-                temperature=self.config.temperature,
-                compute_entropy=False,
-                chunk_rows=self.config.logprob_chunk_rows,
-            )
+            with self._autocast():
+                logp, _ = token_logprobs(
+                    model,
+                    mb.input_ids,
+                    mb.attention_mask,
+                    mb.response_len,
+                    position_ids=mb.position_ids,
+                    temperature=self.config.temperature,
+                    compute_entropy=False,
+                    chunk_rows=self.config.logprob_chunk_rows,
+                )
             parts.append(logp * mb.response_mask)
         return torch.cat(parts)
 
@@ -150,6 +169,7 @@ class Actor:
         *,
         micro_batch_size: int,
         with_reference: bool = False,
+        recompute_old: bool = True,
     ) -> PreparedBatch:
         """Build inputs, recompute old (and reference) logprobs, spread advantages over tokens.
 
@@ -158,13 +178,16 @@ class Actor:
             advantages: (N,) per sample or (N, R) per token.
             micro_batch_size: samples per no-grad forward.
             with_reference: also compute reference logprobs (loads the reference if needed).
+            recompute_old: compute old logprobs now; False for an on-policy single step.
         """
         inputs = build_policy_inputs(batch).to(self.device)
         token_adv = broadcast_to_tokens(advantages.to(self.device).float(), inputs.response_mask)
         rollout = batch.get("rollout_logprobs")
         return PreparedBatch(
             inputs=inputs,
-            old_logprobs=self.compute_logprobs(inputs, micro_batch_size=micro_batch_size),
+            old_logprobs=(
+                self.compute_logprobs(inputs, micro_batch_size=micro_batch_size) if recompute_old else None
+            ),
             advantages=token_adv,
             ref_logprobs=(
                 self.compute_logprobs(inputs, micro_batch_size=micro_batch_size, reference=True)
@@ -175,12 +198,15 @@ class Actor:
         )
 
     def forward_backward(
-        self, prepared: PreparedBatch, rows: Tensor, *, micro_batch_size: int, loss: PolicyLossConfig
+        self, prepared: PreparedBatch, rows: Tensor, *, micro_batch_size: int, loss: PolicyLossConfig,
+        collect_old: Tensor | None = None,
     ) -> dict[str, float]:
         """Accumulate into ``.grad`` the gradient of the loss of the mini-batch ``rows`` (K,).
 
         Micro-batches of ``micro_batch_size`` rows each add their share; the divisors are the
         mini-batch's, so the sum equals the mini-batch loss. No optimizer step, no zeroing.
+        Without ``prepared.old_logprobs`` (on-policy), each pass's detached logprobs serve as the
+        old ones and are written into ``collect_old`` (N, R) when given.
 
         Returns:
             the mini-batch's ``loss``, ``pg_loss``, ``entropy`` (token mean), ``clip_frac``,
@@ -196,17 +222,24 @@ class Actor:
         sums: dict[str, float] = defaultdict(float)
         for chunk in rows.split(micro_batch_size):
             mb = prepared.inputs.select(chunk)
-            logp, entropy = token_logprobs(
-                self.model,
-                mb.input_ids,
-                mb.attention_mask,
-                mb.response_len,
-                position_ids=mb.position_ids,
-                temperature=self.config.temperature,
-                chunk_rows=self.config.logprob_chunk_rows,
-            )
+            with self._autocast():
+                logp, entropy = token_logprobs(
+                    self.model,
+                    mb.input_ids,
+                    mb.attention_mask,
+                    mb.response_len,
+                    position_ids=mb.position_ids,
+                    temperature=self.config.temperature,
+                    chunk_rows=self.config.logprob_chunk_rows,
+                )
             assert entropy is not None
-            mask, old = mb.response_mask, prepared.old_logprobs[chunk]
+            mask = mb.response_mask
+            if prepared.old_logprobs is not None:
+                old = prepared.old_logprobs[chunk]
+            else:
+                old = logp.detach()
+                if collect_old is not None:
+                    collect_old[chunk] = old * mask
             pg_tok, clipped = ppo_clip_loss(
                 logp, old, prepared.advantages[chunk], clip_ratio_c=loss.clip_ratio_c, **clip
             )
@@ -300,13 +333,25 @@ class Actor:
             shuffle=shuffle,
         )
         with_ref = loss.kl_coef > 0 or self.ref_model is not None
-        prepared = self.prepare(batch, advantages, micro_batch_size=micro_batch_size, with_reference=with_ref)
-        metrics = batch_metrics(prepared)
-        metrics.update(self._run_steps(prepared, loss, plan))
+        n = int(batch["response_ids"].shape[0])
+        on_policy = plan.ppo_epochs == 1 and (plan.mini_batch_size is None or plan.mini_batch_size >= n)
+        prepared = self.prepare(
+            batch, advantages, micro_batch_size=micro_batch_size, with_reference=with_ref,
+            recompute_old=not on_policy,
+        )  # fmt: skip
+        if not on_policy:
+            metrics = batch_metrics(prepared)
+            metrics.update(self._run_steps(prepared, loss, plan))
+            return metrics
+        old = torch.zeros_like(prepared.advantages)
+        steps = self._run_steps(prepared, loss, plan, collect_old=old)
+        metrics = batch_metrics(replace(prepared, old_logprobs=old))
+        metrics.update(steps)
         return metrics
 
     def _run_steps(
-        self, prepared: PreparedBatch, loss: PolicyLossConfig, plan: UpdateConfig
+        self, prepared: PreparedBatch, loss: PolicyLossConfig, plan: UpdateConfig,
+        collect_old: Tensor | None = None,
     ) -> dict[str, float]:
         """The epoch/mini-batch loop of :meth:`update`; returns per-step metrics averaged over steps."""
         n = prepared.inputs.num_samples
@@ -319,7 +364,7 @@ class Actor:
                 order = torch.arange(n)
             for rows in order.to(self.device).split(mini):
                 step = self.forward_backward(
-                    prepared, rows, micro_batch_size=plan.micro_batch_size, loss=loss
+                    prepared, rows, micro_batch_size=plan.micro_batch_size, loss=loss, collect_old=collect_old
                 )
                 step.update(self.optimizer_step(plan.max_grad_norm))
                 per_step.append(step)
@@ -331,7 +376,9 @@ class Actor:
         self, bucket_bytes: int, *, dtype: torch.dtype | None = None, include_tied: bool = False
     ) -> Iterator[dict[str, Tensor]]:
         """The policy's state dict in buckets; see :func:`rlfleet.trainer.weights.iter_weight_buckets`."""
-        return iter_weight_buckets(self.model, bucket_bytes, dtype=dtype, include_tied=include_tied)
+        return iter_weight_buckets(
+            self.model, bucket_bytes, dtype=dtype, include_tied=include_tied, only=self.trainable
+        )
 
     def save_hf(self, path: str | Path) -> Path:
         """Save the policy (safetensors + config) and the source directory's tokenizer files to ``path``."""
@@ -342,6 +389,8 @@ def batch_metrics(prepared: PreparedBatch) -> dict[str, float]:
     """Metrics of the batch before any step: response length, rollout drift, KL to the reference."""
     mask = prepared.inputs.response_mask
     metrics = {"response_length": float(mask.sum(dim=-1).float().mean().item())}
+    if prepared.old_logprobs is None:
+        return metrics
     if prepared.rollout_logprobs is not None:
         diff = (prepared.old_logprobs - prepared.rollout_logprobs).abs()
         metrics["rollout_logprob_diff"] = float(masked_mean(diff, mask).item())

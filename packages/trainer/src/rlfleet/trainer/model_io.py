@@ -69,6 +69,36 @@ def freeze(model: nn.Module) -> nn.Module:
     return model
 
 
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks of an HF causal LM (``model.model.layers`` and the like)."""
+    for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers"):
+        module: object = model
+        for part in path.split("."):
+            module = getattr(module, part, None)
+        if isinstance(module, nn.ModuleList):
+            return module
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to freeze")
+
+
+def train_top_layers(model: nn.Module, num_layers: int) -> list[str]:
+    """Freeze everything but the top ``num_layers`` blocks and the final norm; returns trainable names.
+
+    Embeddings (and a tied lm_head) stay frozen. Backward then stops at the lowest trainable
+    block, which is what makes partial fine-tuning cheap on CPU.
+    """
+    layers = decoder_layers(model)
+    if not 0 < num_layers <= len(layers):
+        raise ValueError(f"trainable_layers must be in 1..{len(layers)} for this model; got {num_layers}")
+    model.requires_grad_(False)
+    for block in list(layers)[-num_layers:]:
+        block.requires_grad_(True)
+    inner = getattr(model, "model", None)
+    norm = getattr(inner, "norm", None)
+    if isinstance(norm, nn.Module):
+        norm.requires_grad_(True)
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
 def disable_dropout(model: nn.Module) -> None:
     """Zero every dropout in ``model``: RL ratios need train-mode and eval-mode forwards to agree.
 

@@ -45,6 +45,11 @@ class TrainerServiceConfig(ServiceConfig):
     algorithm: Literal["grpo"] = Field(default="grpo", description="advantage estimator and loss")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: CUDA when available")
     dtype: Literal["float32", "bfloat16"] = Field(default="float32", description="parameter dtype")
+    mixed_precision: Literal["auto", "none", "bf16"] = Field(
+        default="auto", description="bf16 autocast with fp32 master weights; auto: bf16 on GPU, none on CPU"
+    )
+    trainable_layers: int | None = Field(default=None, ge=1, description="train only the top N blocks")
+    threads: int = Field(default=0, ge=0, description="torch CPU threads; 0 keeps torch's default")
     learning_rate: float = Field(default=1e-6, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
     micro_batch_size: int = Field(default=8, ge=1)
@@ -66,10 +71,14 @@ class TrainerWorker(Worker[TrainerServiceConfig]):
 
     async def setup(self) -> None:
         cfg = self.config
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         actor_cfg = ActorConfig(
             model_path=cfg.model_path, dtype=cfg.dtype, device=device, temperature=cfg.temperature, seed=cfg.seed,
-            use_reference=cfg.kl_coef > 0,
+            use_reference=cfg.kl_coef > 0, trainable_layers=cfg.trainable_layers,
+            mixed_precision=(("bf16" if device == "cuda" else "none") if cfg.mixed_precision == "auto"
+                             else cfg.mixed_precision),
             optim=OptimizerConfig(lr=cfg.learning_rate, weight_decay=cfg.weight_decay),
         )  # fmt: skip
         self.actor = await asyncio.to_thread(Actor, actor_cfg)

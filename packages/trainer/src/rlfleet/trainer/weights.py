@@ -38,6 +38,7 @@ def iter_weight_buckets(
     *,
     dtype: torch.dtype | None = None,
     include_tied: bool = False,
+    only: set[str] | None = None,
 ) -> Iterator[dict[str, Tensor]]:
     """Yield the state dict in buckets of at most ``bucket_bytes`` (HF names, state-dict order).
 
@@ -50,6 +51,8 @@ def iter_weight_buckets(
         bucket_bytes: size bound of one bucket, counted in the yielded dtype (> 0).
         dtype: convert floating tensors to it (e.g. bfloat16 for the engine); None keeps them.
         include_tied: also yield tied aliases (see the module docstring).
+        only: yield just these names (e.g. the trainable ones when lower layers are frozen: the
+            receiver already holds the frozen ones from the same checkpoint); None yields all.
 
     Yields:
         ``{name: tensor}`` dicts, never empty.
@@ -60,7 +63,7 @@ def iter_weight_buckets(
     bucket: dict[str, Tensor] = {}
     size = 0
     for name, tensor in model.state_dict().items():
-        if name in skip:
+        if name in skip or (only is not None and name not in only):
             continue
         target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
         nbytes = tensor.numel() * torch.empty((), dtype=target).element_size()

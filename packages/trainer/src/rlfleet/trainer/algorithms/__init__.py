@@ -2,7 +2,13 @@
 
 Registries are plain dicts keyed by the config's discriminator: ``ADVANTAGES["grpo"]`` is
 ``grpo_advantages``. Every advantage function has the signature
-``fn(rewards (N,), group_index (N,), **kwargs) -> (N,)``.
+``fn(rewards (N,), group_index (N,), **kwargs) -> (N,)``; PPO's token-level GAE
+(``gae_advantages``) is named ``"gae"`` and lives apart because it needs a critic.
+
+- ``ALGORITHMS``: algorithm name -> :class:`AlgorithmSpec` (critic? reference? groups? loss?);
+- ``POLICY_LOSSES``: loss name -> function (``ppo_clip``, ``dpo``);
+- ``KL_ESTIMATORS``: ``k1 | k2 | k3``; ``KL_CONTROLLERS``: ``fixed | adaptive | scheduled``;
+- ``DPO_LOSSES``: ``sigmoid | ipo``; ``LOSS_AGG_MODES``: the aggregation modes.
 """
 
 from __future__ import annotations
@@ -27,7 +33,32 @@ from rlfleet.trainer.algorithms.aggregation import (
     masked_mean,
     masked_sum,
 )
+from rlfleet.trainer.algorithms.dpo import (
+    DPO_LOSS_TYPES,
+    DPO_LOSSES,
+    DPOLossType,
+    dpo_loss,
+    dpo_sigmoid_losses,
+    ipo_losses,
+    sequence_logprobs,
+)
+from rlfleet.trainer.algorithms.gae import (
+    discounted_returns,
+    gae_advantages,
+    last_token_index,
+    masked_whiten,
+    token_level_rewards,
+)
 from rlfleet.trainer.algorithms.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3
+from rlfleet.trainer.algorithms.kl_control import (
+    KL_CONTROLLERS,
+    AdaptiveKLController,
+    FixedKLController,
+    KLControlConfig,
+    KLController,
+    ScheduledKLController,
+    build_kl_controller,
+)
 from rlfleet.trainer.algorithms.losses import (
     approx_kl,
     entropy_from_logits,
@@ -35,6 +66,15 @@ from rlfleet.trainer.algorithms.losses import (
     ppo_clip_loss,
     ppo_policy_loss,
 )
+from rlfleet.trainer.algorithms.specs import (
+    ALGORITHM_NAMES,
+    ALGORITHMS,
+    GAE,
+    POLICY_LOSSES,
+    AlgorithmName,
+    AlgorithmSpec,
+)
+from rlfleet.trainer.algorithms.value import clipped_value_loss, explained_variance, value_loss
 
 ADVANTAGES: dict[str, Callable[..., Tensor]] = {
     "grpo": grpo_advantages,
@@ -47,25 +87,53 @@ ADVANTAGES: dict[str, Callable[..., Tensor]] = {
 
 __all__ = [
     "ADVANTAGES",
+    "ALGORITHMS",
+    "ALGORITHM_NAMES",
+    "AdaptiveKLController",
+    "AlgorithmName",
+    "AlgorithmSpec",
+    "DPOLossType",
+    "DPO_LOSSES",
+    "DPO_LOSS_TYPES",
+    "FixedKLController",
+    "GAE",
+    "KLControlConfig",
+    "KLController",
+    "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "LossAgg",
+    "POLICY_LOSSES",
+    "ScheduledKLController",
     "aggregate",
     "approx_kl",
     "broadcast_to_tokens",
+    "build_kl_controller",
+    "clipped_value_loss",
+    "discounted_returns",
+    "dpo_loss",
+    "dpo_sigmoid_losses",
     "dr_grpo_advantages",
     "entropy_from_logits",
+    "explained_variance",
+    "gae_advantages",
     "group_stats",
     "grpo_advantages",
+    "ipo_losses",
     "kl_k1",
     "kl_k2",
     "kl_k3",
+    "last_token_index",
     "masked_entropy",
     "masked_mean",
     "masked_sum",
+    "masked_whiten",
     "ppo_clip_loss",
     "ppo_policy_loss",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
+    "sequence_logprobs",
+    "token_level_rewards",
+    "value_loss",
 ]
