@@ -57,7 +57,8 @@ def make_payload(mb: int, seed: int = 0) -> dict[str, torch.Tensor]:
         dtype = torch.bfloat16 if index % 2 == 0 else torch.float32
         nbytes = min(TENSOR_MB << 20, budget)
         numel = max(nbytes // dtype.itemsize, 1)
-        tensors[f"layers.{index}.weight"] = torch.randn(numel, generator=gen).to(dtype).reshape(-1, 256)
+        tensor = torch.randn(numel, generator=gen).to(dtype)
+        tensors[f"layers.{index}.weight"] = tensor.reshape(-1, 256) if numel % 256 == 0 else tensor
         budget -= numel * dtype.itemsize
         index += 1
     return tensors
@@ -139,7 +140,13 @@ async def _produce(
     address = await server.start()
     server.put_local(KEY, tensors)
     conn.send(
-        {"address": address, "raw_port": raw_port, "crcs": crcs(tensors), "nbytes": payload_bytes(tensors)}
+        {
+            "address": address,
+            "raw_port": raw_port,
+            "crcs": crcs(tensors),
+            "nbytes": payload_bytes(tensors),
+            "pid": os.getpid(),
+        }
     )
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, conn.recv)  # the consumer says when it is done
@@ -163,11 +170,27 @@ def _raw_put(port: int, tensors: dict[str, torch.Tensor]) -> None:
             raise ConnectionError("raw upload not acknowledged")
 
 
-async def _timed(coro_fn, nbytes: int) -> float:  # type: ignore[no-untyped-def]
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used, all its threads together."""
+    if pid == os.getpid():
+        times = os.times()
+        return times.user + times.system
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+CPU: dict[str, list[float]] = {}
+
+
+async def _timed(name: str, coro_fn, nbytes: int, peer: int) -> float:  # type: ignore[no-untyped-def]
+    cpu0 = (_cpu_s(os.getpid()), _cpu_s(peer))
     start = time.perf_counter()
     result = await coro_fn()
     elapsed = time.perf_counter() - start
+    cpu1 = (_cpu_s(os.getpid()), _cpu_s(peer))
     del result
+    gib = nbytes / 2**30
+    CPU.setdefault(name, []).append(((cpu1[0] - cpu0[0]) / gib, (cpu1[1] - cpu0[1]) / gib))
     return nbytes / elapsed / 2**20
 
 
@@ -177,6 +200,7 @@ async def consume(info: dict, mb: int, reps: int, chunk_bytes: int, with_put: bo
     nbytes = info["nbytes"]
     client = TensorStoreClient(info["address"], chunk_bytes=chunk_bytes)
     port = info["raw_port"]
+    peer = info["pid"]
     got = await client.get(KEY)
     raw = await asyncio.to_thread(_raw_get, port)
     if crcs(got) != expected or crcs(raw) != expected:
@@ -185,13 +209,15 @@ async def consume(info: dict, mb: int, reps: int, chunk_bytes: int, with_put: bo
     rounds: dict[str, list[float]] = {"grpc_get": [], "raw_get": [], "grpc_put": [], "raw_put": []}
     for rep in range(reps + 1):
         sample = {
-            "grpc_get": await _timed(lambda: client.get(KEY), nbytes),
-            "raw_get": await _timed(lambda: asyncio.to_thread(_raw_get, port), nbytes),
+            "grpc_get": await _timed("grpc_get", lambda: client.get(KEY), nbytes, peer),
+            "raw_get": await _timed("raw_get", lambda: asyncio.to_thread(_raw_get, port), nbytes, peer),
         }
         if with_put:
-            sample["grpc_put"] = await _timed(lambda: client.put("upload", upload), nbytes)
+            sample["grpc_put"] = await _timed("grpc_put", lambda: client.put("upload", upload), nbytes, peer)
             await client.delete("upload")
-            sample["raw_put"] = await _timed(lambda: asyncio.to_thread(_raw_put, port, upload), nbytes)
+            sample["raw_put"] = await _timed(
+                "raw_put", lambda: asyncio.to_thread(_raw_put, port, upload), nbytes, peer
+            )
         if rep > 0:  # round 0 warms up
             for name, value in sample.items():
                 rounds[name].append(value)
@@ -244,6 +270,14 @@ def report(rounds: dict[str, list[float]], args: argparse.Namespace, chunk_bytes
         "raw_tcp_put_mb_s": round(med["raw_put"], 1) if "raw_put" in med else None,
         "put_ratio": round(med["grpc_put"] / med["raw_put"], 3) if "grpc_put" in med else None,
         "rounds_mb_s": {k: [round(x, 1) for x in v] for k, v in rounds.items() if v},
+        # CPU seconds per GiB moved, (this process, the producer), all threads; robust to load
+        "cpu_s_per_gib": {
+            k: [
+                round(statistics.median(x[0] for x in v[1:]), 3),
+                round(statistics.median(x[1] for x in v[1:]), 3),
+            ]
+            for k, v in CPU.items()
+        },
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
         "unix_time": int(time.time()),
     }
@@ -254,6 +288,9 @@ def report(rounds: dict[str, list[float]], args: argparse.Namespace, chunk_bytes
     if result["grpc_put_mb_s"] is not None:
         print(f"{'gRPC TensorStore put':<28}{result['grpc_put_mb_s']:>10.0f}{result['put_ratio']:>12.2f}")
         print(f"{'raw TCP socket (put)':<28}{result['raw_tcp_put_mb_s']:>10.0f}{1.0:>12.2f}")
+    print(
+        "CPU s/GiB (consumer, producer): " + "  ".join(f"{k} {v}" for k, v in result["cpu_s_per_gib"].items())
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -40,6 +40,11 @@ EXAMPLES: list[m.Message] = [
     ),
     m.SetRewardSpec(endpoint="e", spec={"exact_match": 1.0}),
     m.RewardSpecSet(endpoint="e", spec_version="v2"),
+    m.SetRewardSpec(endpoint="e", model_path="/models/rm-v2", scaler={"temperature": 0.7}, token="t"),
+    m.RewardStatsRequest(token="t", endpoint="e"),
+    m.RewardStats(
+        worker_id="w1", tenant="team-a", endpoints={"e": m.EndpointStats(spec="concise", spec_version="v2")}
+    ),
     m.TrainStepRequest(step=3, rollouts=[REF], scores=[1.0], hyperparams={"lr": 1e-5, "clip": True}),
     m.TrainStepResult(step=3, metrics={"loss": 0.25}, weight_version=4),
     m.PublishWeights(weight_version=4, bucket_mb=32.0),

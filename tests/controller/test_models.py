@@ -29,7 +29,7 @@ def test_tiny_is_deterministic_and_loadable(tmp_path: Path) -> None:
     assert torch.equal(rng_before, torch.random.get_rng_state())  # global RNG untouched
     b = resolve_model("tiny:digits", cache_dir=tmp_path / "b", seed=0)
     c = resolve_model("tiny:digits", cache_dir=tmp_path / "a", seed=1)
-    assert a == tmp_path / "a" / "tiny-digits-seed0" and c.name == "tiny-digits-seed1"
+    assert a == tmp_path / "a" / "tiny-digits-seed0-v2" and c.name == "tiny-digits-seed1-v2"
     assert _digest(a) == _digest(b) != _digest(c)
 
     model = AutoModelForCausalLM.from_pretrained(a)
@@ -39,8 +39,9 @@ def test_tiny_is_deterministic_and_loadable(tmp_path: Path) -> None:
         "llama",
         64,
         2,
-        4,
+        2,
     )
+    assert cfg.hidden_size // cfg.num_attention_heads == 32  # vLLM's CPU attention needs head dim >= 32
     assert cfg.tie_word_embeddings and cfg.max_position_embeddings == 256
     assert cfg.vocab_size == len(tokenizer) == 100
     assert model.dtype == torch.float32
@@ -59,14 +60,14 @@ def test_cache_is_reused_and_env_sets_default(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setenv("RLFLEET_CACHE", str(tmp_path / "cache"))
     assert models.default_cache_dir() == tmp_path / "cache" / "models"
     first = resolve_model("tiny:ci", seed=7)
-    assert first == tmp_path / "cache" / "models" / "tiny-ci-seed7"
+    assert first == tmp_path / "cache" / "models" / "tiny-ci-seed7-v2"
 
     def no_build(out: Path, *, name: str, seed: int) -> dict[str, object]:
         raise AssertionError("cached model was rebuilt")
 
     monkeypatch.setattr(models, "_build_tiny", no_build)
     assert resolve_model("tiny:ci", seed=7) == first
-    assert [p.name for p in first.parent.iterdir()] == ["tiny-ci-seed7"]  # no temp folder left
+    assert [p.name for p in first.parent.iterdir()] == ["tiny-ci-seed7-v2"]  # no temp folder left
 
 
 def test_concurrent_builder_finishing_first_wins(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
-from rlfleet.reward.errors import NoScorer, RewardInputError
+from rlfleet.reward.errors import NoScorer, RewardInputError, RewardModelError
 from rlfleet.reward.registry import build_reward
 from rlfleet.reward.scaler import RewardScaler, ScalerConfig
 
@@ -143,9 +143,9 @@ def test_compute_reward_with_any_callable_and_wrap() -> None:
 
 
 def test_compute_reward_without_a_scorer_says_so() -> None:
-    with pytest.raises(NoScorer, match="model_name='rm/tiny' but no scorer"):
+    with pytest.raises(RewardModelError, match="'rm/tiny': no such directory"):
         RewardScaler("rm/tiny").compute_reward(["p"], ["r"])
-    with pytest.raises(NoScorer, match="pass fn="):
+    with pytest.raises(NoScorer, match="pass model_name=<reward model directory>, or fn="):
         RewardScaler().compute_reward(["p"], ["r"])
 
 

@@ -79,3 +79,41 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> CheckpointBuild
 def tiny_checkpoint(make_checkpoint: CheckpointBuilder) -> Path:
     """The default tiny checkpoint (seed 0, tied embeddings, tokenizer with a pad token)."""
     return make_checkpoint()
+
+
+def _build_vllm_model(seed: int, vocab_size: int, tie: bool) -> LlamaForCausalLM:
+    """A 2-layer Llama, hidden 64, 2 query heads of dim 32 (vLLM's CPU attention needs >= 32), 1 KV head."""
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        initializer_range=0.2,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def make_vllm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> CheckpointBuilder:
+    """Builder: ``make_vllm_checkpoint(seed=0, tie=True)`` -> dir with a tiny model vLLM can serve on CPU."""
+    made: dict[tuple[int, bool], Path] = {}
+
+    def build(seed: int = 0, tie: bool = True) -> Path:
+        if (seed, tie) not in made:
+            path = tmp_path_factory.mktemp(f"vllm-llama-s{seed}-tie{int(tie)}")
+            tokenizer = _build_char_tokenizer(True)
+            _build_vllm_model(seed, len(tokenizer), tie).save_pretrained(path)
+            tokenizer.save_pretrained(path)
+            made[(seed, tie)] = path
+        return made[(seed, tie)]
+
+    return build

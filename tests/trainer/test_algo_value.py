@@ -23,6 +23,9 @@ def test_clipped_value_loss_per_token() -> None:
     # padding: 0.5*max(36, (0.2-9)^2 = 77.44)
     torch.testing.assert_close(loss, torch.tensor([[1.62, 2.645, 0.02, 38.72]]))
     torch.testing.assert_close(clipped, torch.tensor([[1.0, 1.0, 0.0, 1.0]]))
+    # inside the clip range both branches are equal: a tie is not counted as clipped
+    _, tie = clipped_value_loss(OLD + 0.1, OLD, RET, clip_eps=0.2)
+    torch.testing.assert_close(tie, torch.zeros(1, 4))
 
 
 def test_value_loss_reduces_over_the_mask_and_clipped_tokens_give_no_gradient() -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from types import TracebackType
 
 from rlfleet.common.errors import NatsServerError
+from rlfleet.common.procs import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,8 @@ class EmbeddedNats:
         try:
             with open(self._tmp / "server.log", "wb") as log:
                 self._proc = subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    preexec_fn=die_with_parent, start_new_session=True,
                 )
         except OSError as exc:
             self.stop()

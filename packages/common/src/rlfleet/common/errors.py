@@ -49,16 +49,15 @@ class MessageDecodeError(RlfleetError, ValueError):
 
 
 class MessageTooLarge(RlfleetError, ValueError):
-    """A message (or chunk) is over the size limit of its transport."""
+    """A message (or chunk) is over the size limit of its transport; ``hint`` says what to do instead."""
 
-    def __init__(self, size: int, limit: int, what: str = "message") -> None:
+    def __init__(self, size: int, limit: int, what: str = "message", hint: str = "") -> None:
         self.size = size
         self.limit = limit
         self.what = what
-        super().__init__(
-            f"{what} of {size} bytes is over the {limit}-byte limit; send bulk data over the gRPC "
-            "tensor plane and pass a TensorRef instead"
-        )
+        self.hint = hint
+        advice = hint or "send bulk data over the gRPC tensor plane and pass a TensorRef instead"
+        super().__init__(f"{what} of {size} bytes is over the {limit}-byte limit; {advice}")
 
 
 class RequestTimeout(RlfleetError, TimeoutError):
@@ -214,3 +213,12 @@ class TensorStoreUnavailable(TensorError, ConnectionError):
         self.address = address
         self.detail = detail
         super().__init__(f"TensorStore at {address} is unreachable" + (f": {detail}" if detail else ""))
+
+
+class BatchContractError(RlfleetError, ValueError):
+    """A rollout batch breaks the tensor contract (a field missing, of the wrong dtype or shape)."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        self.field = field
+        self.reason = reason
+        super().__init__(f"rollout batch field {field!r}: {reason}")

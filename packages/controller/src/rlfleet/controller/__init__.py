@@ -1,3 +1,45 @@
-"""The rlfleet single controller: datasets, GRPO/PPO/DPO trainers, embedded launcher, CLI."""
+"""The rlfleet single controller: datasets, GRPO/PPO/DPO trainers, embedded launcher, CLI.
+
+The public API is importable from here (``from rlfleet.controller import GRPOTrainer``); each name
+is loaded on first use, so importing the package (and ``rlfleet --help``) stays free of torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# public name -> the module defining it
+_EXPORTS: dict[str, str] = {
+    "GRPOTrainer": "rlfleet.controller.grpo",
+    "StepResult": "rlfleet.controller.grpo",
+    "TrainerConfig": "rlfleet.controller.config",
+    "JobConfig": "rlfleet.controller.config",
+    "PromptDataset": "rlfleet.controller.dataset",
+    "resolve_model": "rlfleet.controller.models",
+}
+
+__all__ = [
+    "GRPOTrainer",
+    "JobConfig",
+    "PromptDataset",
+    "StepResult",
+    "TrainerConfig",
+    "__version__",
+    "resolve_model",
+]
+
+if TYPE_CHECKING:
+    from rlfleet.controller.config import JobConfig, TrainerConfig
+    from rlfleet.controller.dataset import PromptDataset
+    from rlfleet.controller.grpo import GRPOTrainer, StepResult
+    from rlfleet.controller.models import resolve_model
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rlfleet.controller' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,7 +17,9 @@ logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlfleet", description="RL post-training of LLMs over a fleet of services")
+    parser = argparse.ArgumentParser(
+        prog="rlfleet", description="RL post-training of LLMs over a fleet of services"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run a training job from a YAML/TOML config")
     train.add_argument("config", type=Path, help="job config (see examples/)")
@@ -38,12 +42,11 @@ def _load_job(path: Path, overrides: Sequence[str]):  # -> JobConfig
     return job
 
 
-def train(job) -> int:  # job: JobConfig
+def build_trainer(job):  # (JobConfig) -> GRPOTrainer
+    """The trainer a job file describes (the model is resolved, nothing is started yet)."""
     from rlfleet.controller.dataset import PromptDataset
     from rlfleet.controller.grpo import GRPOTrainer
 
-    if job.description:
-        print(job.description, flush=True)
     dataset = PromptDataset(
         job.data.path,
         max_prompt_length=job.data.max_prompt_length or job.max_prompt_length,
@@ -53,18 +56,42 @@ def train(job) -> int:  # job: JobConfig
         overlong=job.data.overlong,
         system_prompt=job.data.system_prompt,
     )
-    trainer = GRPOTrainer(job.model, job.reward, dataset, job.trainer_config())
+    return GRPOTrainer(job.model, job.reward, dataset, job.trainer_config())
+
+
+def train(job) -> int:  # job: JobConfig
+    """Run a job to the end; returns the exit code."""
+    if job.description:
+        print(job.description, flush=True)
+    trainer = build_trainer(job)
     trainer.train(num_epochs=job.num_epochs, max_steps=job.max_steps)
     print(f"done: {trainer.global_step} steps, outputs in {trainer.output_dir}", flush=True)
     return 0
 
 
+def _terminate(signum: int, frame: object) -> None:
+    from rlfleet.controller.errors import Terminated
+
+    raise Terminated(signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; SIGTERM unwinds like Ctrl-C, so a run stops what it started on the way out."""
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is not threading.main_thread():
+        return _main(args)
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _main(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper(),
                         format="%(asctime)s controller %(levelname)s %(name)s: %(message)s")  # fmt: skip
-    from rlfleet.common.errors import ConfigError
-    from rlfleet.controller.errors import DatasetError, ModelNotFound, TierDied
+    from rlfleet.common.errors import ConfigError, RlfleetError
+    from rlfleet.controller.errors import DatasetError, LoggerUnavailable, ModelNotFound, Terminated
 
     try:
         job = _load_job(args.config, args.overrides)
@@ -72,15 +99,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(job.model_dump_json(indent=2))
             return 0
         return train(job)
-    except (ConfigError, DatasetError, ModelNotFound) as exc:
+    except (ConfigError, DatasetError, ModelNotFound, LoggerUnavailable) as exc:  # the user's to fix
         print(f"rlfleet: {exc}", file=sys.stderr)
         return 2
-    except TierDied as exc:
+    except RlfleetError as exc:  # a tier died or never came up, a request failed or timed out
         print(f"rlfleet: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("rlfleet: interrupted; every process this run started has been stopped", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        how = str(exc) if isinstance(exc, Terminated) else "interrupted"
+        print(f"rlfleet: {how}; every process this run started has been stopped", file=sys.stderr)
+        return 128 + exc.signum if isinstance(exc, Terminated) else 130
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 
 class _Config(BaseModel):
@@ -26,6 +26,17 @@ class RolloutConfig(_Config):
     max_batch_size: int = Field(default=64, ge=1, description="sequences generated together by one worker")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling")
     top_k: int = Field(default=-1, description="top-k sampling; -1 disables")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM: GPUs one engine shards over")
+    gpu_memory_utilization: float = Field(default=0.85, gt=0.0, le=1.0, description="vLLM: GPU memory share")
+    enforce_eager: bool | None = Field(
+        default=None, description="vLLM: skip torch.compile and CUDA graphs; None = eager on CPU only"
+    )
+    colocate: bool = Field(
+        default=False, description="vLLM sleeps between rollouts to share the GPU with training (not on CPU)"
+    )
+    sleep_level: Literal[1, 2] = Field(
+        default=1, description="vLLM sleep when colocated: 1 offloads weights to CPU, 2 discards them"
+    )
 
 
 class TrainerConfig(_Config):
@@ -62,14 +73,43 @@ class TrainerConfig(_Config):
     )
     weight_bucket_mb: float = Field(default=64.0, gt=0.0, description="weight publish bucket size")
     reward_endpoint: str = Field(default="default", description="reward endpoint that scores rollouts")
+    reward_url: str | None = Field(
+        default=None,
+        description="NATS URL of a shared reward server (rlfleet-reward serve); None: the run's own reward "
+        "worker. The server fetches rollout texts from the rollout workers' stores: they must be reachable",
+    )
+    reward_cluster: str = Field(
+        default="", description="cluster name of the shared reward server; empty: 'default' with reward_url"
+    )
+    reward_token: SecretStr = Field(
+        default=SecretStr(""), description="tenant token for the reward server; empty: $RLFLEET_REWARD_TOKEN"
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="where the trainer runs")
+    trainable_layers: int | None = Field(
+        default=None, ge=1,
+        description="train only the top N transformer blocks (+ final norm), embeddings frozen; "
+        "cheap on CPU. None trains every parameter",
+    )
+    mixed_precision: Literal["auto", "none", "bf16"] = Field(
+        default="auto",
+        description="trainer bf16 autocast with fp32 master weights; auto: bf16 on GPU, none (fp32) on CPU. "
+        "bf16 is also much faster on CPUs with AVX512-BF16 or AMX",
+    )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout tier settings")
+    rollout_cache_policy: Literal["lru", "none"] = Field(
+        default="lru", description="vLLM KV cache: lru = prefix caching with LRU eviction, none = off"
+    )
+    rollout_max_cache_len: int = Field(
+        default=2048, ge=2, description="vLLM: longest context (prompt + response) a request may use"
+    )
     nats_url: str | None = Field(
         default=None, description="join a running fleet at this NATS URL; None starts an embedded one"
     )
     cluster: str = Field(default="", description="cluster name; empty: a fresh name per run")
     startup_timeout_s: float = Field(default=180.0, gt=0, description="wait for workers to announce")
-    request_timeout_s: float = Field(default=900.0, gt=0, description="longest a single tier request may take")
+    request_timeout_s: float = Field(
+        default=900.0, gt=0, description="longest a single tier request may take"
+    )
     sample_table_size: int = Field(default=4, ge=0, description="prompts shown in the before/after table")
 
     @model_validator(mode="after")
@@ -78,6 +118,12 @@ class TrainerConfig(_Config):
             raise ValueError(
                 f"rollout_batch_size ({self.rollout_batch_size}) must be a multiple of train_batch_size "
                 f"({self.train_batch_size}); set train_batch_size to a divisor of it"
+            )
+        if self.max_prompt_length + self.max_response_length > self.rollout_max_cache_len:
+            raise ValueError(
+                f"max_prompt_length ({self.max_prompt_length}) + max_response_length "
+                f"({self.max_response_length}) exceeds rollout_max_cache_len ({self.rollout_max_cache_len}); "
+                "raise rollout_max_cache_len or shorten prompts/responses (longer requests are refused)"
             )
         if self.num_train_workers > 1:
             raise ValueError(

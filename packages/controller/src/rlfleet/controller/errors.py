@@ -1,4 +1,4 @@
-"""Errors the controller raises on its own: bad datasets and model specs it cannot resolve.
+"""Errors the controller raises on its own: bad datasets and models, failed or missing workers.
 
 Each subclasses a builtin (``ValueError``, ``FileNotFoundError``) so callers can catch broadly,
 keeps its fields and builds its own message. Errors shared by every tier live in
@@ -7,6 +7,7 @@ keeps its fields and builds its own message. Errors shared by every tier live in
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 from rlfleet.common.errors import RlfleetError
@@ -46,12 +47,90 @@ class ModelConversionError(RlfleetError, RuntimeError):
 
 
 class TierDied(RlfleetError, RuntimeError):
-    """A worker process started by the embedded launcher exited while the run needed it."""
+    """A process started by the embedded launcher exited while the run needed it.
 
-    def __init__(self, tier: str, worker_id: str, returncode: int, log_tail: str = "") -> None:
+    ``returncode`` is the process's exit status (negative: killed by that signal; None: unknown),
+    ``error`` the last line of its log that reads as an error (the exception a traceback ends
+    with), ``log_path`` where its whole output is, ``log_tail`` the last lines of that log.
+    """
+
+    def __init__(
+        self,
+        tier: str,
+        worker_id: str,
+        returncode: int | None,
+        *,
+        error: str = "",
+        log_path: str | Path = "",
+        log_tail: str = "",
+    ) -> None:
         self.tier = tier
         self.worker_id = worker_id
         self.returncode = returncode
+        self.error = error
+        self.log_path = str(log_path)
         self.log_tail = log_tail
-        tail = f"; last log lines:\n{log_tail}" if log_tail else ""
-        super().__init__(f"{tier} worker {worker_id!r} exited with code {returncode}{tail}")
+        how = "exited" if returncode is None else f"exited with code {returncode}"
+        if returncode is not None and returncode < 0:
+            how = f"was killed by signal {_signal_name(-returncode)} (exit code {returncode})"
+        cause = f": {error}" if error else ""
+        where = f" (log: {self.log_path})" if self.log_path else ""
+        super().__init__(f"{tier} worker {worker_id} {how}{cause}{where}")
+
+
+class TierNotReady(RlfleetError, TimeoutError):
+    """Workers did not announce themselves within ``startup_timeout_s``.
+
+    ``missing`` describes each worker that never announced (its id, and for processes the
+    embedded launcher started: pid, whether it still runs, its log).
+    """
+
+    def __init__(self, timeout: float, missing: list[str], detail: str = "") -> None:
+        self.timeout = timeout
+        self.missing = list(missing)
+        self.detail = detail
+        what = "; ".join(self.missing) or detail
+        super().__init__(
+            f"timed out after {timeout:g}s waiting for workers to announce: {what}. A worker still loading "
+            "a large model needs a larger startup_timeout_s; otherwise its log says why it is stuck"
+        )
+
+
+class LoggerUnavailable(RlfleetError, ValueError):
+    """A metric logger named in ``loggers`` needs a package that is not installed."""
+
+    def __init__(self, logger_name: str, package: str) -> None:
+        self.logger_name = logger_name
+        self.package = package
+        super().__init__(
+            f"loggers: {logger_name!r} is selected but the {package!r} package is not installed; "
+            f"install it (uv add {package}) or remove {logger_name!r} from loggers"
+        )
+
+
+class Terminated(KeyboardInterrupt):
+    """The controller got SIGTERM; unwinds like Ctrl-C so the run stops what it started."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"terminated by {_signal_name(signum)}")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
+
+
+class RewardFnNotPortable(RlfleetError, ValueError):
+    """``set_reward_fn`` got a reward function that cannot travel to a reward worker."""
+
+    def __init__(self, fn: object, reason: str) -> None:
+        self.fn = fn
+        self.reason = reason
+        super().__init__(
+            f"cannot send {fn!r} to the reward tier: {reason}. Pass a reward spec (str or dict), a "
+            "'package.module:function' name, a top-level function of an importable module, or a "
+            "CompositeReward / RewardScaler built from a spec (or its compute_reward)"
+        )

@@ -28,8 +28,8 @@ from rlfleet.common.messages import (
     LoadWeights,
     PublishWeights,
     SamplingParams,
-    Saved,
     SaveCheckpoint,
+    Saved,
     ScoreRequest,
     ScoreResult,
     SetRewardSpec,
@@ -64,8 +64,19 @@ class Fleet:
         await self.registry.stop()
 
     async def wait_ready(self, counts: dict[str, int], timeout: float) -> None:
-        """Wait until each tier has announced at least ``counts[tier]`` workers."""
-        await asyncio.gather(*(self.registry.wait_for(tier, n, timeout) for tier, n in counts.items() if n))
+        """Wait until each tier has announced at least ``counts[tier]`` workers.
+
+        Raises ``TimeoutError`` (naming the first tier that fell short) after ``timeout`` seconds.
+        """
+        waits = [
+            asyncio.ensure_future(self.registry.wait_for(tier, n, timeout)) for tier, n in counts.items() if n
+        ]
+        try:
+            await asyncio.gather(*waits)
+        finally:
+            for wait in waits:
+                wait.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
 
     def _job_id(self, what: str) -> str:
         return f"{self._run}-{what}-{next(self._jobs)}"
@@ -88,7 +99,9 @@ class Fleet:
         size = -(-len(prompts) // len(workers))
         chunks = [list(map(list, prompts[i : i + size])) for i in range(0, len(prompts), size)]
         tasks = [
-            self._generate_chunk(chunk, sampling, weight_version, preferred=workers[i % len(workers)].worker_id)
+            self._generate_chunk(
+                chunk, sampling, weight_version, preferred=workers[i % len(workers)].worker_id
+            )
             for i, chunk in enumerate(chunks)
         ]
         return list(await asyncio.gather(*tasks))
@@ -97,7 +110,10 @@ class Fleet:
         self, chunk: list[list[int]], sampling: SamplingParams, weight_version: int, preferred: str
     ) -> GenerateResult:
         request = GenerateRequest(
-            job_id=self._job_id("gen"), prompt_token_ids=chunk, sampling=sampling, weight_version=weight_version
+            job_id=self._job_id("gen"),
+            prompt_token_ids=chunk,
+            sampling=sampling,
+            weight_version=weight_version,
         )
         tried: set[str] = set()
         while True:
@@ -150,7 +166,10 @@ class Fleet:
             for r, meta in zip(results, metadata, strict=True)
         ]
         replies = await asyncio.gather(
-            *(self.transport.request(verb, req, timeout=self.request_timeout, tier="reward") for req in requests)
+            *(
+                self.transport.request(verb, req, timeout=self.request_timeout, tier="reward")
+                for req in requests
+            )
         )
         for reply in replies:
             assert isinstance(reply, ScoreResult), reply
@@ -158,13 +177,15 @@ class Fleet:
 
     async def set_reward_spec(self, spec: str | dict[str, Any], endpoint: str) -> str:
         """Switch an endpoint's reward spec on every reward worker; returns the new spec version."""
-        verb = subject(self.cluster, "reward", "set_spec")
-        workers = self.registry.workers("reward")
+        message = SetRewardSpec(endpoint=endpoint, spec=spec)
+        subjects = [w.subject for w in self.registry.workers("reward")]
+        subjects = subjects or [subject(self.cluster, "reward", "set_spec")]
         replies = await asyncio.gather(
-            *(self.transport.request(w.subject, SetRewardSpec(endpoint=endpoint, spec=spec),
-                                     timeout=self.request_timeout, tier="reward") for w in workers)
-        ) if workers else [await self.transport.request(verb, SetRewardSpec(endpoint=endpoint, spec=spec),
-                                                         timeout=self.request_timeout, tier="reward")]  # fmt: skip
+            *(
+                self.transport.request(s, message, timeout=self.request_timeout, tier="reward")
+                for s in subjects
+            )
+        )
         return str(getattr(replies[-1], "spec_version", ""))
 
     # --- trainer ----------------------------------------------------------------------------
@@ -175,7 +196,9 @@ class Fleet:
     async def train_step(
         self, step: int, rollouts: Sequence[TensorRef], scores: Sequence[float], hyperparams: dict[str, Any]
     ) -> TrainStepResult:
-        request = TrainStepRequest(step=step, rollouts=list(rollouts), scores=list(scores), hyperparams=hyperparams)
+        request = TrainStepRequest(
+            step=step, rollouts=list(rollouts), scores=list(scores), hyperparams=hyperparams
+        )
         reply = await self.transport.request(
             self._trainer("step"), request, timeout=self.request_timeout, tier="trainer"
         )
@@ -202,6 +225,8 @@ class Fleet:
         for tier in ("rollout", "reward", "trainer"):
             for worker in self.registry.workers(tier):
                 try:
-                    await self.transport.request(worker.subject, Shutdown(reason=reason), timeout=5.0, tier=tier)
+                    await self.transport.request(
+                        worker.subject, Shutdown(reason=reason), timeout=5.0, tier=tier
+                    )
                 except (RequestTimeout, ConnectionError, RemoteError) as exc:
                     logger.info("worker %s did not acknowledge shutdown: %s", worker.worker_id, exc)

@@ -82,7 +82,7 @@ class GRPOTrainer(FleetRunner):
         stepped = await fleet.train_step(self.global_step + 1, [r.ref for r in results], scores, hyper)
         t3 = time.perf_counter()
         published = await fleet.publish_weights(cfg.weight_bucket_mb)
-        await fleet.load_weights(published)
+        loaded = await fleet.load_weights(published)
         self.weight_version = published.weight_version
         t4 = time.perf_counter()
         await self._release(results)
@@ -91,6 +91,8 @@ class GRPOTrainer(FleetRunner):
         generated = sum(r.num_tokens for r in results)
         metrics.update({
             "weight_version": float(self.weight_version),
+            "rollout/weight_version_min": float(min(r.weight_version for r in loaded)),
+            "rollout/load_s_max": max(r.seconds for r in loaded),
             "kl_coef": float(self.kl_coef),
             "time/generate_s": t1 - t0,
             "time/score_s": t2 - t1,
@@ -114,7 +116,11 @@ class GRPOTrainer(FleetRunner):
         return out
 
     def steps(self, num_epochs: int = 1, max_steps: int | None = None) -> Iterator[StepResult]:
-        """Run training one step at a time; act between steps (``trainer.kl_coef = ...``)."""
+        """Run training one step at a time; act between steps (``trainer.kl_coef = ...``).
+
+        A failed step (a worker died, Ctrl-C) stops the fleet before the error reaches the caller;
+        leaving the loop early keeps it running for :meth:`finish` and :meth:`close`.
+        """
         self.start()
         total = self.total_steps(num_epochs, max_steps)
         self._begin(total, num_epochs)
@@ -123,10 +129,14 @@ class GRPOTrainer(FleetRunner):
             for batch in self.dataset.batches(cfg.rollout_batch_size, epoch=epoch):
                 if self.global_step >= total:
                     return
-                metrics = self.run(self._step(batch))
-                self.global_step += 1
-                self._epoch = epoch
-                self._record(self.global_step, epoch + 1, metrics)
+                try:
+                    metrics = self.run(self._step(batch))
+                    self.global_step += 1
+                    self._epoch = epoch
+                    self._record(self.global_step, epoch + 1, metrics)
+                except BaseException:  # re-raised: only makes sure no process outlives a failed run
+                    self.close()
+                    raise
                 yield StepResult(self.global_step, epoch + 1, metrics, self.weight_version)
 
     def train(self, num_epochs: int = 1, max_steps: int | None = None) -> list[StepResult]:

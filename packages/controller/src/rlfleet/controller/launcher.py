@@ -1,21 +1,27 @@
 """The embedded launcher: a private nats-server and every tier as a local process.
 
 Each worker is started through its console script (``rlfleet-rollout serve --config ...``), with
-its config written as YAML and its output captured in a log file under the run directory. The
-launcher stops exactly the processes it started: on normal exit, on Ctrl-C and on error, and the
-children get SIGTERM from the kernel if the controller itself dies (``PR_SET_PDEATHSIG``).
+its config written as YAML and its output captured in a log file under the run directory; the
+pids go to ``processes.json`` there. The launcher stops exactly the processes it started (each
+worker leads its own process group, so whatever a worker spawned goes with it): on normal exit,
+on Ctrl-C and on error. Workers also get SIGTERM from the kernel if the thread that started them
+dies (``PR_SET_PDEATHSIG``), so a controller killed outright does not leave them running.
 """
 
 from __future__ import annotations
 
-import ctypes
+import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,21 +29,29 @@ from typing import Any
 import yaml
 
 from rlfleet.common.embedded_nats import EmbeddedNats
+from rlfleet.common.procs import die_with_parent
 from rlfleet.controller.errors import TierDied
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
+# The final line of a Python traceback: "pkg.mod.SomeError: what went wrong".
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Z]\w*): (\S.*)$")
+_MAX_ERROR_CHARS = 400
 
 
 @dataclass
 class WorkerSpec:
-    """One worker process to start: its tier's console script and its config."""
+    """One worker process to start: its tier's console script and its config.
+
+    ``command`` replaces the console script (``[sys.executable, "-m", "mypkg.worker"]``, a wrapper
+    such as a profiler); ``serve --config FILE`` is appended to it either way.
+    """
 
     tier: str
     worker_id: str
     config: dict[str, Any]
     env: dict[str, str] = field(default_factory=dict)
+    command: list[str] | None = None
 
     @property
     def script(self) -> str:
@@ -46,9 +60,15 @@ class WorkerSpec:
 
 @dataclass
 class WorkerProcess:
+    """A started worker: its spec, process and log file."""
+
     spec: WorkerSpec
     process: subprocess.Popen[bytes]
     log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -57,13 +77,38 @@ class WorkerProcess:
             return ""
         return "\n".join(text.strip().splitlines()[-lines:])
 
+    def died(self) -> TierDied | None:
+        """The error describing this worker's exit, or None while it runs."""
+        code = self.process.poll()
+        if code is None:
+            return None
+        tail = self.log_tail(40)
+        error = "" if code < 0 else last_error_line(tail)
+        return TierDied(self.spec.tier, self.spec.worker_id, code, error=error, log_path=self.log_path,
+                        log_tail=tail)  # fmt: skip
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-    os.setsid()
+    def describe(self) -> str:
+        """``rollout worker rollout-0 (pid 12, still running; log: ...)`` for error messages."""
+        code = self.process.poll()
+        state = "still running" if code is None else f"exited with code {code}"
+        return (
+            f"{self.spec.tier} worker {self.spec.worker_id} (pid {self.pid}, {state}; log: {self.log_path})"
+        )
+
+
+def last_error_line(log_text: str) -> str:
+    """The line of a crashed process's output that says why: the exception its traceback ends with
+    (``UnknownReward: ...``, module path dropped), else its last non-empty line."""
+    lines = [line.rstrip() for line in log_text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        found = _EXCEPTION_LINE.match(line)
+        if found:
+            return _shorten(f"{found.group(1)}: {found.group(2)}")
+    return _shorten(lines[-1].strip()) if lines else ""
+
+
+def _shorten(text: str) -> str:
+    return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
 
 
 def find_script(name: str) -> str:
@@ -80,6 +125,19 @@ def find_script(name: str) -> str:
     return found
 
 
+@contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Ignore Ctrl-C while the fleet stops, so a second Ctrl-C cannot leave processes behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class EmbeddedFleet:
     """Starts and stops a private nats-server plus worker processes for one run."""
 
@@ -94,10 +152,18 @@ class EmbeddedFleet:
         assert self.nats is not None, "start_nats() first"
         return self.nats.url
 
+    @property
+    def pids(self) -> list[int]:
+        """Every process this fleet started and has not stopped yet (nats-server first)."""
+        nats = [self.nats.pid] if self.nats is not None and self.nats.running else []
+        return nats + [w.pid for w in self.workers]
+
     def start_nats(self) -> str:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.nats = EmbeddedNats(jetstream=self.jetstream)
         self.nats.start()
         logger.info("embedded nats-server pid %s at %s", self.nats.pid, self.nats.url)
+        self._write_processes()
         return self.nats.url
 
     def spawn(self, spec: WorkerSpec) -> WorkerProcess:
@@ -108,46 +174,80 @@ class EmbeddedFleet:
         config = {**spec.config, "nats_url": self.url, "worker_id": spec.worker_id}
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         log_path = config_dir / f"{spec.worker_id}.log"
-        command = [find_script(spec.script), "serve", "--config", str(config_path)]
+        program = list(spec.command) if spec.command else [find_script(spec.script)]
+        command = [*program, "serve", "--config", str(config_path)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, preexec_fn=_die_with_parent,
+                env=env, start_new_session=True, preexec_fn=die_with_parent,
             )  # fmt: skip
         logger.info("started %s worker %s (pid %d), log %s", spec.tier, spec.worker_id, process.pid, log_path)
         worker = WorkerProcess(spec, process, log_path)
         self.workers.append(worker)
+        self._write_processes()
         return worker
 
+    def _write_processes(self) -> None:
+        """``processes.json``: what this fleet started, for operators and for tests."""
+        data = {
+            "controller_pid": os.getpid(),
+            "nats": {"pid": self.nats.pid, "url": self.nats.url} if self.nats is not None else None,
+            "workers": [
+                {"tier": w.spec.tier, "worker_id": w.spec.worker_id, "pid": w.pid, "log": str(w.log_path)}
+                for w in self.workers
+            ],
+        }
+        path = self.run_dir / "processes.json"
+        partial = path.with_suffix(".json.tmp")
+        partial.write_text(json.dumps(data, indent=2))
+        partial.replace(path)  # readers never see half a file
+
     def check(self) -> None:
-        """Raise :class:`TierDied` if any worker process has exited."""
+        """Raise :class:`TierDied` if the nats-server or any worker process has exited."""
+        if self.nats is not None and not self.nats.running:
+            raise TierDied("nats", "nats-server", None, error="the embedded nats-server is gone")
         for worker in self.workers:
-            code = worker.process.poll()
-            if code is not None:
-                raise TierDied(worker.spec.tier, worker.spec.worker_id, code, worker.log_tail())
+            died = worker.died()
+            if died is not None:
+                raise died
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop exactly the processes this fleet started: SIGTERM, wait, then SIGKILL."""
-        for worker in self.workers:
-            if worker.process.poll() is None:
-                worker.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for worker in self.workers:
-            remaining = max(0.1, deadline - time.monotonic())
-            try:
-                worker.process.wait(timeout=remaining)
-            except subprocess.TimeoutExpired:
-                logger.warning("worker %s did not stop in %.0fs; killing it", worker.spec.worker_id, timeout)
-                worker.process.kill()
-                worker.process.wait(timeout=5)
-        self.workers.clear()
-        if self.nats is not None:
-            self.nats.stop()
-            self.nats = None
+        """Stop exactly the processes this fleet started: SIGTERM, wait, then SIGKILL their groups."""
+        with _sigint_deferred():
+            for worker in self.workers:
+                if worker.process.poll() is None:
+                    worker.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for worker in self.workers:
+                try:
+                    worker.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    logger.warning(
+                        "worker %s did not stop in %.0fs; killing it", worker.spec.worker_id, timeout
+                    )
+                    _kill_group(worker.pid)
+                    worker.process.wait(timeout=5)
+                _kill_group(worker.pid)  # whatever the worker itself started and left behind
+            self.workers.clear()
+            if self.nats is not None:
+                self.nats.stop()
+                self.nats = None
 
     def __enter__(self) -> EmbeddedFleet:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL the process group a worker leads (it was started in a new session)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    except PermissionError as exc:
+        logger.warning("cannot kill process group %d: %s", pgid, exc)
+        return
+    logger.info("killed what was left of process group %d", pgid)

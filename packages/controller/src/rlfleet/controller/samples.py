@@ -30,7 +30,9 @@ class SampleTable:
         runner = self.runner
         cfg = runner.config
         sampling = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.max_response_length, seed=cfg.seed)
-        results = await runner.fleet.generate([it.token_ids for it in self.items], sampling, runner.weight_version)
+        results = await runner.fleet.generate(
+            [it.token_ids for it in self.items], sampling, runner.weight_version
+        )
         metadata = runner._chunk_metadata(self.items, results)
         scored = await runner.fleet.score(results, metadata, cfg.reward_endpoint)
         texts: list[str] = []
@@ -56,13 +58,22 @@ class SampleTable:
         lines = ["## Sample answers, before and after training", "",
                  "| prompt | before | after |", "|---|---|---|"]  # fmt: skip
         for b, a in zip(before, after, strict=False):
-            lines.append(f"| {_cell(b['prompt'], 80)} | {_cell(b['answer'])} ({b['words']} words, reward "
-                         f"{b['reward']:.2f}) | {_cell(a['answer'])} ({a['words']} words, reward {a['reward']:.2f}) |")  # fmt: skip
+            lines.append(f"| {_cell(b['prompt'], 80)} | {_answer(b)} | {_answer(a)} |")
         if before and after:
-            mean = lambda rows, k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
-            lines += ["", f"mean words: {mean(before, 'words'):.1f} -> {mean(after, 'words'):.1f}; "
-                          f"mean reward: {mean(before, 'reward'):.3f} -> {mean(after, 'reward'):.3f}"]  # fmt: skip
+            lines += [
+                "",
+                f"mean words: {_mean(before, 'words'):.1f} -> {_mean(after, 'words'):.1f}; "
+                f"mean reward: {_mean(before, 'reward'):.3f} -> {_mean(after, 'reward'):.3f}",
+            ]
         return "\n".join(lines)
+
+
+def _answer(row: dict[str, Any]) -> str:
+    return f"{_cell(row['answer'])} ({row['words']} words, reward {row['reward']:.2f})"
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float:
+    return sum(row[key] for row in rows) / len(rows)
 
 
 def _cell(text: str, width: int = 240) -> str:

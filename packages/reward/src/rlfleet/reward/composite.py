@@ -1,9 +1,10 @@
 """A built reward: weighted components scored over a batch, each component reported on its own.
 
 ``total[i] = sum(weight_c * score_c[i])``; ``components[label_c]`` holds the unweighted
-``score_c``. Every score is checked to be a finite number; a component that raises or returns
-anything else stops the batch with a :class:`RewardFunctionError` naming the component and the
-sample, never with a silent zero.
+``score_c``. A rule or user function scores one sample per call; a model component
+(:class:`~rlfleet.reward.base.BatchRewardFn`) scores the whole batch in one call. Every score is
+checked to be a finite number; a component that raises or returns anything else stops the batch
+with a :class:`RewardFunctionError` naming the component and the sample, never with a silent zero.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from rlfleet.reward.base import RewardFn
+from rlfleet.reward.base import BatchRewardFn, RewardFn
 from rlfleet.reward.errors import RewardFunctionError, RewardInputError
 from rlfleet.reward.spec import RewardSpec
 
@@ -48,7 +49,7 @@ class Component:
 
     label: str
     weight: float
-    fn: RewardFn
+    fn: RewardFn | BatchRewardFn
 
 
 def _checked(value: object, label: str, index: int) -> float:
@@ -92,13 +93,36 @@ class CompositeReward:
         per_component: dict[str, list[float]] = {}
         total = [0.0] * n
         for comp in self.components:
-            scores = [self._score_one(comp, i, prompts[i], responses[i], metadata_list[i]) for i in range(n)]
+            if isinstance(comp.fn, BatchRewardFn):
+                scores = self._score_batch(comp, comp.fn, prompts, responses, metadata_list)
+            else:
+                scores = [
+                    self._score_one(comp, i, prompts[i], responses[i], metadata_list[i]) for i in range(n)
+                ]
             per_component[comp.label] = scores
             for i, s in enumerate(scores):
                 total[i] += comp.weight * s
         return ScoreBatch(total=total, components=per_component, version=self.version)
 
     __call__ = score
+
+    @staticmethod
+    def _score_batch(
+        comp: Component,
+        fn: BatchRewardFn,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        metadata_list: Sequence[Mapping[str, Any]],
+    ) -> list[float]:
+        if not responses:
+            return []
+        try:
+            values = list(fn.score_batch(prompts, responses, metadata_list))
+        except Exception as exc:  # any failure of a model component: re-raised with the component named
+            raise RewardFunctionError(comp.label, None, f"{type(exc).__name__}: {exc}") from exc
+        if len(values) != len(responses):
+            raise RewardFunctionError(comp.label, None, f"{len(values)} scores for {len(responses)} samples")
+        return [_checked(v, comp.label, i) for i, v in enumerate(values)]
 
     @staticmethod
     def _score_one(
@@ -113,6 +137,10 @@ class CompositeReward:
     def score_one(self, prompt: str, response: str, /, **metadata: Any) -> float:
         """The total reward of one sample; makes a CompositeReward a :class:`RewardFn` too."""
         return self.score([prompt], [response], [metadata]).total[0]
+
+    def __rlfleet_reward__(self) -> dict[str, Any]:
+        """What a controller sends to a reward server to serve this reward (``SetRewardSpec`` fields)."""
+        return {"spec": self.spec.model_dump(mode="json", exclude={"revision"})}
 
     def __repr__(self) -> str:
         return f"CompositeReward({str(self.spec)!r}, version={self.version!r})"

@@ -1,9 +1,11 @@
 """Every error rlfleet-reward raises, in one place.
 
-Spec mistakes (an unknown rule, a bad argument, a user function that cannot be imported) are
-``ValueError`` s, raised when a spec is parsed or built, before any sample is scored. Failures while
-scoring are ``RuntimeError`` s that name the reward component and the sample index. Each error keeps
-its fields and builds its own message.
+Spec mistakes (an unknown rule, a bad argument, a user function that cannot be imported, a reward
+model directory that does not load) are ``ValueError`` s, raised when a spec is parsed or built,
+before any sample is scored. Failures while scoring are ``RuntimeError`` s that name the reward
+component and the sample index. Refusals of the service (no or a wrong token, an endpoint the
+tenant may not use, a quota overrun) carry a ``code`` that the transport sends as the
+``ErrorReply`` code. Each error keeps its fields and builds its own message.
 """
 
 from __future__ import annotations
@@ -85,16 +87,32 @@ class RewardImportError(RewardError, ValueError):
 
 
 class NoScorer(RewardError, ValueError):
-    """A :class:`RewardScaler` was asked to compute rewards but was built without a scorer."""
+    """A :class:`RewardScaler` was asked to compute rewards but has neither a scorer nor a model."""
 
     def __init__(self, model_name: str | None) -> None:
         self.model_name = model_name
-        what = f"model_name={model_name!r} but " if model_name else ""
         super().__init__(
-            f"RewardScaler has {what}no scorer: pass fn=... (any callable "
-            "(prompts, responses, **kw) -> list[float], e.g. build_reward(spec)) or use .wrap(fn); "
-            "reward models are not loaded from a name by this package yet"
+            "RewardScaler has no scorer: pass model_name=<reward model directory>, or fn=... (any "
+            "callable (prompts, responses, **kw) -> list[float], e.g. build_reward(spec)), or use .wrap(fn)"
         )
+
+
+class RewardModelError(RewardError, ValueError):
+    """A reward model (or sentence encoder) cannot be loaded, or does not fit its options."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"reward model {path!r}: {reason}")
+
+
+class NotPortable(RewardError, ValueError):
+    """A reward function cannot be described as a spec, so it cannot be sent to a reward server."""
+
+    def __init__(self, what: str, reason: str) -> None:
+        self.what = what
+        self.reason = reason
+        super().__init__(f"{what} cannot be sent to a reward server: {reason}")
 
 
 # --- user mistakes: the inputs --------------------------------------------------------------
@@ -114,11 +132,12 @@ class RewardInputError(RewardError, ValueError):
 class RewardFunctionError(RewardError, RuntimeError):
     """A reward component raised, or returned something that is not a finite number, on one sample."""
 
-    def __init__(self, function: str, index: int, reason: str) -> None:
+    def __init__(self, function: str, index: int | None, reason: str) -> None:
         self.function = function
         self.index = index
         self.reason = reason
-        super().__init__(f"reward {function!r} failed on sample {index}: {reason}")
+        where = "the batch" if index is None else f"sample {index}"
+        super().__init__(f"reward {function!r} failed on {where}: {reason}")
 
 
 class UnknownEndpoint(RewardError, KeyError):
@@ -133,3 +152,82 @@ class UnknownEndpoint(RewardError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+# --- refusals of the service (each has its own wire code) -----------------------------------
+
+
+class MissingToken(RewardError, PermissionError):
+    """A request to a server with tenants carries no token."""
+
+    code = "missing_token"
+
+    def __init__(self, operation: str) -> None:
+        self.operation = operation
+        super().__init__(f"{operation} needs a tenant token: set ScoreRequest.token (reward_token in the config)")
+
+
+class InvalidToken(RewardError, PermissionError):
+    """A request's token belongs to no tenant (and is not the admin token)."""
+
+    code = "invalid_token"
+
+    def __init__(self, operation: str) -> None:
+        self.operation = operation
+        super().__init__(f"{operation}: the token is not valid on this reward server")
+
+
+class ForbiddenEndpoint(RewardError, PermissionError):
+    """A tenant asked for an endpoint it may not use (whether or not the endpoint exists)."""
+
+    code = "forbidden_endpoint"
+
+    def __init__(self, tenant: str, endpoint: str, allowed: Iterable[str]) -> None:
+        self.tenant = tenant
+        self.endpoint = endpoint
+        self.allowed = sorted(allowed)
+        super().__init__(
+            f"tenant {tenant!r} may not use endpoint {endpoint!r}; its endpoints are {self.allowed}"
+        )
+
+
+class ForbiddenOperation(RewardError, PermissionError):
+    """A tenant asked for something only the admin token (or a tenant allowed to update) may do."""
+
+    code = "forbidden"
+
+    def __init__(self, tenant: str, operation: str) -> None:
+        self.tenant = tenant
+        self.operation = operation
+        super().__init__(f"tenant {tenant!r} may not {operation}; ask the reward server's operator")
+
+
+class QuotaExceeded(RewardError, RuntimeError):
+    """A tenant sent requests faster than its ``requests_per_s`` quota; retry after ``retry_after_s``."""
+
+    code = "quota_exceeded"
+    retryable = True
+
+    def __init__(self, tenant: str, requests_per_s: float, retry_after_s: float) -> None:
+        self.tenant = tenant
+        self.requests_per_s = requests_per_s
+        self.retry_after_s = retry_after_s
+        super().__init__(
+            f"tenant {tenant!r} is over its quota of {requests_per_s:g} requests/s; "
+            f"retry in {retry_after_s:.2f}s"
+        )
+
+
+class BatchTooLarge(RewardError, ValueError):
+    """A request holds more samples than the tenant's ``max_batch``."""
+
+    code = "batch_too_large"
+
+    def __init__(self, tenant: str, samples: int, max_batch: int) -> None:
+        self.tenant = tenant
+        self.samples = samples
+        self.max_batch = max_batch
+        super().__init__(
+            f"tenant {tenant!r} sent {samples} samples in one request; its max_batch is {max_batch}: "
+            "split the batch"
+        )

@@ -1,9 +1,10 @@
-"""The registry of built-in rules, and the way from a spec (text or dict) to a :class:`CompositeReward`.
+"""The registries of built-in rewards, and the way from a spec (text or dict) to a :class:`CompositeReward`.
 
-:data:`RULES` is a plain dict: a new rule is a new :class:`~rlfleet.reward.base.Rule` subclass
-added here. :func:`parse_reward_spec` checks syntax and rule names; :func:`build_reward` also
-validates every rule's options and imports user functions, so every spec mistake surfaces before
-the first sample is scored.
+:data:`RULES` and :data:`MODELS` are plain dicts: a new rule is a new
+:class:`~rlfleet.reward.base.Rule` subclass added here, a new model-backed reward a new
+:class:`~rlfleet.reward.base.ModelComponent`. :func:`parse_reward_spec` checks syntax and names;
+:func:`build_reward` also validates every option, imports user functions and loads models, so
+every spec mistake surfaces before the first sample is scored.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from rlfleet.reward.answers import ExactMatch, Numeric
-from rlfleet.reward.base import RewardFn, Rule
+from rlfleet.reward.base import BatchRewardFn, ModelComponent, RewardFn, Rule
 from rlfleet.reward.composite import Component, CompositeReward
 from rlfleet.reward.errors import (
     BadRewardArgument,
@@ -24,7 +25,9 @@ from rlfleet.reward.errors import (
     UnknownRewardArgument,
 )
 from rlfleet.reward.relevance import Relevance
+from rlfleet.reward.reward_model import RewardModel
 from rlfleet.reward.rules import Charset, Concise, Keyword, LengthPenalty, Regex
+from rlfleet.reward.similarity import Similarity
 from rlfleet.reward.spec import ComponentSpec, RewardSpec, parse_spec_text
 from rlfleet.reward.user import UserFunction
 
@@ -44,6 +47,15 @@ RULES: dict[str, RuleFactory] = {
     "relevance": Relevance,
 }
 
+MODELS: dict[str, type[ModelComponent]] = {
+    "rm": RewardModel,
+    "similarity": Similarity,
+}
+"""Model-backed components: scored a batch at a time; their models load when the spec is built."""
+
+BUILTINS: dict[str, type[Rule] | type[ModelComponent]] = {**RULES, **MODELS}
+"""Every built-in name a spec may use."""
+
 
 def parse_reward_spec(
     spec: str | Mapping[str, Any] | RewardSpec, *, revision: int | None = None
@@ -56,7 +68,7 @@ def parse_reward_spec(
     if isinstance(spec, RewardSpec):
         parsed = spec
     elif isinstance(spec, str):
-        parsed = parse_spec_text(spec, is_rule=RULES.__contains__, known=list(RULES))
+        parsed = parse_spec_text(spec, is_rule=BUILTINS.__contains__, known=list(BUILTINS))
     elif isinstance(spec, Mapping):
         try:
             parsed = RewardSpec.model_validate(dict(spec))
@@ -65,8 +77,8 @@ def parse_reward_spec(
     else:
         raise RewardSpecError(spec, f"expected a str or a dict, got {type(spec).__name__}")
     for comp in parsed.components:
-        if not comp.is_user_function and comp.name not in RULES:
-            raise UnknownReward(comp.name, RULES)
+        if not comp.is_user_function and comp.name not in BUILTINS:
+            raise UnknownReward(comp.name, BUILTINS)
     if revision is not None:
         parsed = parsed.model_copy(update={"revision": revision})
     return parsed
@@ -78,11 +90,14 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where}: {err['msg']}" if where else err["msg"]
 
 
-def build_rule(name: str, args: Mapping[str, Any]) -> Rule:
-    """Build the registered rule ``name`` with ``args``; errors name the rule and the argument."""
-    if name not in RULES:
-        raise UnknownReward(name, RULES)
-    factory = RULES[name]
+def build_rule(name: str, args: Mapping[str, Any]) -> Rule | ModelComponent:
+    """Validate the options of the built-in ``name`` (a rule, or a model component's options).
+
+    Errors name the reward and the argument. A model component is returned unloaded.
+    """
+    if name not in BUILTINS:
+        raise UnknownReward(name, BUILTINS)
+    factory = BUILTINS[name]
     try:
         return factory(**args)
     except ValidationError as exc:
@@ -123,14 +138,14 @@ def build_reward(
     components: list[Component] = []
     normalized: list[ComponentSpec] = []
     for comp, label in zip(parsed.components, _labels(parsed.components), strict=True):
-        fn: RewardFn
+        fn: RewardFn | BatchRewardFn
         if comp.is_user_function:
             fn = UserFunction.load(comp.name, comp.args)
             args = dict(comp.args)
         else:
-            rule = build_rule(comp.name, comp.args)
-            fn = rule
-            args = rule.model_dump(mode="json")
+            options = build_rule(comp.name, comp.args)
+            fn = options.load() if isinstance(options, ModelComponent) else options
+            args = options.model_dump(mode="json")
         components.append(Component(label=label, weight=comp.weight, fn=fn))
         normalized.append(comp.model_copy(update={"args": args}))
     reward = CompositeReward(components, parsed.model_copy(update={"components": normalized}))

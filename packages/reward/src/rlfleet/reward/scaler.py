@@ -14,10 +14,17 @@ statistics as they stand (for evaluation). The statistics are the scaler's own s
 :meth:`RewardScaler.state_dict` / :meth:`RewardScaler.load_state_dict` save and restore them as
 plain numbers.
 
-A scaler built with a scorer (``RewardScaler(fn=build_reward(spec))`` or ``scaler.wrap(fn)``) also
-computes rewards from text: ``compute_reward(prompts, responses, **kw)``. A scorer is any callable
-``(prompts, responses, **kw) -> list[float] | ScoreBatch``. ``model_name`` is stored for the
-reward-model tier; this package does not load models by name.
+A scaler with a scorer also computes rewards from text: ``compute_reward(prompts, responses, **kw)``.
+The scorer is ``fn`` (``RewardScaler(fn=build_reward(spec))`` or ``scaler.wrap(fn)``; any callable
+``(prompts, responses, **kw) -> list[float] | ScoreBatch``) or, without ``fn``, the reward model
+in the directory ``model_name`` (the ``rm`` component, loaded on first use)::
+
+    scaler = RewardScaler(model_name="/models/my-rm", temperature=0.7, min_reward=0.1)
+    rewards = scaler.compute_reward(prompts, responses)
+
+A scaler whose scorer is a spec-built reward (or a ``model_name``) can be sent to a reward server
+(``trainer.set_reward_fn(scaler)`` or ``trainer.set_reward_fn(scaler.compute_reward)``): the
+server builds the same reward and scaler, statistics included (:meth:`RewardScaler.__rlfleet_reward__`).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rlfleet.reward.composite import ScoreBatch
-from rlfleet.reward.errors import NoScorer, RewardInputError
+from rlfleet.reward.errors import NoScorer, NotPortable, RewardInputError
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +114,7 @@ class RewardScaler:
 
     @property
     def model_name(self) -> str | None:
-        """The reward model name given at construction (stored only)."""
+        """The reward model directory scored with when there is no ``fn``."""
         return self.config.model_name
 
     @property
@@ -161,7 +168,11 @@ class RewardScaler:
         ``kw`` goes to the scorer as is (a CompositeReward takes ``metadata_list``).
         """
         if self.fn is None:
-            raise NoScorer(self.config.model_name)
+            if not self.config.model_name:
+                raise NoScorer(self.config.model_name)
+            from rlfleet.reward.registry import build_reward
+
+            self.fn = build_reward(self._model_spec(self.config.model_name))
         raw = self.fn(prompts, responses, **kw)
         totals = raw.total if isinstance(raw, ScoreBatch) else list(raw)
         if len(totals) != len(responses):
@@ -185,6 +196,28 @@ class RewardScaler:
     def reset(self) -> None:
         """Forget the running statistics."""
         self._state = ScalerState.empty()
+
+    @staticmethod
+    def _model_spec(model_name: str) -> dict[str, Any]:
+        return {"components": [{"name": "rm", "args": {"path": model_name}}]}
+
+    def __rlfleet_reward__(self) -> dict[str, Any]:
+        """What a controller sends to a reward server to serve this scaler (``SetRewardSpec`` fields).
+
+        Raises :class:`NotPortable` when the scorer is a plain callable: a server can only build
+        what a spec describes.
+        """
+        describe = getattr(self.fn, "__rlfleet_reward__", None)
+        if describe is not None:
+            spec = describe()["spec"]
+        elif self.fn is None and self.config.model_name:
+            spec = self._model_spec(self.config.model_name)
+        else:
+            raise NotPortable(
+                "RewardScaler", f"its scorer {self.fn!r} is a plain callable; build it with build_reward(spec) "
+                "or give model_name=<reward model directory>",
+            )  # fmt: skip
+        return {"spec": spec, "scaler": self.config.model_dump(mode="json"), "scaler_state": self.state_dict()}
 
     def __repr__(self) -> str:
         return f"RewardScaler({self.config!r}, count={self.count})"

@@ -1,8 +1,17 @@
 """The reward tier's worker: scores rollout batches pulled straight from the rollout workers' stores.
 
-Each endpoint maps to a reward spec. A spec switch (``SetRewardSpec``) builds the new reward first
-and then swaps it in one assignment, so requests already running finish on the version they
-started with and every score names the version that produced it.
+Subjects (``rlfleet.<cluster>.reward.*``)::
+
+    reward.score            queue group "reward": ScoreRequest -> ScoreResult (N workers share the load)
+    reward.worker.<id>      this worker alone: SetRewardSpec -> RewardSpecSet (hot swap),
+                            RewardStatsRequest -> RewardStats, ScoreRequest, Shutdown
+
+Every request names an endpoint and carries a token (``ScoreRequest.token``). With tenants in the
+config, the token says who is asking (:mod:`rlfleet.reward.tenants`): a tenant scores and reads
+statistics only on its own endpoints, within its quota, and hot-swaps only its own endpoints; the
+admin token may do anything, including creating endpoints. Without tenants the server is open.
+Hot swaps and versions are :mod:`rlfleet.reward.endpoints`' business: a request finishes on the
+version it started with, and its :class:`ScoreResult` names that version.
 """
 
 from __future__ import annotations
@@ -11,14 +20,21 @@ import asyncio
 import logging
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
-from rlfleet.common.messages import AnyMessage, RewardSpecSet, ScoreRequest, ScoreResult, SetRewardSpec
+from rlfleet.common.messages import (
+    AnyMessage,
+    RewardSpecSet,
+    RewardStats,
+    RewardStatsRequest,
+    ScoreRequest,
+    ScoreResult,
+    SetRewardSpec,
+)
 from rlfleet.common.service import ServiceConfig, Worker
 from rlfleet.common.subjects import subject
-from rlfleet.reward.composite import CompositeReward
-from rlfleet.reward.errors import UnknownEndpoint
-from rlfleet.reward.registry import build_reward
+from rlfleet.reward.endpoints import EndpointConfig, Endpoints
+from rlfleet.reward.tenants import TenantConfig, TenantTable, TokenSource
 
 logger = logging.getLogger(__name__)
 
@@ -26,40 +42,75 @@ TEXT_TENSORS = ["prompt_text", "prompt_text_offsets", "response_text", "response
 
 
 class RewardServiceConfig(ServiceConfig):
-    """Settings of a reward worker."""
+    """Settings of a reward worker (and of a shared reward server: tenants, admin token, state)."""
 
-    endpoints: dict[str, str | dict[str, Any]] = Field(
-        default_factory=lambda: {"default": "concise:max_words=50"},
-        description="endpoint name -> reward spec (rlfleet-reward spec syntax)",
+    endpoints: dict[str, EndpointConfig] = Field(
+        default_factory=lambda: {"default": EndpointConfig(spec="concise:max_words=50")},
+        description="endpoint name -> {spec, scaler}; a bare spec (text or dict form) is short for {spec: ...}",
     )
+    tenants: list[TenantConfig] = Field(default_factory=list, description="who may use which endpoints; none: open")
+    admin: TokenSource | None = Field(default=None, description="the operators' token (token / token_sha256 / token_env)")
     max_concurrency: int = Field(default=4, ge=1, description="score requests handled at once")
+    state_dir: str | None = Field(default=None, description="keep endpoint specs and scaler statistics here")
+    state_save_s: float = Field(default=30.0, gt=0, description="seconds between saves of the state")
+
+    @field_validator("endpoints", mode="before")
+    @classmethod
+    def _bare_specs(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        return {
+            name: {"spec": cfg} if isinstance(cfg, str) or (isinstance(cfg, dict) and "spec" not in cfg) else cfg
+            for name, cfg in value.items()
+        }
+
+    @model_validator(mode="after")
+    def _tenants_fit(self) -> RewardServiceConfig:
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tenant names must be unique, got {names}")
+        for tenant in self.tenants:
+            unknown = [e for e in tenant.endpoints if e not in self.endpoints]
+            if unknown:
+                raise ValueError(
+                    f"tenant {tenant.name!r} names endpoints {unknown} that are not in endpoints "
+                    f"({sorted(self.endpoints)}); add them there"
+                )
+        return self
 
 
 class RewardWorker(Worker[RewardServiceConfig]):
-    """Serves ``reward.score`` for its endpoints."""
+    """Serves ``reward.score`` for its endpoints, to the tenants allowed on each."""
 
     tier = "reward"
 
     async def setup(self) -> None:
-        self.rewards: dict[str, CompositeReward] = {
-            name: build_reward(spec) for name, spec in self.config.endpoints.items()
-        }
-        self._revisions = dict.fromkeys(self.rewards, 0)
+        cfg = self.config
+        self.tenants = TenantTable(cfg.tenants, admin=cfg.admin)
+        self.endpoints = Endpoints(cfg.state_dir)
+        await self.endpoints.start(cfg.endpoints)
         self._clients: dict[str, Any] = {}
-        cluster = self.config.cluster
-        await self.transport.subscribe(subject(cluster, "reward", "score"), self._on_score, queue="reward",
-                                       max_concurrency=self.config.max_concurrency)  # fmt: skip
-        for name, reward in self.rewards.items():
-            logger.info("endpoint %s: %s (version %s)", name, reward.spec, reward.version)
+        self._saver: asyncio.Task[None] | None = None
+        if cfg.state_dir:
+            self._saver = asyncio.create_task(self._save_periodically(), name="reward-state-saver")
+        await self.transport.subscribe(subject(cfg.cluster, "reward", "score"), self._on_score, queue="reward",
+                                       max_concurrency=cfg.max_concurrency)  # fmt: skip
+        if self.tenants.open:
+            logger.warning("no tenants configured: every request is accepted (open server)")
+        else:
+            logger.info("tenants: %s", ", ".join(t.name for t in self.tenants.tenants))
 
     def announce_fields(self) -> dict[str, object]:
-        return {"capacity": self.config.max_concurrency, "model_id": ",".join(sorted(self.rewards))}
+        return {"capacity": self.config.max_concurrency, "model_id": "" if not self.tenants.open else
+                ",".join(self.endpoints.names())}  # fmt: skip
 
     async def handle_own(self, message: AnyMessage) -> AnyMessage | None:
         if isinstance(message, SetRewardSpec):
             return await self.set_spec(message)
         if isinstance(message, ScoreRequest):
             return await self.score(message)
+        if isinstance(message, RewardStatsRequest):
+            return self.stats(message)
         return await super().handle_own(message)
 
     async def _on_score(self, message: AnyMessage) -> AnyMessage | None:
@@ -68,27 +119,58 @@ class RewardWorker(Worker[RewardServiceConfig]):
         return await self.score(message)
 
     async def set_spec(self, message: SetRewardSpec) -> RewardSpecSet:
-        """Build the new reward, then switch the endpoint to it atomically."""
-        revision = self._revisions.get(message.endpoint, -1) + 1
-        reward = await asyncio.to_thread(build_reward, message.spec, revision=revision)
-        self.rewards[message.endpoint] = reward
-        self._revisions[message.endpoint] = revision
-        logger.info("endpoint %s now %s (version %s)", message.endpoint, reward.spec, reward.version)
-        return RewardSpecSet(endpoint=message.endpoint, spec_version=reward.version)
+        """Hot swap: build the endpoint's next version in the background, then switch to it."""
+        name = message.endpoint
+        tenant = self.tenants.identify(message.token, f"set the reward of {name!r}")
+        self.tenants.check_update(tenant, name)
+        old, new, seconds = await self.endpoints.swap(
+            name, spec=message.spec, model_path=message.model_path, component=message.component,
+            scaler=message.scaler, scaler_state=message.scaler_state,
+        )  # fmt: skip
+        who = self.tenants.label(tenant, self.tenants.open) or "open"
+        logger.info("endpoint %s: version %s set by %s", name, new.version, who)
+        return RewardSpecSet(endpoint=name, spec_version=new.version, spec=str(new.reward.spec),
+                             previous_version=old.version if old else "", load_s=seconds)  # fmt: skip
 
     async def score(self, request: ScoreRequest) -> ScoreResult:
-        reward = self.rewards.get(request.endpoint)
-        if reward is None:
-            raise UnknownEndpoint(request.endpoint, self.rewards)
+        """Score one rollout batch on the version the endpoint serves when the request starts."""
+        name = request.endpoint
+        tenant = self.tenants.identify(request.token, f"score on {name!r}")
+        self.tenants.check_endpoint(tenant, name)
+        live = self.endpoints.get(name, self.tenants.visible(tenant, self.endpoints.names()))
+        self.tenants.take_request(tenant)
         self.busy += 1
+        done = False
         try:
             prompts, responses, groups = await self._texts(request)
+            self.tenants.check_batch(tenant, len(responses))
             metadata = [dict(request.metadata[g]) if g < len(request.metadata) else {} for g in groups]
-            batch = await asyncio.to_thread(reward.score, prompts, responses, metadata)
+            batch = await asyncio.to_thread(live.reward.score, prompts, responses, metadata)
+            done = True
         finally:
             self.busy -= 1
-        return ScoreResult(job_id=request.job_id, endpoint=request.endpoint, spec_version=batch.version,
-                           scores=batch.total, components=batch.components)  # fmt: skip
+            if not done:
+                self.endpoints.record_error(name)
+        raw = list(batch.total)
+        scores = live.scale(raw)
+        self.endpoints.record(name, raw)
+        return ScoreResult(job_id=request.job_id, endpoint=name, spec_version=live.version, scores=scores,
+                           components=batch.components, raw_scores=raw if live.scaler else [])  # fmt: skip
+
+    def stats(self, request: RewardStatsRequest) -> RewardStats:
+        """Statistics of the endpoints the token may see (one, when the request names it)."""
+        tenant = self.tenants.identify(request.token, "read reward statistics")
+        names = self.tenants.visible(tenant, self.endpoints.names())
+        if request.endpoint:
+            self.tenants.check_endpoint(tenant, request.endpoint)
+            self.endpoints.get(request.endpoint, names)
+            names = [request.endpoint]
+        if tenant is not None:
+            refused = dict(tenant.refused)
+        else:
+            refused = {f"{t.name}/{code}": n for t in self.tenants.tenants for code, n in t.refused.items()}
+        return RewardStats(worker_id=self.worker_id, tenant=self.tenants.label(tenant, self.tenants.open),
+                           endpoints={n: self.endpoints.stats(n) for n in names}, refused=refused)  # fmt: skip
 
     async def _texts(self, request: ScoreRequest) -> tuple[list[str], list[str], list[int]]:
         from rlfleet.common.batch import unpack_texts
@@ -103,7 +185,16 @@ class RewardWorker(Worker[RewardServiceConfig]):
         responses = unpack_texts(got["response_text"], got["response_text_offsets"])
         return prompts, responses, [int(g) for g in got["group_index"].tolist()]
 
+    async def _save_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.state_save_s)
+            self.endpoints.save()
+
     async def teardown(self) -> None:
+        if self._saver is not None:
+            self._saver.cancel()
+            await asyncio.gather(self._saver, return_exceptions=True)
+        self.endpoints.save()
         for client in self._clients.values():
             await client.close()
         self._clients.clear()

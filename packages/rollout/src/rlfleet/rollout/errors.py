@@ -100,3 +100,60 @@ class StaleWeights(RlfleetError, RuntimeError):
         super().__init__(
             f"rollout worker {worker_id} holds weight version {held}, the request asks for {asked}"
         )
+
+
+class ContextTooLong(RlfleetError, ValueError):
+    """A prompt plus ``max_tokens`` does not fit the engine's context cap (``rollout_max_cache_len``).
+
+    The policy is to refuse, never to truncate: a truncated prompt would silently train on text
+    the user did not write. Shorten prompts (``data.max_prompt_length``) or raise the cap.
+    """
+
+    def __init__(self, index: int, prompt_len: int, max_tokens: int, cap: int) -> None:
+        self.index = index
+        self.prompt_len = prompt_len
+        self.max_tokens = max_tokens
+        self.cap = cap
+        super().__init__(
+            f"prompt {index} has {prompt_len} tokens; with max_tokens={max_tokens} it needs "
+            f"{prompt_len + max_tokens} > the context cap of {cap} tokens (rollout_max_cache_len, "
+            "bounded by the model's max_position_embeddings); shorten prompts or raise the cap"
+        )
+
+
+class IncompleteWeights(RlfleetError, ValueError):
+    """A weight version was set while a fused block still missed some of its tensors.
+
+    vLLM fuses several HF tensors into one kernel tensor (q/k/v, gate/up), so it loads a
+    transformer block only once every tensor of the block has arrived.
+    """
+
+    def __init__(self, missing: Sequence[str]) -> None:
+        self.missing = tuple(missing)
+        shown = ", ".join(repr(n) for n in self.missing[:5])
+        more = f" and {len(self.missing) - 5} more" if len(self.missing) > 5 else ""
+        super().__init__(
+            f"weights of a partly sent block were dropped, the block is missing {shown}{more}; "
+            "send every tensor of a transformer block (any bucket order) before setting the version"
+        )
+
+
+class WeightsDiscarded(RlfleetError, RuntimeError):
+    """The engine slept at level 2 (weights discarded) and has not received a full publish since."""
+
+    def __init__(self, model_id: str, missing: int) -> None:
+        self.model_id = model_id
+        self.missing = missing
+        super().__init__(
+            f"engine for {model_id!r} discarded its weights in a level-2 sleep and {missing} weight "
+            "group(s) have not been published since; publish the weights before generating"
+        )
+
+
+class EngineUnavailable(RlfleetError, ImportError):
+    """The requested engine cannot run here (its package is missing or built for another device)."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        self.engine = name
+        self.reason = reason
+        super().__init__(f"rollout engine {name!r} is unavailable: {reason}")

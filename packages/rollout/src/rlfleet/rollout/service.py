@@ -19,7 +19,7 @@ from rlfleet.common.messages import AnyMessage, GenerateRequest, GenerateResult,
 from rlfleet.common.service import ServiceConfig, Worker
 from rlfleet.common.subjects import subject
 from rlfleet.common.tensor_store import TensorStoreClient, TensorStoreServer
-from rlfleet.rollout.engines.registry import make_engine
+from rlfleet.rollout.engines.registry import make_engine, resolve_engine_name
 from rlfleet.rollout.engines.tensors import to_rollout_tensors
 from rlfleet.rollout.errors import StaleWeights
 
@@ -38,6 +38,33 @@ class RolloutServiceConfig(ServiceConfig):
     capacity: int = Field(default=1, ge=1, description="generate jobs taken at once")
     store_capacity_mb: float = Field(default=4096, gt=0, description="TensorStore capacity for results")
     store_ttl_s: float = Field(default=1800, gt=0, description="results not fetched by then are dropped")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM: GPUs one engine shards over")
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1, description="vLLM: GPU memory share")
+    enforce_eager: bool | None = Field(
+        default=None, description="vLLM: no torch.compile / CUDA graphs; None = eager on CPU only"
+    )
+    cache_policy: Literal["lru", "none"] = Field(
+        default="lru", description="vLLM KV cache: lru = prefix caching (LRU eviction), none = off"
+    )
+    max_cache_len: int = Field(
+        default=2048, ge=2, description="vLLM: longest prompt + response; longer requests are refused"
+    )
+    colocate: bool = Field(default=False, description="vLLM: sleep between rollouts (GPU shared)")
+    sleep_level: Literal[1, 2] = Field(default=1, description="vLLM sleep level when colocated")
+
+
+def engine_kwargs(cfg: RolloutServiceConfig, engine: str, device: str) -> dict[str, Any]:
+    """Constructor arguments of ``engine`` (a resolved engine name) from the worker's config."""
+    kwargs: dict[str, Any] = {"dtype": cfg.dtype, "device": device, "seed": cfg.seed,
+                              "max_batch_size": cfg.max_batch_size}  # fmt: skip
+    if engine == "vllm":
+        eager = cfg.enforce_eager if cfg.enforce_eager is not None else device == "cpu"
+        kwargs.update(
+            tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enforce_eager=eager, enable_prefix_caching=cfg.cache_policy == "lru",
+            max_model_len=cfg.max_cache_len, colocate=cfg.colocate, sleep_level=cfg.sleep_level,
+        )  # fmt: skip
+    return kwargs
 
 
 class RolloutWorker(Worker[RolloutServiceConfig]):
@@ -48,13 +75,13 @@ class RolloutWorker(Worker[RolloutServiceConfig]):
     async def setup(self) -> None:
         cfg = self.config
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        name = cfg.engine if cfg.engine != "auto" else "hf"
+        name = resolve_engine_name(cfg.engine)
         self.engine: Any = await asyncio.to_thread(
-            make_engine, name, cfg.model_path, dtype=cfg.dtype, device=device, seed=cfg.seed,
-            max_batch_size=cfg.max_batch_size,
+            make_engine, name, cfg.model_path, **engine_kwargs(cfg, name, device)
         )  # fmt: skip
         self.weight_version = self.engine.weight_version
-        self.store = TensorStoreServer(capacity_bytes=int(cfg.store_capacity_mb * 2**20), ttl_s=cfg.store_ttl_s)
+        self.store = TensorStoreServer(capacity_bytes=int(cfg.store_capacity_mb * 2**20),
+                                       ttl_s=cfg.store_ttl_s)  # fmt: skip
         self.data_address = await self.store.start()
         self._clients: dict[str, TensorStoreClient] = {}
         self._gpu = asyncio.Lock()  # one engine call at a time: generation and weight loads never overlap

@@ -1,5 +1,12 @@
 """Walking a model's weights in size-bounded buckets, for publishing them to rollout workers.
 
+Works for a plain model and for one sharded by FSDP2 (parameters are DTensor shards). For a
+sharded model every rank walks the same buckets in the same order: each parameter is first
+converted to the target dtype on its shard (so the gather moves bf16, not float32), then
+gathered to a full tensor (``DTensor.full_tensor()``, a collective), and copied straight into
+the bucket's host buffer on the rank that keeps buckets (rank 0); the others drop it. The
+extra memory on a rank is thus one full parameter on the device plus one bucket on the host.
+
 Tied weights: when ``lm_head.weight`` shares its storage with ``model.embed_tokens.weight`` the
 state dict lists both names for one tensor. By default each storage is yielded once, under the
 first name in state-dict order (``model.embed_tokens.weight``: the name ``save_pretrained`` keeps
@@ -12,24 +19,96 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
+
+_ALIGN = 64
+"""Byte alignment of each tensor inside a bucket's host buffer."""
+
+
+def _storage_key(tensor: Tensor) -> tuple[int, ...]:
+    if isinstance(tensor, DTensor):  # a wrapper: tied parameters are the same Python object
+        return (id(tensor),)
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), *tensor.shape)
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:
     """``{alias: kept_name}`` for every state-dict entry that shares storage with an earlier one."""
-    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    seen: dict[tuple[int, ...], str] = {}
     aliases: dict[str, str] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        key = _storage_key(tensor)
         if key in seen:
             aliases[name] = seen[key]
         else:
             seen[key] = name
     return aliases
+
+
+@dataclass(frozen=True)
+class _Slot:
+    name: str
+    tensor: Tensor  # as in the state dict: plain or a DTensor shard
+    dtype: torch.dtype  # the dtype it is published in
+    offset: int  # byte offset in the bucket's host buffer
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.dtype.itemsize
+
+
+def _plan(
+    model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None, include_tied: bool, only: set[str] | None
+) -> Iterator[list[_Slot]]:
+    """Group the state dict into buckets of at most ``bucket_bytes`` (a larger tensor goes alone)."""
+    skip = set() if include_tied else set(tied_aliases(model))
+    bucket: list[_Slot] = []
+    size = 0
+    for name, tensor in model.state_dict().items():
+        if name in skip or (only is not None and name not in only):
+            continue
+        target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        nbytes = tensor.numel() * target.itemsize
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        offset = -(-sum(s.nbytes for s in bucket) // _ALIGN) * _ALIGN if bucket else 0
+        bucket.append(_Slot(name, tensor, target, offset))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _full(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    """The whole tensor in ``dtype``; for a DTensor shard, converted locally, then gathered."""
+    tensor = tensor.detach()
+    if isinstance(tensor, DTensor):
+        return tensor.to(dtype).full_tensor()
+    return tensor.to(dtype)
+
+
+def _gather_bucket(slots: list[_Slot], keep: bool, pin_memory: bool) -> dict[str, Tensor]:
+    """Gather each tensor of the bucket and (when ``keep``) copy it into one fresh host buffer."""
+    end = slots[-1].offset + slots[-1].nbytes
+    buffer = torch.empty(end, dtype=torch.uint8, pin_memory=pin_memory) if keep else None
+    bucket: dict[str, Tensor] = {}
+    on_device = False
+    for slot in slots:
+        full = _full(slot.tensor, slot.dtype)  # every rank: the gather is a collective
+        if buffer is None:
+            continue
+        view = buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(full.shape)
+        view.copy_(full, non_blocking=pin_memory)
+        on_device = on_device or full.device.type != "cpu"
+        bucket[slot.name] = view
+    if on_device and pin_memory:
+        torch.cuda.current_stream().synchronize()  # the async device-to-host copies are done
+    return bucket
 
 
 def iter_weight_buckets(
@@ -39,12 +118,15 @@ def iter_weight_buckets(
     dtype: torch.dtype | None = None,
     include_tied: bool = False,
     only: set[str] | None = None,
+    keep: bool = True,
+    pin_memory: bool = False,
 ) -> Iterator[dict[str, Tensor]]:
     """Yield the state dict in buckets of at most ``bucket_bytes`` (HF names, state-dict order).
 
-    Each tensor is a detached, contiguous CPU copy (in ``dtype`` when given), so a bucket stays
-    valid across later optimizer steps; peak extra memory is one bucket. A tensor larger than
-    ``bucket_bytes`` travels alone in its own bucket.
+    Each tensor is a detached, contiguous CPU copy (in ``dtype`` when given; the tensors of a
+    bucket are views of one host buffer), so a bucket stays valid across later optimizer steps.
+    A tensor larger than ``bucket_bytes`` travels alone in its own bucket. With an FSDP2 model
+    every rank must iterate (the gathers are collectives); see the module docstring.
 
     Args:
         model: the model whose ``state_dict()`` to walk.
@@ -53,24 +135,14 @@ def iter_weight_buckets(
         include_tied: also yield tied aliases (see the module docstring).
         only: yield just these names (e.g. the trainable ones when lower layers are frozen: the
             receiver already holds the frozen ones from the same checkpoint); None yields all.
+        keep: False on ranks that take part in the gathers but keep nothing: they yield ``{}``
+            for each bucket, in step with the keeping rank.
+        pin_memory: put buckets in page-locked host memory (faster device-to-host copies, CUDA only).
 
     Yields:
-        ``{name: tensor}`` dicts, never empty.
+        ``{name: tensor}`` dicts, never empty on a keeping rank.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0; got {bucket_bytes}")
-    skip = set() if include_tied else set(tied_aliases(model))
-    bucket: dict[str, Tensor] = {}
-    size = 0
-    for name, tensor in model.state_dict().items():
-        if name in skip or (only is not None and name not in only):
-            continue
-        target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-        nbytes = tensor.numel() * torch.empty((), dtype=target).element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = {}, 0
-        bucket[name] = tensor.detach().to(device="cpu", dtype=target, copy=True).contiguous()
-        size += nbytes
-    if bucket:
-        yield bucket
+    for slots in _plan(model, bucket_bytes, dtype, include_tied, only):
+        yield _gather_bucket(slots, keep, pin_memory)

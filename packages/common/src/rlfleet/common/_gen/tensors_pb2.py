@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!rlfleet/common/_gen/tensors.proto\x12\x12rlfleet.tensors.v1\"\xc4\x01\n\x0bTensorChunk\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x12\x12\n\x05\x63rc32\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rend_of_stream\x18\x08 \x01(\x08\x12\x14\n\x0ctensor_count\x18\t \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\x42\x08\n\x06_crc32\"?\n\nPutSummary\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x14\n\x0ctensor_count\x18\x03 \x01(\r\"(\n\nGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05names\x18\x02 \x03(\t\"\x1c\n\rDeleteRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x1e\n\x0b\x44\x65leteReply\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\'\n\x0bStatRequest\x12\x10\n\x03key\x18\x01 \x01(\tH\x00\x88\x01\x01\x42\x06\n\x04_key\"H\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"\x91\x01\n\tStatReply\x12\x12\n\nused_bytes\x18\x01 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x11\n\tkey_count\x18\x03 \x01(\r\x12/\n\x07tensors\x18\x04 \x03(\x0b\x32\x1e.rlfleet.tensors.v1.TensorInfo\x12\x14\n\x0c\x65xpires_in_s\x18\x05 \x01(\x01\x32\xb7\x02\n\x0bTensorStore\x12H\n\x03Put\x12\x1f.rlfleet.tensors.v1.TensorChunk\x1a\x1e.rlfleet.tensors.v1.PutSummary(\x01\x12H\n\x03Get\x12\x1e.rlfleet.tensors.v1.GetRequest\x1a\x1f.rlfleet.tensors.v1.TensorChunk0\x01\x12L\n\x06\x44\x65lete\x12!.rlfleet.tensors.v1.DeleteRequest\x1a\x1f.rlfleet.tensors.v1.DeleteReply\x12\x46\n\x04Stat\x12\x1f.rlfleet.tensors.v1.StatRequest\x1a\x1d.rlfleet.tensors.v1.StatReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!rlfleet/common/_gen/tensors.proto\x12\x12rlfleet.tensors.v1\"\xc4\x01\n\x0bTensorChunk\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x12\x12\n\x05\x63rc32\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rend_of_stream\x18\x08 \x01(\x08\x12\x14\n\x0ctensor_count\x18\t \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\x42\x08\n\x06_crc32\"?\n\nPutSummary\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x14\n\x0ctensor_count\x18\x03 \x01(\r\"A\n\nGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05names\x18\x02 \x03(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\x04\"\x1c\n\rDeleteRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x1e\n\x0b\x44\x65leteReply\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\'\n\x0bStatRequest\x12\x10\n\x03key\x18\x01 \x01(\tH\x00\x88\x01\x01\x42\x06\n\x04_key\"H\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"\xac\x01\n\tStatReply\x12\x12\n\nused_bytes\x18\x01 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x11\n\tkey_count\x18\x03 \x01(\r\x12/\n\x07tensors\x18\x04 \x03(\x0b\x32\x1e.rlfleet.tensors.v1.TensorInfo\x12\x14\n\x0c\x65xpires_in_s\x18\x05 \x01(\x01\x12\x19\n\x11max_message_bytes\x18\x06 \x01(\x04\x32\xb7\x02\n\x0bTensorStore\x12H\n\x03Put\x12\x1f.rlfleet.tensors.v1.TensorChunk\x1a\x1e.rlfleet.tensors.v1.PutSummary(\x01\x12H\n\x03Get\x12\x1e.rlfleet.tensors.v1.GetRequest\x1a\x1f.rlfleet.tensors.v1.TensorChunk0\x01\x12L\n\x06\x44\x65lete\x12!.rlfleet.tensors.v1.DeleteRequest\x1a\x1f.rlfleet.tensors.v1.DeleteReply\x12\x46\n\x04Stat\x12\x1f.rlfleet.tensors.v1.StatRequest\x1a\x1d.rlfleet.tensors.v1.StatReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,17 +36,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTSUMMARY']._serialized_start=256
   _globals['_PUTSUMMARY']._serialized_end=319
   _globals['_GETREQUEST']._serialized_start=321
-  _globals['_GETREQUEST']._serialized_end=361
-  _globals['_DELETEREQUEST']._serialized_start=363
-  _globals['_DELETEREQUEST']._serialized_end=391
-  _globals['_DELETEREPLY']._serialized_start=393
-  _globals['_DELETEREPLY']._serialized_end=423
-  _globals['_STATREQUEST']._serialized_start=425
-  _globals['_STATREQUEST']._serialized_end=464
-  _globals['_TENSORINFO']._serialized_start=466
-  _globals['_TENSORINFO']._serialized_end=538
-  _globals['_STATREPLY']._serialized_start=541
-  _globals['_STATREPLY']._serialized_end=686
-  _globals['_TENSORSTORE']._serialized_start=689
-  _globals['_TENSORSTORE']._serialized_end=1000
+  _globals['_GETREQUEST']._serialized_end=386
+  _globals['_DELETEREQUEST']._serialized_start=388
+  _globals['_DELETEREQUEST']._serialized_end=416
+  _globals['_DELETEREPLY']._serialized_start=418
+  _globals['_DELETEREPLY']._serialized_end=448
+  _globals['_STATREQUEST']._serialized_start=450
+  _globals['_STATREQUEST']._serialized_end=489
+  _globals['_TENSORINFO']._serialized_start=491
+  _globals['_TENSORINFO']._serialized_end=563
+  _globals['_STATREPLY']._serialized_start=566
+  _globals['_STATREPLY']._serialized_end=738
+  _globals['_TENSORSTORE']._serialized_start=741
+  _globals['_TENSORSTORE']._serialized_end=1052
 # @@protoc_insertion_point(module_scope)

@@ -41,12 +41,14 @@ class PutSummary(_message.Message):
     def __init__(self, key: _Optional[str] = ..., nbytes: _Optional[int] = ..., tensor_count: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("key", "names")
+    __slots__ = ("key", "names", "max_chunk_bytes")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     key: str
     names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, key: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
+    max_chunk_bytes: int
+    def __init__(self, key: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("key",)
@@ -79,15 +81,17 @@ class TensorInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class StatReply(_message.Message):
-    __slots__ = ("used_bytes", "capacity_bytes", "key_count", "tensors", "expires_in_s")
+    __slots__ = ("used_bytes", "capacity_bytes", "key_count", "tensors", "expires_in_s", "max_message_bytes")
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     KEY_COUNT_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     used_bytes: int
     capacity_bytes: int
     key_count: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
     expires_in_s: float
-    def __init__(self, used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., key_count: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+    max_message_bytes: int
+    def __init__(self, used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., key_count: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...

@@ -3,7 +3,7 @@
 from rlfleet.rollout.engines.base import Completion, Engine, FinishReason, WeightsInput
 from rlfleet.rollout.engines.hf import HFEngine
 from rlfleet.rollout.engines.registry import ENGINES, make_engine
-from rlfleet.rollout.engines.tensors import pack_texts, to_rollout_tensors, unpack_texts
+from rlfleet.rollout.engines.tensors import pad_left, pad_right, to_rollout_tensors
 
 __all__ = [
     "ENGINES",
@@ -13,7 +13,7 @@ __all__ = [
     "HFEngine",
     "WeightsInput",
     "make_engine",
-    "pack_texts",
+    "pad_left",
+    "pad_right",
     "to_rollout_tensors",
-    "unpack_texts",
 ]

@@ -38,7 +38,8 @@ class Completion:
     ``"stop"``; otherwise exactly ``max_tokens`` tokens were generated and it is ``"length"``.
     ``logprobs`` has one entry per element of ``token_ids`` (see the module docstring for which
     distribution), or is empty when ``SamplingParams.logprobs`` was false. ``text`` is
-    ``token_ids`` decoded with ``skip_special_tokens=True``.
+    ``token_ids`` decoded with ``skip_special_tokens=True``: a stop token that is not a special
+    token stays in the text (vLLM drops stop tokens from its text; rewards see it here).
     """
 
     prompt_index: int

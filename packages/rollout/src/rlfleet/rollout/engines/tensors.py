@@ -8,7 +8,7 @@ N = number of completions (prompt-major, as ``Engine.generate`` returns them):
 - ``group_index`` (N,) int64: the prompt each sample answers
 - ``prompt_text`` / ``response_text`` uint8 (total utf-8 bytes,) with ``*_offsets`` (N+1,) int64
 
-``rlfleet.common`` has no shared packer yet, so this module carries its own small one.
+Texts are packed with :func:`rlfleet.common.batch.pack_texts` (read back with ``unpack_texts``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from rlfleet.common.batch import pack_texts
 from rlfleet.rollout.engines.base import Completion
 
 logger = logging.getLogger(__name__)
@@ -54,27 +55,6 @@ def pad_right(
             values[i, : len(row)] = torch.as_tensor(row, dtype=dtype)
             mask[i, : len(row)] = 1
     return values, mask
-
-
-def pack_texts(texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate strings as utf-8.
-
-    Returns ``(data, offsets)``: data uint8 (total bytes,), offsets int64 (len(texts)+1,) so that
-    text ``i`` is ``bytes(data[offsets[i]:offsets[i+1]]).decode()``.
-    """
-    encoded = [t.encode("utf-8") for t in texts]
-    lengths = torch.tensor([0] + [len(b) for b in encoded], dtype=torch.int64)
-    offsets = torch.cumsum(lengths, dim=0)
-    blob = b"".join(encoded)
-    data = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
-    return data, offsets
-
-
-def unpack_texts(data: torch.Tensor, offsets: torch.Tensor) -> list[str]:
-    """Inverse of :func:`pack_texts`."""
-    raw = data.numpy().tobytes()
-    bounds = offsets.tolist()
-    return [raw[a:b].decode("utf-8") for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def to_rollout_tensors(

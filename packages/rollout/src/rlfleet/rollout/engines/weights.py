@@ -1,9 +1,9 @@
 """Load named tensors into a live ``torch.nn.Module`` in place, validating every name, shape and dtype.
 
 Used by the HF engine to take a weight bucket from the trainer: each tensor is copied into the
-existing parameter's storage (``param.data.copy_``), so optimizer-free inference state such as
-the KV-cache layout, compiled graphs and tied parameters stay intact. A bucket is validated as a
-whole before anything is copied, so a bad bucket leaves the model untouched.
+existing parameter's storage (``param.data.copy_``), so everything that holds a reference to a
+parameter (tied embeddings, CUDA graphs, compiled code) keeps seeing the live values. A bucket
+is validated as a whole before anything is copied, so a bad bucket leaves the model untouched.
 """
 
 from __future__ import annotations

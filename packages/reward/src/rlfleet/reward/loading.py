@@ -1,0 +1,132 @@
+"""Loading Hugging Face models for reward components: device choice, offline loading, a shared cache.
+
+Models load from local directories only (``local_files_only``: nothing is fetched from a hub).
+Loaded models are shared: components (or endpoints) naming the same directory, device and dtype
+hold one copy, and the copy goes once the last reward using it is dropped, so a hot swap to
+another model frees the old one. The cache key includes the size and mtime of every file in the
+directory: a directory whose weights were overwritten loads again.
+
+torch and transformers are imported inside the functions, so a server with rule rewards only
+never imports them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from rlfleet.reward.errors import RewardModelError
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
+
+CacheKey = tuple[str, str, str, str, tuple[tuple[str, int, int], ...]]
+
+
+@dataclass(eq=False)
+class LoadedModel:
+    """A model and its tokenizer on one device; ``lock`` serializes forward passes on it."""
+
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    path: Path
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_CACHE: weakref.WeakValueDictionary[CacheKey, LoadedModel] = weakref.WeakValueDictionary()
+_CACHE_LOCK = threading.Lock()
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"``: the first CUDA GPU when there is one, else the CPU; otherwise ``torch.device(device)``."""
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise RewardModelError(device, f"bad device {device!r}: {exc}") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise RewardModelError(device, "device 'cuda' asked for, but torch sees no CUDA GPU")
+    return resolved
+
+
+def resolve_dtype(dtype: DtypeName, device: torch.device) -> torch.dtype:
+    """``"auto"``: bfloat16 on a GPU, float32 on the CPU."""
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def model_dir(path: str) -> Path:
+    """``path`` as an existing local model directory (one holding ``config.json``)."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise RewardModelError(path, "no such directory (reward models load from local directories only)")
+    if not (folder / "config.json").is_file():
+        raise RewardModelError(path, "the directory holds no config.json; is it a Hugging Face model?")
+    return folder.resolve()
+
+
+def fingerprint(folder: Path) -> tuple[tuple[str, int, int], ...]:
+    """``(name, size, mtime_ns)`` of every file directly in ``folder``, sorted."""
+    entries = []
+    for item in sorted(folder.iterdir()):
+        if item.is_file():
+            stat = item.stat()
+            entries.append((item.name, stat.st_size, stat.st_mtime_ns))
+    return tuple(entries)
+
+
+def load_shared(
+    kind: str,
+    path: str,
+    device: str,
+    dtype: DtypeName,
+    loader: Callable[[Path, torch.device, torch.dtype], tuple[Any, Any]],
+) -> LoadedModel:
+    """The cached model of ``kind`` at ``path``, loading it with ``loader(folder, device, dtype)``.
+
+    ``loader`` returns ``(model, tokenizer)``; the model is put in eval mode. Failures of the
+    loader become :class:`RewardModelError` naming the directory.
+    """
+    folder = model_dir(path)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    key: CacheKey = (kind, str(folder), str(torch_device), str(torch_dtype), fingerprint(folder))
+    with _CACHE_LOCK:
+        cached = _CACHE.get(key)
+        if cached is not None:
+            logger.debug("reusing loaded %s model %s on %s", kind, folder, torch_device)
+            return cached
+        start = time.perf_counter()
+        try:
+            model, tokenizer = loader(folder, torch_device, torch_dtype)
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            raise RewardModelError(str(folder), f"{type(exc).__name__}: {exc}") from exc
+        model.eval()
+        loaded = LoadedModel(model=model, tokenizer=tokenizer, device=torch_device, path=folder)
+        _CACHE[key] = loaded
+    logger.info("loaded %s model %s on %s (%s) in %.1fs", kind, folder, torch_device, torch_dtype,
+                time.perf_counter() - start)  # fmt: skip
+    return loaded
+
+
+def loaded_count() -> int:
+    """How many models the cache holds right now (for tests and stats)."""
+    with _CACHE_LOCK:
+        return len(_CACHE)

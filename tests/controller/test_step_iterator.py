@@ -1,0 +1,199 @@
+"""GRPOTrainer's step loop against an in-memory fleet: what each step asks of the tiers, and how a
+dying process or a failed step ends the run (no NATS, no worker processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlfleet.common.messages import (
+    GenerateResult,
+    SamplingParams,
+    ScoreResult,
+    TrainStepResult,
+    WeightsLoaded,
+    WeightsPublished,
+)
+from rlfleet.common.refs import TensorRef
+from rlfleet.controller import GRPOTrainer, PromptDataset, TrainerConfig
+from rlfleet.controller.errors import TierDied
+from rlfleet.controller.models import resolve_model
+
+DATA = Path(__file__).resolve().parents[2] / "examples" / "data" / "tiny_digits.jsonl"
+
+
+class FakeFleet:
+    """Answers the calls a GRPO step makes; records the train-step requests."""
+
+    def __init__(self, fail_train_at: int | None = None) -> None:
+        self.version = 0
+        self.train_requests: list[dict[str, Any]] = []
+        self.fail_train_at = fail_train_at
+
+    async def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, weight_version: int
+    ) -> list[Any]:
+        assert weight_version == self.version, "generation must be pinned to the latest weights"
+        ref = TensorRef(address="fake:1", key=f"rollout/{self.version}")
+        return [GenerateResult(job_id="g", worker_id="rollout-0", weight_version=self.version, ref=ref,
+                               num_prompts=len(prompts), num_samples=len(prompts) * sampling.n)]  # fmt: skip
+
+    async def score(self, results: list[Any], metadata: list[Any], endpoint: str) -> list[ScoreResult]:
+        return [ScoreResult(job_id="s", endpoint=endpoint, spec_version="v0", scores=[0.5] * r.num_samples)
+                for r in results]  # fmt: skip
+
+    async def train_step(
+        self, step: int, rollouts: list[Any], scores: list[float], hyper: dict[str, Any]
+    ) -> Any:
+        if step == self.fail_train_at:
+            raise TierDied("trainer", "trainer-0", 1, error="RuntimeError: out of memory")
+        self.train_requests.append({"step": step, "num_scores": len(scores), **hyper})
+        return TrainStepResult(step=step, metrics={"loss": 0.1}, weight_version=self.version)
+
+    async def publish_weights(self, bucket_mb: float) -> WeightsPublished:
+        self.version += 1
+        return WeightsPublished(weight_version=self.version, buckets=[], nbytes=0, seconds=0.01)
+
+    async def load_weights(self, published: WeightsPublished) -> list[WeightsLoaded]:
+        return [WeightsLoaded(worker_id="rollout-0", weight_version=published.weight_version)]
+
+    async def close(self) -> None:
+        return None
+
+
+class FakeLauncher:
+    """Reports a dead trainer process from the ``die_after``-th check on; records stop()."""
+
+    def __init__(self, die_after: int | None = None) -> None:
+        self.die_after = die_after
+        self.checks = 0
+        self.stopped = False
+        self.pids: list[int] = []
+
+    def check(self) -> None:
+        self.checks += 1
+        if self.die_after is not None and self.checks > self.die_after:
+            raise TierDied("trainer", "trainer-0", -9)
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return resolve_model("tiny:digits", cache_dir=tmp_path_factory.mktemp("models"))
+
+
+def _trainer(
+    model_dir: Path, tmp_path: Path, fleet: FakeFleet, monkeypatch: pytest.MonkeyPatch
+) -> GRPOTrainer:
+    config = TrainerConfig(rollout_batch_size=4, train_batch_size=4, group_size=2, kl_coef=0.05,
+                           output_dir=str(tmp_path), loggers=["jsonl"], sample_table_size=0)  # fmt: skip
+    trainer = GRPOTrainer(str(model_dir), "charset:allowed=0123456789", PromptDataset(str(DATA), 32), config)
+    trainer._fleet = fleet  # start() sees a fleet and starts nothing
+
+    async def release(results: list[Any]) -> None:
+        return None
+
+    monkeypatch.setattr(trainer, "_release", release)
+    return trainer
+
+
+def test_kl_coef_set_between_steps_reaches_the_next_train_step(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fleet = FakeFleet()
+    trainer = _trainer(model_dir, tmp_path, fleet, monkeypatch)
+    results = []
+    for result in trainer.steps(num_epochs=1, max_steps=3):
+        results.append(result)
+        if result.step == 1:
+            trainer.kl_coef = 0.25
+    trainer.close()
+    assert [r["kl_coef"] for r in fleet.train_requests] == [0.05, 0.25, 0.25]
+    assert [r.metrics["kl_coef"] for r in results] == [0.05, 0.25, 0.25]
+    assert [r["step"] for r in fleet.train_requests] == [1, 2, 3] and trainer.global_step == 3
+    assert {r["num_scores"] for r in fleet.train_requests} == {4 * 2}
+    assert [(r.weight_version, r.metrics["rollout/weight_version_min"]) for r in results] == [
+        (1, 1),
+        (2, 2),
+        (3, 3),
+    ]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("bad", [-0.1, math.nan, math.inf])
+def test_kl_coef_rejects_values_a_loss_cannot_use(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: float
+) -> None:
+    trainer = _trainer(model_dir, tmp_path, FakeFleet(), monkeypatch)
+    with pytest.raises(ValueError, match="kl_coef must be a finite number >= 0"):
+        trainer.kl_coef = bad
+    assert trainer.kl_coef == 0.05
+    trainer.close()
+
+
+def test_a_failed_step_stops_the_fleet(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = _trainer(model_dir, tmp_path, FakeFleet(fail_train_at=2), monkeypatch)
+    launcher = FakeLauncher()
+    trainer._launcher = launcher  # type: ignore[assignment]
+    steps = trainer.steps(num_epochs=1, max_steps=5)
+    assert next(steps).step == 1 and not launcher.stopped
+    with pytest.raises(TierDied, match="out of memory"):
+        next(steps)
+    assert launcher.stopped and trainer.process_ids == []
+
+
+def test_a_dead_process_ends_a_wait_at_once(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = _trainer(model_dir, tmp_path, FakeFleet(), monkeypatch)
+    trainer._launcher = FakeLauncher(die_after=2)  # type: ignore[assignment]
+    t0 = time.monotonic()
+    with pytest.raises(TierDied, match="trainer worker trainer-0 was killed by signal SIGKILL"):
+        trainer.run(asyncio.sleep(30))
+    assert time.monotonic() - t0 < 5
+    trainer.close()
+
+
+def test_a_request_failing_because_its_worker_died_reports_the_death(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = _trainer(model_dir, tmp_path, FakeFleet(), monkeypatch)
+    trainer._launcher = FakeLauncher(die_after=2)  # type: ignore[assignment]
+
+    async def lost_connection() -> None:
+        raise ConnectionError("connection reset by peer")
+
+    with pytest.raises(TierDied) as caught:
+        trainer.run(lost_connection())
+    assert isinstance(caught.value.__cause__, ConnectionError)
+    trainer._launcher = FakeLauncher()  # type: ignore[assignment]
+    with pytest.raises(ConnectionError):  # no process died: the request's own error stands
+        trainer.run(lost_connection())
+    trainer.close()
+
+
+def test_close_stops_the_processes_even_when_leaving_the_control_plane_fails(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = _trainer(model_dir, tmp_path, FakeFleet(), monkeypatch)
+    launcher = FakeLauncher()
+    trainer._launcher = launcher  # type: ignore[assignment]
+    trainer.run(asyncio.sleep(0))  # the loop exists
+
+    class BrokenTransport:
+        async def close(self) -> None:
+            raise ValueError("unexpected")
+
+    trainer._transport = BrokenTransport()
+    with pytest.raises(ValueError, match="unexpected"):
+        trainer.close()
+    assert launcher.stopped
