@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from rlfleet.common.tensor_codec import DTYPES, dtype_name, tensor_buffer
+from rlfleet.common.tensor_memory import empty_bytes
 from rlfleet.common.tensor_store import TensorStoreClient, TensorStoreServer
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ def raw_recv(sock: socket.socket) -> dict[str, torch.Tensor]:
         head_raw = bytearray(head_len)
         _recv_exact(sock, memoryview(head_raw))
         head = json.loads(head_raw)
-        data = torch.empty(nbytes, dtype=torch.uint8)
+        data = empty_bytes(nbytes)  # the same allocator as the TensorStore client: a fair race
         _recv_exact(sock, memoryview(data.numpy()))
         out[head["name"]] = data.view(DTYPES[head["dtype"]]).reshape(head["shape"])
 
@@ -242,6 +243,7 @@ def main() -> None:
     from rlfleet.common.tensor_codec import DEFAULT_CHUNK_BYTES
 
     chunk_bytes = int(args.chunk_mb * 2**20) if args.chunk_mb else DEFAULT_CHUNK_BYTES
+    load = [os.getloadavg()[0]]
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
     proc = ctx.Process(target=producer, args=(args.mb, chunk_bytes, theirs), daemon=True)
@@ -254,46 +256,75 @@ def main() -> None:
         proc.join(timeout=30)
         if proc.is_alive():
             proc.terminate()
-    report(rounds, args, chunk_bytes)
+    load.append(os.getloadavg()[0])
+    result = summarize(rounds, args, chunk_bytes, load)
+    print_table(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
 
 
-def report(rounds: dict[str, list[float]], args: argparse.Namespace, chunk_bytes: int) -> None:
+def _cpu_ratio(cpu: dict[str, list[float]], grpc_name: str, raw_name: str) -> float | None:
+    """Bytes per CPU-second of gRPC relative to raw TCP, both processes counted."""
+    if grpc_name not in cpu or raw_name not in cpu:
+        return None
+    return round(sum(cpu[raw_name]) / sum(cpu[grpc_name]), 3)
+
+
+def summarize(
+    rounds: dict[str, list[float]], args: argparse.Namespace, chunk_bytes: int, load: list[float]
+) -> dict:
+    """The JSON results: medians, ratios, per-round figures and CPU cost per GiB."""
     med = {name: statistics.median(v) for name, v in rounds.items() if v}
-    result = {
+    # CPU seconds per GiB moved, [client process, server process], all threads; sample 0 is warm-up
+    cpu = {
+        k: [
+            round(statistics.median(x[0] for x in v[1:]), 3),
+            round(statistics.median(x[1] for x in v[1:]), 3),
+        ]
+        for k, v in CPU.items()
+    }
+    put = "grpc_put" in med
+    return {
         "payload_mb": args.mb,
         "chunk_mb": chunk_bytes / 2**20,
         "reps": args.reps,
         "grpc_mb_s": round(med["grpc_get"], 1),
         "raw_tcp_mb_s": round(med["raw_get"], 1),
         "ratio": round(med["grpc_get"] / med["raw_get"], 3),
-        "grpc_put_mb_s": round(med["grpc_put"], 1) if "grpc_put" in med else None,
-        "raw_tcp_put_mb_s": round(med["raw_put"], 1) if "raw_put" in med else None,
-        "put_ratio": round(med["grpc_put"] / med["raw_put"], 3) if "grpc_put" in med else None,
+        "grpc_put_mb_s": round(med["grpc_put"], 1) if put else None,
+        "raw_tcp_put_mb_s": round(med["raw_put"], 1) if put else None,
+        "put_ratio": round(med["grpc_put"] / med["raw_put"], 3) if put else None,
+        "cpu_s_per_gib": cpu,
+        # bytes moved per CPU-second (both processes), gRPC relative to raw TCP: what the ratio
+        # tends to when the cores are the bottleneck, as they are on a busy 2-core machine
+        "cpu_ratio": _cpu_ratio(cpu, "grpc_get", "raw_get"),
+        "cpu_put_ratio": _cpu_ratio(cpu, "grpc_put", "raw_put"),
         "rounds_mb_s": {k: [round(x, 1) for x in v] for k, v in rounds.items() if v},
-        # CPU seconds per GiB moved, (this process, the producer), all threads; robust to load
-        "cpu_s_per_gib": {
-            k: [
-                round(statistics.median(x[0] for x in v[1:]), 3),
-                round(statistics.median(x[1] for x in v[1:]), 3),
-            ]
-            for k, v in CPU.items()
-        },
+        # 1-minute load average before and after: above the CPU count, other processes competed
+        # for the cores and the MB/s figures say as much about them as about the two paths
+        "load_avg_1m": [round(x, 2) for x in load],
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
         "unix_time": int(time.time()),
     }
-    print(f"\npayload {args.mb} MiB, chunk {chunk_bytes / 2**20:g} MiB, median of {args.reps} rounds")
+
+
+def print_table(result: dict) -> None:
+    size = f"payload {result['payload_mb']} MiB, chunk {result['chunk_mb']:g} MiB"
+    print(f"\n{size}, median of {result['reps']} rounds")
     print(f"{'path':<28}{'MB/s':>10}{'vs raw TCP':>12}")
     print(f"{'gRPC TensorStore get':<28}{result['grpc_mb_s']:>10.0f}{result['ratio']:>12.2f}")
     print(f"{'raw TCP socket (get)':<28}{result['raw_tcp_mb_s']:>10.0f}{1.0:>12.2f}")
     if result["grpc_put_mb_s"] is not None:
         print(f"{'gRPC TensorStore put':<28}{result['grpc_put_mb_s']:>10.0f}{result['put_ratio']:>12.2f}")
         print(f"{'raw TCP socket (put)':<28}{result['raw_tcp_put_mb_s']:>10.0f}{1.0:>12.2f}")
-    print(
-        "CPU s/GiB (consumer, producer): " + "  ".join(f"{k} {v}" for k, v in result["cpu_s_per_gib"].items())
-    )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    for name, (client, server) in result["cpu_s_per_gib"].items():
+        print(f"CPU s/GiB {name:<10} client process {client:.2f}  server process {server:.2f}")
+    print(f"bytes per CPU-second, gRPC / raw TCP: get {result['cpu_ratio']}, put {result['cpu_put_ratio']}")
+    cpus = result["machine"]["cpus"] or 1
+    if max(result["load_avg_1m"]) > cpus:
+        load = max(result["load_avg_1m"])
+        print(f"warning: load average {load} on {cpus} CPUs: other processes shared the cores")
 
 
 if __name__ == "__main__":

@@ -48,11 +48,11 @@ class FakeFleet:
                 for r in results]  # fmt: skip
 
     async def train_step(
-        self, step: int, rollouts: list[Any], scores: list[float], hyper: dict[str, Any]
+        self, step: int, rollouts: list[Any], scores: list[float], hyper: dict[str, Any], *, algorithm: str = "grpo"
     ) -> Any:
         if step == self.fail_train_at:
             raise TierDied("trainer", "trainer-0", 1, error="RuntimeError: out of memory")
-        self.train_requests.append({"step": step, "num_scores": len(scores), **hyper})
+        self.train_requests.append({"step": step, "num_scores": len(scores), "algorithm": algorithm, **hyper})
         return TrainStepResult(step=step, metrics={"loss": 0.1}, weight_version=self.version)
 
     async def publish_weights(self, bucket_mb: float) -> WeightsPublished:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from rlfleet.reward.answers import ExactMatch, Numeric, extract_number
 from rlfleet.reward.errors import RewardInputError
 

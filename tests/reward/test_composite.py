@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from rlfleet.reward.composite import CompositeReward, ScoreBatch
 from rlfleet.reward.errors import (
     BadRewardArgument,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from rlfleet.reward.relevance import Relevance, content_words, stem
 
 

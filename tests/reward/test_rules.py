@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
+
 from rlfleet.reward.rules import Charset, Concise, Keyword, LengthPenalty, Regex
 
 

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
-from rlfleet.reward.errors import NoScorer, RewardInputError, RewardModelError
+
+from rlfleet.reward.errors import NoScorer, NotPortable, RewardInputError, RewardModelError
 from rlfleet.reward.registry import build_reward
 from rlfleet.reward.scaler import RewardScaler, ScalerConfig
 
@@ -173,3 +174,49 @@ def test_running_stats_match_pooled_stats_for_any_batching(values: list[float], 
     assert scaler.count == len(values)
     assert scaler.mean == pytest.approx(statistics.fmean(values), abs=1e-9)
     assert scaler.std == pytest.approx(statistics.pstdev(values), abs=1e-6)
+
+
+def test_the_issue_example_temperature_then_floor() -> None:
+    scaler = RewardScaler(temperature=0.7, min_reward=0.1)
+    got = scaler([1.4, 0.07, -2.1, 0.0])
+    assert got == pytest.approx([2.0, 0.1, 0.1, 0.1])  # 0.07 / 0.7 = 0.1 sits on the floor
+
+
+def test_normalize_clip_and_floor_in_that_order() -> None:
+    scaler = RewardScaler(temperature=2.0, normalize=True, clip=1.0, min_reward=-0.5, eps=1e-6)
+    got = scaler([0.0, 4.0, 8.0])  # tempered 0, 2, 4: mean 2, std sqrt(8/3) = 1.63: z = -1.22, 0, 1.22
+    std = math.sqrt(8 / 3) + 1e-6
+    assert -2 / std < -1.0 and got == pytest.approx([-0.5, 0.0, 1.0])
+
+
+def test_state_round_trips_through_json_and_continues_the_same_way() -> None:
+    a = RewardScaler(normalize=True)
+    a([1.0, 2.0, 3.0])
+    b = RewardScaler(normalize=True)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert a([10.0, -4.0]) == b([10.0, -4.0])
+    assert a.state_dict() == b.state_dict()
+
+
+def test_model_name_loads_that_reward_model(make_tiny_rm) -> None:
+    folder = make_tiny_rm(num_labels=1)
+    raw = build_reward(f"rm:path={folder}").score(["p", "q"], ["a", "bb"]).total
+    scaler = RewardScaler(model_name=str(folder), temperature=0.7, min_reward=0.1)
+    assert scaler.compute_reward(["p", "q"], ["a", "bb"]) == pytest.approx([max(x / 0.7, 0.1) for x in raw])
+
+
+def test_wire_form_describes_scorer_options_and_statistics(make_tiny_rm) -> None:
+    scaler = RewardScaler(fn=build_reward("concise:max_words=5"), temperature=0.5, normalize=True)
+    scaler([1.0, 3.0])
+    wire = scaler.__rlfleet_reward__()
+    assert build_reward(wire["spec"]).version == build_reward("concise:max_words=5").version
+    assert ScalerConfig(**wire["scaler"]) == scaler.config
+    assert wire["scaler_state"] == scaler.state_dict()
+    folder = str(make_tiny_rm(num_labels=1))
+    by_model = RewardScaler(model_name=folder).__rlfleet_reward__()
+    assert by_model["spec"] == {"components": [{"name": "rm", "args": {"path": folder}}]}
+
+
+def test_a_plain_callable_scorer_cannot_travel() -> None:
+    with pytest.raises(NotPortable, match="plain callable"):
+        RewardScaler(fn=lambda prompts, responses: [0.0] * len(responses)).__rlfleet_reward__()

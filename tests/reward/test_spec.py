@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from rlfleet.reward.errors import RewardSpecError, UnknownReward
 from rlfleet.reward.registry import parse_reward_spec
 from rlfleet.reward.spec import ComponentSpec, RewardSpec, format_reward_spec, parse_value

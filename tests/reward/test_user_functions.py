@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from rlfleet.reward.errors import RewardFunctionError, RewardImportError, UnknownRewardArgument
 from rlfleet.reward.registry import build_reward
 

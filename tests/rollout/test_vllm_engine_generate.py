@@ -44,7 +44,12 @@ def hf(checkpoint: Path) -> HFEngine:
 @pytest.mark.timeout(180)
 def test_is_a_protocol_engine(engine: VLLMEngine) -> None:
     assert isinstance(engine, Engine)
-    assert (engine.model_id, engine.weight_version, engine.pad_token_id, engine.eos_token_ids) == ("tiny", 0, 0, (1,))
+    assert (engine.model_id, engine.weight_version, engine.pad_token_id, engine.eos_token_ids) == (
+        "tiny",
+        0,
+        0,
+        (1,),
+    )
     assert engine.tokenizer.decode([30, 11], skip_special_tokens=True) == "Ah"
     assert engine.max_model_len == 128 and not engine.sleeping
 
@@ -74,7 +79,9 @@ def test_sampled_logprobs_are_log_softmax_over_temperature(
         ids = torch.tensor([c.prompt_token_ids + c.token_ids])
         with torch.no_grad():
             logits = hf.model(ids).logits[0, len(c.prompt_token_ids) - 1 : -1].float()
-        expected = torch.log_softmax(logits / temperature, dim=-1).gather(-1, ids[0, -len(c.token_ids) :, None])
+        expected = torch.log_softmax(logits / temperature, dim=-1).gather(
+            -1, ids[0, -len(c.token_ids) :, None]
+        )
         torch.testing.assert_close(torch.tensor(c.logprobs), expected[:, 0], atol=1e-4, rtol=0)
 
 

@@ -1,4 +1,4 @@
-"""The vLLM engine's main-process helpers, without vLLM: checkpoint facts, block staging, tied names, payloads."""
+"""The vLLM engine's main-process helpers, without vLLM: checkpoint facts, staging, tied names, payloads."""
 
 from __future__ import annotations
 
@@ -62,7 +62,9 @@ def test_stager_releases_whole_blocks_from_trainer_buckets(make_vllm_checkpoint)
 def test_stager_reports_and_drops_incomplete_blocks() -> None:
     names = ["model.layers.0.q.weight", "model.layers.0.k.weight", "model.norm.weight"]
     stager = WeightStager(names)
-    ready, groups = stager.add([("model.layers.0.q.weight", torch.zeros(2)), ("model.norm.weight", torch.ones(2))])
+    ready, groups = stager.add(
+        [("model.layers.0.q.weight", torch.zeros(2)), ("model.norm.weight", torch.ones(2))]
+    )
     assert [n for n, _ in ready] == ["model.norm.weight"] and groups == {"model.norm"}
     assert stager.pending == ["model.layers.0.k.weight"]
     assert stager.clear() == ["model.layers.0.k.weight"]
@@ -87,7 +89,11 @@ def test_resolve_tied_sends_the_head_as_the_embedding_once() -> None:
 
 
 def test_bucket_payload_round_trips_exactly() -> None:
-    items = [("a", torch.randn(3, 4)), ("b", torch.arange(5)), ("c", torch.randn(2, 2).to(torch.bfloat16).t())]
+    items = [
+        ("a", torch.randn(3, 4)),
+        ("b", torch.arange(5)),
+        ("c", torch.randn(2, 2).to(torch.bfloat16).t()),
+    ]
     payload = encode_bucket(items)
     assert isinstance(payload, bytes)
     back = dict(decode_bucket(payload))  # safetensors lays tensors out by its own order

@@ -28,7 +28,7 @@ from rlfleet.common.tensor_codec import (
     split_tensors,
 )
 from rlfleet.common.tensor_local import StoreStat, TensorInfo
-from rlfleet.common.tensor_malloc import keep_stream_buffers
+from rlfleet.common.tensor_memory import keep_stream_buffers
 from rlfleet.common.tensor_rpc import channel_options, check_sizes, error_from_rpc, method
 from rlfleet.common.tensor_wire import decode_chunk, encode_chunk
 

@@ -31,6 +31,7 @@ from rlfleet.common.errors import (
     StreamTruncated,
     UnknownDtype,
 )
+from rlfleet.common.tensor_memory import empty_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ def bytes_to_tensor(data: bytes | bytearray | memoryview, dtype: str, shape: tup
     expected = expected_nbytes(shape, torch_dt) if all(d >= 0 for d in shape) else -1
     if len(view) != expected:
         raise ShapeMismatch("", shape, dtype, len(view), expected)
-    out = torch.empty(len(view), dtype=torch.uint8)
+    out = empty_bytes(len(view))
     if len(view):
         memoryview(out.numpy())[:] = view
     return out.view(torch_dt).reshape(shape)
@@ -293,7 +294,7 @@ class ChunkAssembler:
         if self._reserve is not None:
             self._reserve(expected)
         self.nbytes += expected
-        self._pending = _Pending(chunk, torch.empty(expected, dtype=torch.uint8))
+        self._pending = _Pending(chunk, empty_bytes(expected))
         return self._pending
 
     def _copy(self, pending: _Pending, chunk: Chunk) -> None:

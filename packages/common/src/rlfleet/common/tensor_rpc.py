@@ -90,11 +90,10 @@ def check_sizes(chunk_bytes: int, max_message_bytes: int) -> None:
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """Options for both the server and the client channel: message limits and stream tuning."""
     limit = max_message_bytes + HEADER_SLACK_BYTES
-    import os, ast  # EXPERIMENT
     return [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
-    ] + ast.literal_eval(os.environ.get("XOPTS", "[]"))
+    ]
 
 
 def _clip(value: object) -> object:

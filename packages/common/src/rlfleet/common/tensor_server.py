@@ -26,7 +26,7 @@ from rlfleet.common.errors import MessageTooLarge, RlfleetError, TensorError
 from rlfleet.common.refs import TensorRef
 from rlfleet.common.tensor_codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, split_tensors
 from rlfleet.common.tensor_local import LocalTensorStore
-from rlfleet.common.tensor_malloc import keep_stream_buffers
+from rlfleet.common.tensor_memory import keep_stream_buffers
 from rlfleet.common.tensor_rpc import SERVICE, abort_rpc, channel_options, check_sizes
 from rlfleet.common.tensor_wire import decode_chunk, encode_chunk
 

@@ -14,16 +14,22 @@ __version__ = "0.1.0"
 # public name -> the module defining it
 _EXPORTS: dict[str, str] = {
     "GRPOTrainer": "rlfleet.controller.grpo",
-    "StepResult": "rlfleet.controller.grpo",
+    "PPOTrainer": "rlfleet.controller.ppo",
+    "DPOTrainer": "rlfleet.controller.dpo",
+    "StepResult": "rlfleet.controller.loop",
     "TrainerConfig": "rlfleet.controller.config",
     "JobConfig": "rlfleet.controller.config",
     "PromptDataset": "rlfleet.controller.dataset",
+    "PreferenceDataset": "rlfleet.controller.preference",
     "resolve_model": "rlfleet.controller.models",
 }
 
 __all__ = [
+    "DPOTrainer",
     "GRPOTrainer",
     "JobConfig",
+    "PPOTrainer",
+    "PreferenceDataset",
     "PromptDataset",
     "StepResult",
     "TrainerConfig",
@@ -34,8 +40,12 @@ __all__ = [
 if TYPE_CHECKING:
     from rlfleet.controller.config import JobConfig, TrainerConfig
     from rlfleet.controller.dataset import PromptDataset
-    from rlfleet.controller.grpo import GRPOTrainer, StepResult
+    from rlfleet.controller.dpo import DPOTrainer
+    from rlfleet.controller.grpo import GRPOTrainer
+    from rlfleet.controller.loop import StepResult
     from rlfleet.controller.models import resolve_model
+    from rlfleet.controller.ppo import PPOTrainer
+    from rlfleet.controller.preference import PreferenceDataset
 
 
 def __getattr__(name: str) -> Any:

@@ -42,21 +42,34 @@ def _load_job(path: Path, overrides: Sequence[str]):  # -> JobConfig
     return job
 
 
-def build_trainer(job):  # (JobConfig) -> GRPOTrainer
-    """The trainer a job file describes (the model is resolved, nothing is started yet)."""
+def build_trainer(job):  # (JobConfig) -> GRPOTrainer | PPOTrainer | DPOTrainer
+    """The trainer a job file describes, by ``algorithm`` (the model is resolved, nothing is started yet).
+
+    ``dpo`` -> DPOTrainer on preference pairs; ``ppo`` -> PPOTrainer; grpo, rloo, reinforce_pp ->
+    GRPOTrainer (the same loop; the trainer computes each one's advantages).
+    """
     from rlfleet.controller.dataset import PromptDataset
     from rlfleet.controller.grpo import GRPOTrainer
 
-    dataset = PromptDataset(
-        job.data.path,
-        max_prompt_length=job.data.max_prompt_length or job.max_prompt_length,
-        num_workers=job.data.num_workers,
-        prompt_key=job.data.prompt_key,
-        seed=job.seed,
-        overlong=job.data.overlong,
-        system_prompt=job.data.system_prompt,
-    )
-    return GRPOTrainer(job.model, job.reward, dataset, job.trainer_config())
+    data, config = job.data, job.trainer_config()
+    common = {
+        "max_prompt_length": data.max_prompt_length or job.max_prompt_length, "num_workers": data.num_workers,
+        "prompt_key": data.prompt_key, "seed": job.seed, "overlong": data.overlong,
+        "system_prompt": data.system_prompt,
+    }  # fmt: skip
+    if job.algorithm == "dpo":
+        from rlfleet.controller.dpo import DPOTrainer
+        from rlfleet.controller.preference import PreferenceDataset
+
+        keys = {"chosen_key": data.chosen_key, "rejected_key": data.rejected_key}
+        pairs = PreferenceDataset(data.path, max_response_length=job.max_response_length, **keys, **common)
+        return DPOTrainer(job.model, pairs, config)
+    dataset = PromptDataset(data.path, **common)
+    if job.algorithm == "ppo":
+        from rlfleet.controller.ppo import PPOTrainer
+
+        return PPOTrainer(job.model, dataset=dataset, config=config, reward=job.reward)
+    return GRPOTrainer(job.model, job.reward, dataset, config)
 
 
 def train(job) -> int:  # job: JobConfig

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from rlfleet.controller.algo_config import OFFLINE_ALGORITHMS, AlgorithmFields, check_algorithm_fields
+
 
 class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -39,20 +41,25 @@ class RolloutConfig(_Config):
     )
 
 
-class TrainerConfig(_Config):
-    """Hyperparameters and run settings shared by the GRPO/PPO trainers."""
+class TrainerConfig(AlgorithmFields):
+    """Hyperparameters and run settings shared by the GRPO/PPO/DPO trainers.
 
-    algorithm: Literal["grpo"] = Field(default="grpo", description="RL algorithm")
+    The algorithm's own fields (``algorithm``, the KL controller, PPO's GAE and critic, DPO's
+    ``beta``) come from :class:`~rlfleet.controller.algo_config.AlgorithmFields`.
+    """
+
     rollout_batch_size: int = Field(default=16, ge=1, description="prompts per step")
     train_batch_size: int = Field(
         default=16, ge=1, description="prompts per optimizer update; rollout_batch_size must be a multiple"
     )
     micro_batch_size: int = Field(default=8, ge=1, description="sequences per forward/backward pass")
-    group_size: int = Field(default=4, ge=2, description="samples per prompt (GRPO group)")
+    group_size: int = Field(default=4, ge=1, description="samples per prompt (grpo and rloo need >= 2)")
     num_rollout_workers: int = Field(default=1, ge=1, description="rollout worker processes")
     num_train_workers: int = Field(default=1, ge=1, description="trainer ranks")
     ppo_epochs: int = Field(default=1, ge=1, description="passes over each rollout batch")
-    kl_coef: float = Field(default=0.05, ge=0.0, description="weight of the KL-to-reference loss term")
+    kl_coef: float = Field(
+        default=0.05, ge=0.0, description="KL-to-reference coefficient (the KL controller's start value)"
+    )
     clip_eps: float = Field(default=0.2, gt=0.0, description="PPO ratio clip range")
     entropy_coef: float = Field(default=0.0, description="entropy bonus weight")
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
@@ -132,12 +139,19 @@ class TrainerConfig(_Config):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_algorithm(self) -> TrainerConfig:
+        check_algorithm_fields(self.algorithm, self.group_size, self.kl_coef, self)
+        return self
+
 
 class DataConfig(_Config):
     """Where prompts come from."""
 
     path: str = Field(description="JSONL, CSV or Parquet file of prompts")
     prompt_key: str = Field(default="prompt", description="column holding the prompt (text or chat messages)")
+    chosen_key: str = Field(default="chosen", description="DPO: column holding the preferred response")
+    rejected_key: str = Field(default="rejected", description="DPO: column holding the dispreferred response")
     max_prompt_length: int | None = Field(default=None, description="overrides the trainer's when set")
     overlong: Literal["filter", "truncate", "error"] = Field(default="filter", description="overlong prompts")
     system_prompt: str | None = Field(default=None, description="system message for chat templates")
@@ -148,11 +162,19 @@ class JobConfig(TrainerConfig):
     """A whole run for ``rlfleet train``: the trainer's settings plus model, reward and data."""
 
     model: str = Field(description="actor model: a local HF dir, 'smollm2', or 'tiny:<name>'")
-    reward: str | dict[str, Any] = Field(description="reward spec for the reward tier")
+    reward: str | dict[str, Any] | None = Field(
+        default=None, description="reward spec for the reward tier (e.g. 'rm:path=/m'); dpo takes none"
+    )
     data: DataConfig = Field(description="prompt dataset")
     num_epochs: int = Field(default=1, ge=1, description="passes over the dataset")
     max_steps: int | None = Field(default=None, ge=1, description="stop after this many steps")
     description: str = Field(default="", description="free text shown at start")
+
+    @model_validator(mode="after")
+    def _online_needs_reward(self) -> JobConfig:
+        if self.reward is None and self.algorithm not in OFFLINE_ALGORITHMS:
+            raise ValueError(f"algorithm {self.algorithm} scores rollouts: set reward (a reward spec)")
+        return self
 
     def trainer_config(self) -> TrainerConfig:
         """The TrainerConfig part of this job."""

@@ -54,6 +54,7 @@ class Fleet:
         self.cluster = cluster
         self.request_timeout = request_timeout
         self.registry = WorkerRegistry(transport, cluster)
+        self.reward: Any = None  # a RewardControl (set by the runner): scores go through it, token and all
         self._jobs = itertools.count()
         self._run = uuid.uuid4().hex[:8]
 
@@ -61,6 +62,8 @@ class Fleet:
         await self.registry.start()
 
     async def close(self) -> None:
+        if self.reward is not None:
+            await self.reward.close()
         await self.registry.stop()
 
     async def wait_ready(self, counts: dict[str, int], timeout: float) -> None:
@@ -160,6 +163,9 @@ class Fleet:
         self, results: Sequence[GenerateResult], metadata: Sequence[Sequence[dict[str, Any]]], endpoint: str
     ) -> list[ScoreResult]:
         """Score each rollout chunk on the reward tier; ``metadata[i]`` is chunk i's per-prompt metadata."""
+        if self.reward is not None:
+            job_ids = [self._job_id("score") for _ in results]
+            return list(await self.reward.score(results, metadata, endpoint, job_ids))
         verb = subject(self.cluster, "reward", "score")
         requests = [
             ScoreRequest(job_id=self._job_id("score"), endpoint=endpoint, rollout=r.ref, metadata=list(meta))
@@ -194,11 +200,12 @@ class Fleet:
         return subject(self.cluster, "trainer", verb)
 
     async def train_step(
-        self, step: int, rollouts: Sequence[TensorRef], scores: Sequence[float], hyperparams: dict[str, Any]
+        self, step: int, rollouts: Sequence[TensorRef], scores: Sequence[float], hyperparams: dict[str, Any],
+        *, algorithm: str = "grpo",
     ) -> TrainStepResult:
-        request = TrainStepRequest(
-            step=step, rollouts=list(rollouts), scores=list(scores), hyperparams=hyperparams
-        )
+        """One update of ``algorithm`` on the referenced batches (rollouts, or DPO preference pairs)."""
+        request = TrainStepRequest(step=step, rollouts=list(rollouts), scores=list(scores),
+                                   hyperparams=hyperparams, algorithm=algorithm)  # fmt: skip
         reply = await self.transport.request(
             self._trainer("step"), request, timeout=self.request_timeout, tier="trainer"
         )

@@ -12,34 +12,26 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from rlfleet.common.messages import SamplingParams
+from rlfleet.controller.algo_config import advance_kl_controller
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptDataset, PromptItem
-from rlfleet.controller.runner import FleetRunner
+from rlfleet.controller.loop import StepLoop, StepResult
+
+__all__ = ["GRPOTrainer", "StepResult"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class StepResult:
-    """What one step produced: its metrics and where it stands."""
-
-    step: int
-    epoch: int
-    metrics: dict[str, float]
-    weight_version: int
-    samples: list[dict[str, Any]] = field(default_factory=list)
-
-
-class GRPOTrainer(FleetRunner):
+class GRPOTrainer(StepLoop):
     """Group Relative Policy Optimization over the rlfleet tiers.
 
     ``reward`` is a reward spec string of rlfleet-reward (``"concise:max_words=50 + 0.5*relevance"``)
-    or its dict form. ``dataset`` is a :class:`PromptDataset` or a path to one.
+    or its dict form. ``dataset`` is a :class:`PromptDataset` or a path to one. With
+    ``config.algorithm`` set to ``rloo`` or ``reinforce_pp`` the same loop trains those: only the
+    trainer's advantages differ.
     """
 
     def __init__(
@@ -79,7 +71,8 @@ class GRPOTrainer(FleetRunner):
             "group_size": cfg.group_size,
             "num_updates": cfg.rollout_batch_size // cfg.train_batch_size,
         }
-        stepped = await fleet.train_step(self.global_step + 1, [r.ref for r in results], scores, hyper)
+        refs = [r.ref for r in results]
+        stepped = await fleet.train_step(self.global_step + 1, refs, scores, hyper, algorithm=cfg.algorithm)
         t3 = time.perf_counter()
         published = await fleet.publish_weights(cfg.weight_bucket_mb)
         loaded = await fleet.load_weights(published)
@@ -93,7 +86,7 @@ class GRPOTrainer(FleetRunner):
             "weight_version": float(self.weight_version),
             "rollout/weight_version_min": float(min(r.weight_version for r in loaded)),
             "rollout/load_s_max": max(r.seconds for r in loaded),
-            "kl_coef": float(self.kl_coef),
+            "kl_coef": float(self.kl_coef),  # the one this step used; the controller moves on below
             "time/generate_s": t1 - t0,
             "time/score_s": t2 - t1,
             "time/train_s": t3 - t2,
@@ -103,6 +96,7 @@ class GRPOTrainer(FleetRunner):
             "publish/mb": published.nbytes / 2**20,
             "publish/mb_s": published.nbytes / 2**20 / max(published.seconds, 1e-9),
         })  # fmt: skip
+        advance_kl_controller(self.kl_controller, metrics, len(scores))
         return metrics
 
     @staticmethod
@@ -114,41 +108,6 @@ class GRPOTrainer(FleetRunner):
             out.append([dict(item.metadata) for item in batch[start : start + result.num_prompts]])
             start += result.num_prompts
         return out
-
-    def steps(self, num_epochs: int = 1, max_steps: int | None = None) -> Iterator[StepResult]:
-        """Run training one step at a time; act between steps (``trainer.kl_coef = ...``).
-
-        A failed step (a worker died, Ctrl-C) stops the fleet before the error reaches the caller;
-        leaving the loop early keeps it running for :meth:`finish` and :meth:`close`.
-        """
-        self.start()
-        total = self.total_steps(num_epochs, max_steps)
-        self._begin(total, num_epochs)
-        cfg = self.config
-        for epoch in range(self._epoch, num_epochs):
-            for batch in self.dataset.batches(cfg.rollout_batch_size, epoch=epoch):
-                if self.global_step >= total:
-                    return
-                try:
-                    metrics = self.run(self._step(batch))
-                    self.global_step += 1
-                    self._epoch = epoch
-                    self._record(self.global_step, epoch + 1, metrics)
-                except BaseException:  # re-raised: only makes sure no process outlives a failed run
-                    self.close()
-                    raise
-                yield StepResult(self.global_step, epoch + 1, metrics, self.weight_version)
-
-    def train(self, num_epochs: int = 1, max_steps: int | None = None) -> list[StepResult]:
-        """Train for ``num_epochs`` (or ``max_steps``), then save the final model and stop the fleet."""
-        results: list[StepResult] = []
-        try:
-            for result in self.steps(num_epochs, max_steps):
-                results.append(result)
-            self.finish()
-        finally:
-            self.close()
-        return results
 
 
 def _reward_metrics(scores: list[float], scored: list[Any]) -> dict[str, float]:

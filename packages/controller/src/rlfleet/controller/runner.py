@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from rlfleet.common.kl_control import build_kl_controller
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptDataset
 from rlfleet.controller.errors import TierDied, TierNotReady
@@ -25,6 +26,7 @@ from rlfleet.controller.fleet import Fleet
 from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec
 from rlfleet.controller.loggers import ConsoleProgress, MetricSink, check_loggers, make_sinks
 from rlfleet.controller.models import resolve_model
+from rlfleet.controller.reward_control import attach_reward, describe_reward_fn, model_swap
 from rlfleet.controller.samples import SampleTable
 
 logger = logging.getLogger(__name__)
@@ -34,13 +36,16 @@ T = TypeVar("T")
 class FleetRunner:
     """Base of the RL trainers: fleet lifecycle, event loop, metrics and checkpoints."""
 
+    uses_rollouts: bool = True
+    """Whether the run has rollout and reward tiers (False for offline algorithms such as DPO)."""
+
     def __init__(
-        self, actor_model_name: str, reward: str | dict[str, Any], dataset: PromptDataset | str,
+        self, actor_model_name: str, reward: str | dict[str, Any] | None, dataset: PromptDataset | str,
         config: TrainerConfig,
     ) -> None:  # fmt: skip
         check_loggers(config.loggers)  # before anything starts: a missing package fails in a second
         self.config = config
-        self._kl_coef = config.kl_coef
+        self.kl_controller = build_kl_controller(config.kl_control(config.kl_coef))
         self.reward_spec = reward
         self.global_step = 0
         self.weight_version = 0
@@ -68,15 +73,19 @@ class FleetRunner:
 
     @property
     def kl_coef(self) -> float:
-        """Weight of the KL-to-reference loss in the next steps; set it between steps."""
-        return self._kl_coef
+        """The KL-to-reference coefficient of the next step (the KL controller's value); set it between steps.
+
+        Setting it overrides the controller: a fixed one keeps the new value, an adaptive one adapts
+        from it, a scheduled one stays pinned to it.
+        """
+        return self.kl_controller.value
 
     @kl_coef.setter
     def kl_coef(self, value: float) -> None:
         value = float(value)
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"kl_coef must be a finite number >= 0, got {value}")
-        self._kl_coef = value
+        self.kl_controller.value = value
 
     @property
     def process_ids(self) -> list[int]:
@@ -106,7 +115,7 @@ class FleetRunner:
                 for spec in self.worker_specs():
                     self._launcher.spawn(spec)
             self.run(self._connect(url))
-            if cfg.sample_table_size:
+            if cfg.sample_table_size and self.uses_rollouts:
                 self._table = SampleTable(self, self.dataset.sample_items(cfg.sample_table_size))
                 self.run(self._table.capture("before"))
         except BaseException:
@@ -124,6 +133,7 @@ class FleetRunner:
             await fleet.wait_ready(self.tier_counts(), self.config.startup_timeout_s)
         except TimeoutError as exc:
             raise self._not_ready(fleet, str(exc)) from None
+        await attach_reward(fleet, self.config, url)  # the run's own reward tier, or reward_url's
         logger.info("fleet ready: %s", self.tier_counts())
 
     def _not_ready(self, fleet: Fleet, detail: str) -> TierNotReady:
@@ -138,7 +148,8 @@ class FleetRunner:
         return TierNotReady(self.config.startup_timeout_s, missing, detail)
 
     def tier_counts(self) -> dict[str, int]:
-        return {"rollout": self.config.num_rollout_workers, "reward": 1, "trainer": 1}
+        reward = 0 if self.config.reward_url else 1  # a shared reward server is waited for on its own
+        return {"rollout": self.config.num_rollout_workers, "reward": reward, "trainer": 1}
 
     def worker_specs(self) -> list[WorkerSpec]:
         """The processes an embedded run starts."""
@@ -150,6 +161,8 @@ class FleetRunner:
                 "reward", "reward-0", {**common, "endpoints": {cfg.reward_endpoint: self.reward_spec}}
             ),
         ]
+        if cfg.reward_url:  # scores go to the shared reward server: no reward worker of our own
+            specs = [s for s in specs if s.tier != "reward"]
         for i in range(cfg.num_rollout_workers):
             specs.append(WorkerSpec("rollout", f"rollout-{i}", {
                 **common, "model_path": str(self.model_path), "engine": cfg.rollout.engine,
@@ -173,7 +186,8 @@ class FleetRunner:
             "entropy_coef", "loss_agg", "ppo_epochs", "temperature", "seed", "algorithm", "device",
             "mixed_precision", "trainable_layers",
         )  # fmt: skip
-        return {"model_path": str(self.model_path), **{k: getattr(cfg, k) for k in keys}}
+        return {"model_path": str(self.model_path), **{k: getattr(cfg, k) for k in keys},
+                "algo": cfg.trainer_algo_settings()}  # fmt: skip
 
     def resolved_config_yaml(self) -> str:
         data = {
@@ -241,6 +255,9 @@ class FleetRunner:
 
     def _record(self, step: int, epoch: int, metrics: dict[str, float]) -> None:
         metrics["epoch"] = float(epoch)
+        reward = getattr(self._fleet, "reward", None)  # a RewardControl once the fleet is up
+        if reward is not None:
+            metrics.update(reward.step_metrics(step))  # the reward version, and whether it changed
         for sink in self._sinks:
             sink.log(step, metrics)
         if self._progress is not None:
@@ -319,10 +336,38 @@ class FleetRunner:
 
     # --- between steps ---------------------------------------------------------------------
 
-    def set_reward_fn(self, spec: str | dict[str, Any]) -> str:
-        """Switch the reward spec for the next steps (progressive rewards); returns its version."""
-        self.reward_spec = spec
-        return self.run(self.fleet.set_reward_spec(spec, self.config.reward_endpoint))
+    def set_reward_fn(self, fn: Any) -> str:
+        """Switch the reward for the next steps (progressive rewards); returns the new reward version.
+
+        ``fn``: a spec (str or dict), a ``package.module:function`` name or an importable top-level
+        function, or a ``CompositeReward`` / ``RewardScaler`` built from a spec (or its
+        ``compute_reward``); see :func:`rlfleet.controller.reward_control.describe_reward_fn`. Works
+        with the run's own reward worker and with a shared server (``reward_url``).
+        """
+        wire = describe_reward_fn(fn)
+        done = self.run(self.fleet.reward.set_reward(wire, self.config.reward_endpoint))
+        self.reward_spec = wire["spec"]
+        return done.spec_version
+
+    def update_reward_model(self, new_rm: Any, *, component: str | None = None, wait: bool = True) -> Any:
+        """Hot-swap the reward model: the reward tier loads it in the background, the old one keeps
+        serving until the switch, and scores name the version that made them (``reward/spec_revision``).
+
+        ``new_rm``: a reward model directory (the endpoint's ``rm`` component, or the one labelled
+        ``component``, is pointed at it; the rest of the spec stays) or anything :meth:`set_reward_fn`
+        takes. ``wait=True`` returns the new version once switched; ``wait=False`` returns at once with
+        an ``asyncio.Task`` that completes while later steps run.
+        """
+        wire = model_swap(new_rm, component)
+        swap = self.fleet.reward.set_reward(wire, self.config.reward_endpoint)
+        if wait:
+            return self.run(swap).spec_version
+        assert self._loop is not None
+        return self._loop.create_task(swap, name="reward-model-swap")
+
+    def reward_stats(self) -> Any:
+        """This run's view of its reward endpoint (``RewardStats``: version, counts, scaler state)."""
+        return self.run(self.fleet.reward.stats(self.config.reward_endpoint))
 
     async def _release(self, results: list[Any]) -> None:
         """Free consumed rollout batches in their workers' stores."""

@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     spec = sub.add_parser("set-spec", help="hot-swap an endpoint's reward spec")
     spec.add_argument("endpoint")
     spec.add_argument("spec", help="reward spec, text form (or JSON of the dict form)")
-    spec.add_argument("--scaler", default=None, help='RewardScaler options as JSON, e.g. {"temperature": 0.7}')
+    spec.add_argument(
+        "--scaler", default=None, help='RewardScaler options as JSON, e.g. {"temperature": 0.7}'
+    )
     model = sub.add_parser("set-model", help="point an endpoint's rm component at another model directory")
     model.add_argument("endpoint")
     model.add_argument("path")

@@ -15,6 +15,7 @@ import string
 from typing import Any
 
 from pydantic import Field
+
 from rlfleet.reward.base import Rule
 from rlfleet.reward.errors import RewardInputError
 

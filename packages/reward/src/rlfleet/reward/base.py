@@ -1,4 +1,5 @@
-"""What a reward function is: :class:`RewardFn`, :class:`BatchRewardFn`, :class:`Rule`, :class:`ModelComponent`.
+"""What a reward function is: :class:`RewardFn`, :class:`BatchRewardFn`, :class:`Rule`,
+:class:`ModelComponent`.
 
 A reward function scores one sample: ``fn(prompt, response, **metadata) -> float``. ``metadata``
 holds the sample's extra fields from the dataset (a reference ``answer``, keywords...). A *rule*

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from rlfleet.reward.base import BatchRewardFn, RewardFn
 from rlfleet.reward.errors import RewardFunctionError, RewardInputError
 from rlfleet.reward.spec import RewardSpec

@@ -92,7 +92,9 @@ def _with_model_path(reward: CompositeReward, model_path: str, component: str | 
         if comp["name"] == "rm" and (component is None or c.label == component)
     ]  # fmt: skip
     if len(targets) != 1:
-        labels = [c.label for c, s in zip(reward.components, spec["components"], strict=True) if s["name"] == "rm"]
+        labels = [
+            c.label for c, s in zip(reward.components, spec["components"], strict=True) if s["name"] == "rm"
+        ]
         reason = (
             f"no rm component{f' labelled {component!r}' if component else ''} (rm components: {labels}); "
             "send a whole spec instead"
@@ -138,7 +140,12 @@ class Endpoints:
                 await self._install(name, cfg.spec, cfg.scaler, None, 0)
 
     async def _install(
-        self, name: str, spec: Spec, scaler: ScalerConfig | None, state: Mapping[str, Any] | None, revision: int
+        self,
+        name: str,
+        spec: Spec,
+        scaler: ScalerConfig | None,
+        state: Mapping[str, Any] | None,
+        revision: int,
     ) -> EndpointVersion:
         reward = await asyncio.to_thread(build_reward, spec, revision=revision)
         live = RewardScaler.from_config(scaler) if scaler is not None else None
@@ -202,7 +209,9 @@ class Endpoints:
             live = RewardScaler.from_config(ScalerConfig(**scaler)) if scaler else None
         if state is not None:
             if live is None:
-                raise ValueError("scaler_state given for an endpoint without a scaler; send scaler options too")
+                raise ValueError(
+                    "scaler_state given for an endpoint without a scaler; send scaler options too"
+                )
             live.load_state_dict(state)
         return live
 

@@ -164,7 +164,9 @@ class MissingToken(RewardError, PermissionError):
 
     def __init__(self, operation: str) -> None:
         self.operation = operation
-        super().__init__(f"{operation} needs a tenant token: set ScoreRequest.token (reward_token in the config)")
+        super().__init__(
+            f"{operation} needs a tenant token: set ScoreRequest.token (reward_token in the config)"
+        )
 
 
 class InvalidToken(RewardError, PermissionError):

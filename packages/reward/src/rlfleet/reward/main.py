@@ -1,4 +1,4 @@
-"""``rlfleet-reward serve --config FILE``: start a reward worker; ``rlfleet-reward admin ...``: operate one."""
+"""``rlfleet-reward serve --config FILE`` starts a reward worker, ``rlfleet-reward admin`` operates one."""
 
 from __future__ import annotations
 

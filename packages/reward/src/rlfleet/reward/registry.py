@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
+
 from rlfleet.reward.answers import ExactMatch, Numeric
 from rlfleet.reward.base import BatchRewardFn, ModelComponent, RewardFn, Rule
 from rlfleet.reward.composite import Component, CompositeReward
@@ -144,8 +145,10 @@ def build_reward(
             args = dict(comp.args)
         else:
             options = build_rule(comp.name, comp.args)
-            fn = options.load() if isinstance(options, ModelComponent) else options
-            args = options.model_dump(mode="json")
+            if isinstance(options, ModelComponent):  # None options (defaults) stay out: no text form
+                fn, args = options.load(), options.model_dump(mode="json", exclude_none=True)
+            else:
+                fn, args = options, options.model_dump(mode="json")
         components.append(Component(label=label, weight=comp.weight, fn=fn))
         normalized.append(comp.model_copy(update={"args": args}))
     reward = CompositeReward(components, parsed.model_copy(update={"components": normalized}))

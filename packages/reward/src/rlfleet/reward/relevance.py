@@ -14,6 +14,7 @@ import re
 from typing import Any, Literal
 
 from pydantic import Field
+
 from rlfleet.reward.base import Rule
 
 logger = logging.getLogger(__name__)

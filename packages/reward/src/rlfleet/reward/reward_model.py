@@ -72,7 +72,9 @@ def label_index(config: Any, label: int | str | None, path: str) -> int:
     if label is None:
         if num_labels != 1:
             names = dict(getattr(config, "id2label", {}) or {})
-            raise RewardModelError(path, f"the model has {num_labels} outputs {names}; set label=<index or name>")
+            raise RewardModelError(
+                path, f"the model has {num_labels} outputs {names}; set label=<index or name>"
+            )
         return 0
     if isinstance(label, str):
         label2id = dict(getattr(config, "label2id", {}) or {})

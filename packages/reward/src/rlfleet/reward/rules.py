@@ -12,6 +12,7 @@ import re
 from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
+
 from rlfleet.reward.base import Rule, word_count
 
 logger = logging.getLogger(__name__)

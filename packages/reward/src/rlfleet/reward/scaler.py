@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from rlfleet.reward.composite import ScoreBatch
 from rlfleet.reward.errors import NoScorer, NotPortable, RewardInputError
 
@@ -214,10 +215,15 @@ class RewardScaler:
             spec = self._model_spec(self.config.model_name)
         else:
             raise NotPortable(
-                "RewardScaler", f"its scorer {self.fn!r} is a plain callable; build it with build_reward(spec) "
+                "RewardScaler",
+                f"its scorer {self.fn!r} is a plain callable; build it with build_reward(spec) "
                 "or give model_name=<reward model directory>",
             )  # fmt: skip
-        return {"spec": spec, "scaler": self.config.model_dump(mode="json"), "scaler_state": self.state_dict()}
+        return {
+            "spec": spec,
+            "scaler": self.config.model_dump(mode="json"),
+            "scaler_state": self.state_dict(),
+        }
 
     def __repr__(self) -> str:
         return f"RewardScaler({self.config!r}, count={self.count})"

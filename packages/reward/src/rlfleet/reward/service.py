@@ -46,10 +46,14 @@ class RewardServiceConfig(ServiceConfig):
 
     endpoints: dict[str, EndpointConfig] = Field(
         default_factory=lambda: {"default": EndpointConfig(spec="concise:max_words=50")},
-        description="endpoint name -> {spec, scaler}; a bare spec (text or dict form) is short for {spec: ...}",
+        description="endpoint name -> {spec, scaler}; a bare spec (text or dict form) means {spec: ...}",
     )
-    tenants: list[TenantConfig] = Field(default_factory=list, description="who may use which endpoints; none: open")
-    admin: TokenSource | None = Field(default=None, description="the operators' token (token / token_sha256 / token_env)")
+    tenants: list[TenantConfig] = Field(
+        default_factory=list, description="who may use which endpoints; none: open"
+    )
+    admin: TokenSource | None = Field(
+        default=None, description="the operators' token (token / token_sha256 / token_env)"
+    )
     max_concurrency: int = Field(default=4, ge=1, description="score requests handled at once")
     state_dir: str | None = Field(default=None, description="keep endpoint specs and scaler statistics here")
     state_save_s: float = Field(default=30.0, gt=0, description="seconds between saves of the state")
@@ -60,7 +64,9 @@ class RewardServiceConfig(ServiceConfig):
         if not isinstance(value, dict):
             return value
         return {
-            name: {"spec": cfg} if isinstance(cfg, str) or (isinstance(cfg, dict) and "spec" not in cfg) else cfg
+            name: {"spec": cfg}
+            if isinstance(cfg, str) or (isinstance(cfg, dict) and "spec" not in cfg)
+            else cfg
             for name, cfg in value.items()
         }
 
@@ -93,16 +99,19 @@ class RewardWorker(Worker[RewardServiceConfig]):
         self._saver: asyncio.Task[None] | None = None
         if cfg.state_dir:
             self._saver = asyncio.create_task(self._save_periodically(), name="reward-state-saver")
-        await self.transport.subscribe(subject(cfg.cluster, "reward", "score"), self._on_score, queue="reward",
-                                       max_concurrency=cfg.max_concurrency)  # fmt: skip
+        verb = subject(cfg.cluster, "reward", "score")
+        await self.transport.subscribe(
+            verb, self._on_score, queue="reward", max_concurrency=cfg.max_concurrency
+        )
         if self.tenants.open:
             logger.warning("no tenants configured: every request is accepted (open server)")
         else:
             logger.info("tenants: %s", ", ".join(t.name for t in self.tenants.tenants))
 
     def announce_fields(self) -> dict[str, object]:
-        return {"capacity": self.config.max_concurrency, "model_id": "" if not self.tenants.open else
-                ",".join(self.endpoints.names())}  # fmt: skip
+        # Announces are seen by anyone on the cluster: endpoint names are listed only on an open server.
+        endpoints = ",".join(self.endpoints.names()) if self.tenants.open else ""
+        return {"capacity": self.config.max_concurrency, "model_id": endpoints}
 
     async def handle_own(self, message: AnyMessage) -> AnyMessage | None:
         if isinstance(message, SetRewardSpec):
@@ -169,8 +178,9 @@ class RewardWorker(Worker[RewardServiceConfig]):
             refused = dict(tenant.refused)
         else:
             refused = {f"{t.name}/{code}": n for t in self.tenants.tenants for code, n in t.refused.items()}
-        return RewardStats(worker_id=self.worker_id, tenant=self.tenants.label(tenant, self.tenants.open),
-                           endpoints={n: self.endpoints.stats(n) for n in names}, refused=refused)  # fmt: skip
+        who = self.tenants.label(tenant, self.tenants.open)
+        endpoints = {n: self.endpoints.stats(n) for n in names}
+        return RewardStats(worker_id=self.worker_id, tenant=who, endpoints=endpoints, refused=refused)
 
     async def _texts(self, request: ScoreRequest) -> tuple[list[str], list[str], list[int]]:
         from rlfleet.common.batch import unpack_texts

@@ -98,7 +98,9 @@ class SentenceEncoder:
 class Similarity(ModelComponent):
     """Options of the ``similarity`` component."""
 
-    key: str = Field(default="reference", min_length=1, description="metadata field with the reference answer")
+    key: str = Field(
+        default="reference", min_length=1, description="metadata field with the reference answer"
+    )
     model: str = Field(default=MINILM, min_length=1, description="'minilm' or a local encoder directory")
     max_length: int | None = Field(
         default=None, ge=8, description="longest text in tokens; None: the encoder's own (256 for MiniLM)"
@@ -136,7 +138,8 @@ class SimilarityScorer:
         row = {text: i for i, text in enumerate(texts)}
         embeddings = self.encoder.encode(texts)  # (T, D)
         return [
-            float(embeddings[row[r]] @ embeddings[row[ref]]) for r, ref in zip(responses, references, strict=True)
+            float(embeddings[row[r]] @ embeddings[row[ref]])
+            for r, ref in zip(responses, references, strict=True)
         ]
 
     def __repr__(self) -> str:

@@ -28,6 +28,7 @@ import re
 from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
 from rlfleet.reward.errors import RewardSpecError, UnknownReward
 
 logger = logging.getLogger(__name__)

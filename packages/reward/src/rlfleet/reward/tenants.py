@@ -86,7 +86,9 @@ class TenantConfig(TokenSource):
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="tenant name (logs, stats)")
     endpoints: list[str] = Field(default_factory=list, description="endpoints this tenant may use")
-    requests_per_s: float | None = Field(default=None, gt=0, description="score requests per second; None: no cap")
+    requests_per_s: float | None = Field(
+        default=None, gt=0, description="score requests per second; None: no cap"
+    )
     burst: int | None = Field(default=None, ge=1, description="requests allowed at once; None: max(1, rate)")
     max_batch: int | None = Field(default=None, ge=1, description="samples per request; None: no cap")
     can_update: bool = Field(default=True, description="may hot-swap the reward of its own endpoints")

@@ -133,7 +133,8 @@ class IncompleteWeights(RlfleetError, ValueError):
         shown = ", ".join(repr(n) for n in self.missing[:5])
         more = f" and {len(self.missing) - 5} more" if len(self.missing) > 5 else ""
         super().__init__(
-            f"weights of a partly sent block were dropped, the block is missing {shown}{more}; "
+            f"weights of a partly sent block were dropped: {len(self.missing)} tensor(s) never came, "
+            f"{shown}{more}; "
             "send every tensor of a transformer block (any bucket order) before setting the version"
         )
 

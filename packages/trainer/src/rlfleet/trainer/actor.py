@@ -15,29 +15,36 @@ One call to :meth:`Actor.update` on a rollout batch (see the batch contract)::
 
 Every divisor is the mini-batch's (tokens for ``token-mean``, sequences for ``seq-mean-*``), so
 the accumulated gradient equals the gradient of the whole mini-batch's loss. Dropout is disabled:
-the first step's ratio is then exactly 1. Runs in one process on one device; sharding comes later.
+the first step's ratio is then exactly 1.
+
+Ranks: with a :class:`~rlfleet.trainer.distributed.DistContext` of W > 1 ranks the policy and the
+reference are sharded with FSDP2 (:mod:`rlfleet.trainer.fsdp`). Every rank holds the whole batch
+(token ids are small) and runs its rows of each mini-batch; the divisors stay the whole
+mini-batch's, each rank's loss is scaled by W because FSDP averages gradients over ranks, so W
+ranks produce the gradient one process would on the whole batch. No-grad logprobs are computed
+rank-wise and summed over ranks, so every rank ends with all of them.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from rlfleet.trainer.algorithms.advantages import broadcast_to_tokens
-from rlfleet.trainer.algorithms.aggregation import aggregate, masked_mean, masked_sum
-from rlfleet.trainer.algorithms.kl import KL_ESTIMATORS, kl_k3
-from rlfleet.trainer.algorithms.losses import approx_kl, ppo_clip_loss
 from rlfleet.trainer.config import ActorConfig, PolicyLossConfig, UpdateConfig
+from rlfleet.trainer.distributed import DistContext, all_reduce_sum, shared_seed
+from rlfleet.trainer.fsdp import local_rows, save_hf_sharded, shard_model
 from rlfleet.trainer.inputs import PolicyInputs, build_policy_inputs
 from rlfleet.trainer.logprobs import token_logprobs
 from rlfleet.trainer.model_io import (
+    compile_blocks,
     disable_dropout,
     freeze,
     load_causal_lm,
@@ -45,30 +52,10 @@ from rlfleet.trainer.model_io import (
     set_seed,
     train_top_layers,
 )
+from rlfleet.trainer.prepared import METRIC_KEYS, PreparedBatch, batch_metrics, micro_batch_loss
 from rlfleet.trainer.weights import iter_weight_buckets
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PreparedBatch:
-    """A batch ready for loss computation, all on the actor's device.
-
-    Attributes:
-        inputs: forward inputs, (N, P + R).
-        old_logprobs: (N, R) float32, the current policy before the update (no grad); None when the
-            update is on-policy (one optimizer step): the loss pass's own logprobs, detached, are
-            exactly the old ones then, which saves a forward pass.
-        advantages: (N, R) float32, zero at padding.
-        ref_logprobs: (N, R) float32 under the reference model, or None.
-        rollout_logprobs: (N, R) float32 the engine reported, or None.
-    """
-
-    inputs: PolicyInputs
-    old_logprobs: Tensor | None
-    advantages: Tensor
-    ref_logprobs: Tensor | None = None
-    rollout_logprobs: Tensor | None = None
 
 
 class Actor:
@@ -78,8 +65,9 @@ class Actor:
     or ``use_reference``), so that directory must still hold the initial weights then.
     """
 
-    def __init__(self, config: ActorConfig) -> None:
+    def __init__(self, config: ActorConfig, dist: DistContext | None = None) -> None:
         self.config = config
+        self.dist = dist if dist is not None else DistContext(device=torch.device(config.device))
         if config.seed is not None:
             set_seed(config.seed)
         self._dtype = getattr(torch, config.dtype)
@@ -87,67 +75,87 @@ class Actor:
         disable_dropout(self.model)
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if config.compile:
+            compile_blocks(self.model)
         self.model.requires_grad_(True)
         self.trainable: set[str] | None = None
         if config.trainable_layers is not None:
             self.trainable = set(train_top_layers(self.model, config.trainable_layers))
+        self._shard(self.model)
         optim = config.optim
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=optim.lr,
-            betas=optim.betas,
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
-        )
+            [p for p in self.model.parameters() if p.requires_grad], lr=optim.lr, betas=optim.betas,
+            eps=optim.eps, weight_decay=optim.weight_decay,
+        )  # fmt: skip
         warmup = optim.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
         )
         self._generator = torch.Generator()
-        if config.seed is not None:
-            self._generator.manual_seed(config.seed)
-        else:
-            self._generator.seed()
+        self._generator.manual_seed(shared_seed(config.seed, self.dist))
         self.ref_model: PreTrainedModel | None = None
         self.steps = 0
         if config.use_reference:
             self.reference()
 
     def _load(self) -> PreTrainedModel:
+        """Load the model: on its device, or on the CPU when FSDP will shard it onto the device."""
         return load_causal_lm(
             self.config.model_path,
             dtype=self._dtype,
-            device=self.config.device,
+            device="cpu" if self.dist.distributed else self.config.device,
             attn_implementation=self.config.attn_implementation,
         )
 
+    def _shard(self, model: PreTrainedModel) -> None:
+        """FSDP2 over the ranks (nothing with one rank)."""
+        bf16 = self.config.mixed_precision == "bf16"
+        shard_model(model, self.dist, bf16=bf16, reshard_after_forward=self.config.reshard_after_forward)
+
     def _autocast(self) -> torch.autocast:
-        """bf16 autocast when ``mixed_precision='bf16'``; parameters and optimizer stay in their dtype."""
-        return torch.autocast(
-            self.device.type, dtype=torch.bfloat16, enabled=self.config.mixed_precision == "bf16"
-        )
+        """bf16 autocast when ``mixed_precision='bf16'`` in one process (under FSDP its policy casts)."""
+        enabled = self.config.mixed_precision == "bf16" and not self.dist.distributed
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
     @property
     def device(self) -> torch.device:
-        """Where the policy's parameters live."""
-        return next(self.model.parameters()).device
+        """Where the policy's parameters (or this rank's shards of them) live."""
+        return self.dist.device if self.dist.distributed else next(self.model.parameters()).device
 
     def reference(self) -> PreTrainedModel:
-        """The frozen reference model, loaded from ``model_path`` on first use."""
+        """The frozen reference model, loaded from ``model_path`` on first use.
+
+        Under FSDP it is sharded like the policy (1/W of its size per rank); its forwards
+        all-gather block by block like the policy's.
+        """
         if self.ref_model is None:
-            self.ref_model = freeze(self._load())
+            ref = freeze(self._load())
+            self._shard(ref)
+            self.ref_model = ref
         return self.ref_model
+
+    def _rank_rows(self, rows: Tensor, inputs: PolicyInputs) -> tuple[Tensor, Tensor]:
+        """This rank's share of ``rows`` (see :func:`rlfleet.trainer.fsdp.local_rows`): rows, weights."""
+        lengths = inputs.attention_mask.sum(dim=-1)
+        share = local_rows(rows, lengths, self.dist.rank, self.dist.world_size)
+        return share.rows, share.weights
 
     @torch.no_grad()
     def compute_logprobs(
         self, inputs: PolicyInputs, *, micro_batch_size: int, reference: bool = False
     ) -> Tensor:
-        """Logprobs of the response tokens without grad: inputs (N, P+R) -> (N, R) float32, 0 at padding."""
+        """Logprobs of the response tokens without grad: inputs (N, P+R) -> (N, R) float32, 0 at padding.
+
+        Under FSDP each rank computes its rows (same number of forwards on every rank) and the
+        results are summed over ranks, so every rank returns all N rows.
+        """
         model = self.reference() if reference else self.model
         model.eval()
-        parts = []
-        for rows in torch.arange(inputs.num_samples).split(micro_batch_size):
-            mb = inputs.select(rows.to(inputs.input_ids.device))
+        device = inputs.input_ids.device
+        rows, weights = self._rank_rows(torch.arange(inputs.num_samples, device=device), inputs)
+        out = torch.zeros(inputs.response_mask.shape, dtype=torch.float32, device=device)
+        for chunk, weight in zip(rows.split(micro_batch_size), weights.split(micro_batch_size), strict=True):
+            mb = inputs.select(chunk)
             with self._autocast():
                 logp, _ = token_logprobs(
                     model,
@@ -158,9 +166,11 @@ class Actor:
                     temperature=self.config.temperature,
                     compute_entropy=False,
                     chunk_rows=self.config.logprob_chunk_rows,
+                    compiled=self.config.compile,
                 )
-            parts.append(logp * mb.response_mask)
-        return torch.cat(parts)
+            real = weight > 0
+            out[chunk[real]] = (logp * mb.response_mask)[real]
+        return all_reduce_sum(out, self.dist)
 
     def prepare(
         self,
@@ -183,44 +193,45 @@ class Actor:
         inputs = build_policy_inputs(batch).to(self.device)
         token_adv = broadcast_to_tokens(advantages.to(self.device).float(), inputs.response_mask)
         rollout = batch.get("rollout_logprobs")
-        return PreparedBatch(
-            inputs=inputs,
-            old_logprobs=(
-                self.compute_logprobs(inputs, micro_batch_size=micro_batch_size) if recompute_old else None
-            ),
-            advantages=token_adv,
-            ref_logprobs=(
-                self.compute_logprobs(inputs, micro_batch_size=micro_batch_size, reference=True)
-                if with_reference
-                else None
-            ),
-            rollout_logprobs=None if rollout is None else rollout.to(self.device).float(),
-        )
+        old = self.compute_logprobs(inputs, micro_batch_size=micro_batch_size) if recompute_old else None
+        ref = None
+        if with_reference:
+            ref = self.compute_logprobs(inputs, micro_batch_size=micro_batch_size, reference=True)
+        rollout = None if rollout is None else rollout.to(self.device).float()
+        return PreparedBatch(inputs, old, token_adv, ref_logprobs=ref, rollout_logprobs=rollout)
 
     def forward_backward(
-        self, prepared: PreparedBatch, rows: Tensor, *, micro_batch_size: int, loss: PolicyLossConfig,
+        self,
+        prepared: PreparedBatch,
+        rows: Tensor,
+        *,
+        micro_batch_size: int,
+        loss: PolicyLossConfig,
         collect_old: Tensor | None = None,
     ) -> dict[str, float]:
         """Accumulate into ``.grad`` the gradient of the loss of the mini-batch ``rows`` (K,).
 
         Micro-batches of ``micro_batch_size`` rows each add their share; the divisors are the
         mini-batch's, so the sum equals the mini-batch loss. No optimizer step, no zeroing.
-        Without ``prepared.old_logprobs`` (on-policy), each pass's detached logprobs serve as the
-        old ones and are written into ``collect_old`` (N, R) when given.
+        Under FSDP ``rows`` is the whole mini-batch (the same on every rank); each rank runs its
+        share of it. Without ``prepared.old_logprobs`` (on-policy), each pass's detached logprobs
+        serve as the old ones and are written into ``collect_old`` (N, R) when given (each rank
+        writes its own rows).
 
         Returns:
             the mini-batch's ``loss``, ``pg_loss``, ``entropy`` (token mean), ``clip_frac``,
-            ``approx_kl``, and ``kl_loss`` when ``kl_coef > 0``.
+            ``approx_kl``, and ``kl_loss`` when ``kl_coef > 0`` (over all ranks).
         """
         if loss.kl_coef > 0 and prepared.ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs reference logprobs: prepare(..., with_reference=True)")
-        mask_all = prepared.inputs.response_mask[rows]
-        num_tokens = float(mask_all.sum().clamp(min=1).item())
+        # every rank holds the whole batch, so these divisors are the global ones without a collective
+        num_tokens = float(prepared.inputs.response_mask[rows].sum().clamp(min=1).item())
         divisors = {"num_tokens": num_tokens, "num_seqs": float(len(rows))}
-        clip = {"clip_eps_low": loss.clip_eps, "clip_eps_high": loss.clip_eps_high}
+        grad_scale = float(self.dist.world_size)  # FSDP averages gradients over ranks; the shares must add
+        mine, weights = self._rank_rows(rows, prepared.inputs)
         self.model.train()
-        sums: dict[str, float] = defaultdict(float)
-        for chunk in rows.split(micro_batch_size):
+        sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64, device=self.device)
+        for chunk, weight in zip(mine.split(micro_batch_size), weights.split(micro_batch_size), strict=True):
             mb = prepared.inputs.select(chunk)
             with self._autocast():
                 logp, entropy = token_logprobs(
@@ -231,34 +242,27 @@ class Actor:
                     position_ids=mb.position_ids,
                     temperature=self.config.temperature,
                     chunk_rows=self.config.logprob_chunk_rows,
+                    compiled=self.config.compile,
                 )
             assert entropy is not None
-            mask = mb.response_mask
+            mask = mb.response_mask * weight[:, None]
             if prepared.old_logprobs is not None:
                 old = prepared.old_logprobs[chunk]
             else:
                 old = logp.detach()
                 if collect_old is not None:
-                    collect_old[chunk] = old * mask
-            pg_tok, clipped = ppo_clip_loss(
-                logp, old, prepared.advantages[chunk], clip_ratio_c=loss.clip_ratio_c, **clip
+                    real = weight > 0
+                    collect_old[chunk[real]] = (old * mask)[real]
+            ref = None if prepared.ref_logprobs is None else prepared.ref_logprobs[chunk]
+            total, shares = micro_batch_loss(
+                logp, entropy, old, prepared.advantages[chunk], mask, ref, loss, **divisors
             )
-            pg = aggregate(pg_tok, mask, loss.loss_agg, **divisors)
-            total = pg
-            if loss.entropy_coef > 0:
-                total = total - loss.entropy_coef * aggregate(entropy, mask, loss.loss_agg, **divisors)
-            if loss.kl_coef > 0:
-                kl_tok = KL_ESTIMATORS[loss.kl_estimator](logp, prepared.ref_logprobs[chunk])
-                kl_loss = aggregate(kl_tok, mask, loss.loss_agg, **divisors)
-                total = total + loss.kl_coef * kl_loss
-                sums["kl_loss"] += kl_loss.item()
-            total.backward()
-            sums["loss"] += total.item()
-            sums["pg_loss"] += pg.item()
-            sums["entropy"] += masked_sum(entropy.detach(), mask).item() / num_tokens
-            sums["clip_frac"] += masked_sum(clipped, mask).item() / num_tokens
-            sums["approx_kl"] += masked_sum(approx_kl(logp.detach(), old), mask).item() / num_tokens
-        return dict(sums)
+            (total * grad_scale if grad_scale != 1.0 else total).backward()
+            sums += torch.stack([shares[key] for key in METRIC_KEYS])
+        values = dict(zip(METRIC_KEYS, all_reduce_sum(sums, self.dist).tolist(), strict=True))
+        if loss.kl_coef <= 0:
+            del values["kl_loss"]
+        return values
 
     def optimizer_step(self, max_grad_norm: float | None = 1.0) -> dict[str, float]:
         """Clip the accumulated gradient, step AdamW and the LR schedule, zero the gradient.
@@ -271,6 +275,8 @@ class Actor:
         params = [p for p in self.model.parameters() if p.requires_grad]
         limit = float("inf") if max_grad_norm is None else max_grad_norm
         grad_norm = torch.nn.utils.clip_grad_norm_(params, limit)
+        if isinstance(grad_norm, DTensor):  # FSDP: the norm over all shards, as a replicated DTensor
+            grad_norm = grad_norm.full_tensor()
         lr = float(self.optimizer.param_groups[0]["lr"])
         if torch.isfinite(grad_norm):
             self.optimizer.step()
@@ -317,21 +323,13 @@ class Actor:
             reference) when a reference is in use; ``kl_loss`` when ``kl_coef > 0``.
         """
         loss = PolicyLossConfig(
-            clip_eps=clip_eps,
-            clip_eps_high=clip_eps_high,
-            clip_ratio_c=clip_ratio_c,
-            kl_coef=kl_coef,
-            kl_estimator=kl_estimator,
-            entropy_coef=entropy_coef,
-            loss_agg=loss_agg,
-        )
+            clip_eps=clip_eps, clip_eps_high=clip_eps_high, clip_ratio_c=clip_ratio_c, kl_coef=kl_coef,
+            kl_estimator=kl_estimator, entropy_coef=entropy_coef, loss_agg=loss_agg,
+        )  # fmt: skip
         plan = UpdateConfig(
-            micro_batch_size=micro_batch_size,
-            mini_batch_size=mini_batch_size,
-            ppo_epochs=ppo_epochs,
-            max_grad_norm=max_grad_norm,
-            shuffle=shuffle,
-        )
+            micro_batch_size=micro_batch_size, mini_batch_size=mini_batch_size, ppo_epochs=ppo_epochs,
+            max_grad_norm=max_grad_norm, shuffle=shuffle,
+        )  # fmt: skip
         with_ref = loss.kl_coef > 0 or self.ref_model is not None
         n = int(batch["response_ids"].shape[0])
         on_policy = plan.ppo_epochs == 1 and (plan.mini_batch_size is None or plan.mini_batch_size >= n)
@@ -345,12 +343,16 @@ class Actor:
             return metrics
         old = torch.zeros_like(prepared.advantages)
         steps = self._run_steps(prepared, loss, plan, collect_old=old)
+        all_reduce_sum(old, self.dist)  # each rank wrote its own rows
         metrics = batch_metrics(replace(prepared, old_logprobs=old))
         metrics.update(steps)
         return metrics
 
     def _run_steps(
-        self, prepared: PreparedBatch, loss: PolicyLossConfig, plan: UpdateConfig,
+        self,
+        prepared: PreparedBatch,
+        loss: PolicyLossConfig,
+        plan: UpdateConfig,
         collect_old: Tensor | None = None,
     ) -> dict[str, float]:
         """The epoch/mini-batch loop of :meth:`update`; returns per-step metrics averaged over steps."""
@@ -373,28 +375,27 @@ class Actor:
         return averaged
 
     def iter_weight_buckets(
-        self, bucket_bytes: int, *, dtype: torch.dtype | None = None, include_tied: bool = False
+        self,
+        bucket_bytes: int,
+        *,
+        dtype: torch.dtype | None = None,
+        include_tied: bool = False,
+        pin_memory: bool = False,
     ) -> Iterator[dict[str, Tensor]]:
-        """The policy's state dict in buckets; see :func:`rlfleet.trainer.weights.iter_weight_buckets`."""
+        """The policy's trainable state dict in buckets, kept by rank 0 (``{}`` on other ranks).
+
+        Under FSDP every rank must iterate to the end; see :mod:`rlfleet.trainer.weights`.
+        """
         return iter_weight_buckets(
-            self.model, bucket_bytes, dtype=dtype, include_tied=include_tied, only=self.trainable
-        )
+            self.model, bucket_bytes, dtype=dtype, include_tied=include_tied, only=self.trainable,
+            keep=self.dist.is_main, pin_memory=pin_memory,
+        )  # fmt: skip
 
     def save_hf(self, path: str | Path) -> Path:
-        """Save the policy (safetensors + config) and the source directory's tokenizer files to ``path``."""
+        """Save the policy (safetensors + config) and the source directory's tokenizer files to ``path``.
+
+        Under FSDP every rank must call it (see :func:`rlfleet.trainer.fsdp.save_hf_sharded`).
+        """
+        if self.dist.distributed:
+            return save_hf_sharded(self.model, path, self.dist.is_main, source_dir=self.config.model_path)
         return save_hf(self.model, path, source_dir=self.config.model_path)
-
-
-def batch_metrics(prepared: PreparedBatch) -> dict[str, float]:
-    """Metrics of the batch before any step: response length, rollout drift, KL to the reference."""
-    mask = prepared.inputs.response_mask
-    metrics = {"response_length": float(mask.sum(dim=-1).float().mean().item())}
-    if prepared.old_logprobs is None:
-        return metrics
-    if prepared.rollout_logprobs is not None:
-        diff = (prepared.old_logprobs - prepared.rollout_logprobs).abs()
-        metrics["rollout_logprob_diff"] = float(masked_mean(diff, mask).item())
-    if prepared.ref_logprobs is not None:
-        kl = kl_k3(prepared.old_logprobs, prepared.ref_logprobs)
-        metrics["kl"] = float(masked_mean(kl, mask).item())
-    return metrics

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlfleet.trainer.algorithms.aggregation import LossAgg
+from rlfleet.trainer.distributed import Sharding
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,9 @@ class ActorConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         default="float32", description="parameter dtype of the policy and the reference"
     )
-    device: str = Field(default="cpu", description="torch device of the policy and the reference")
+    device: str = Field(
+        default="cpu", description="torch device of the policy and the reference (one rank; ranks use theirs)"
+    )
     attn_implementation: str | None = Field(
         default=None, description="HF attention kernel ('sdpa', 'eager', ...); None lets HF choose"
     )
@@ -49,13 +52,29 @@ class ActorConfig(BaseModel):
     )
     gradient_checkpointing: bool = Field(default=False, description="recompute activations in backward")
     trainable_layers: int | None = Field(
-        default=None, ge=1,
+        default=None,
+        ge=1,
         description="train only the top N transformer blocks (+ final norm); embeddings frozen. None: all",
     )
     mixed_precision: Literal["none", "bf16"] = Field(
         default="none",
         description="bf16 autocast for forward/backward with float32 master weights and optimizer state "
         "(about 1.8x faster matmuls on CPUs with AVX512-BF16/AMX, and the usual choice on GPU)",
+    )
+    sharding: Sharding = Field(
+        default="auto",
+        description="with several ranks: full (FSDP over all ranks), hybrid (shard in a node, replicate "
+        "across nodes), none (replicate), auto (full on one node, hybrid on several); ignored with one rank",
+    )
+    reshard_after_forward: bool = Field(
+        default=True,
+        description="FSDP frees each block's gathered weights after its forward (ZeRO-3); False keeps "
+        "them for backward (more memory, one all-gather less per block and micro-batch)",
+    )
+    compile: bool = Field(
+        default=False,
+        description="torch.compile the decoder blocks and the logprob reduction (faster on GPU; the "
+        "first steps compile, and each new sequence shape may compile again)",
     )
     logprob_chunk_rows: int = Field(
         default=1024, ge=1, description="tokens per chunk of the logprob reduction"

@@ -38,7 +38,9 @@ TIMEOUT_ENV = "RLFLEET_DIST_TIMEOUT_MINUTES"
 DEFAULT_TIMEOUT_MINUTES = 60.0
 
 
-def setup_nccl(timeout_minutes: float = 60, enable_p2p: bool = True, *, enable_nvls: bool = False) -> timedelta:
+def setup_nccl(
+    timeout_minutes: float = 60, enable_p2p: bool = True, *, enable_nvls: bool = False
+) -> timedelta:
     """Set the NCCL environment and the process-group timeout, consistently; call before init.
 
     Sets (overwriting earlier values, so that every rank agrees):
@@ -191,3 +193,13 @@ def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     if ctx.distributed:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def shared_seed(seed: int | None, ctx: DistContext) -> int:
+    """``seed``, or (None) a random seed drawn on rank 0 and broadcast, so every rank agrees."""
+    if seed is not None:
+        return seed
+    drawn = torch.randint(0, 2**62, (1,), device=ctx.device)
+    if ctx.distributed:
+        dist.broadcast(drawn, src=0)
+    return int(drawn.item())

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from rlfleet.trainer.model_io import decoder_layers
+from rlfleet.trainer.distributed import DistContext
+from rlfleet.trainer.model_io import decoder_layers, save_hf
+from rlfleet.trainer.weights import iter_weight_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -35,18 +37,21 @@ def mixed_precision_policy(device: torch.device, bf16: bool) -> MixedPrecisionPo
 
 
 def shard_model(
-    model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool = True
-) -> nn.Module:
-    """Apply ``fully_shard`` to every decoder block, then to the root; returns ``model``.
+    model: nn.Module, ctx: DistContext, *, bf16: bool, reshard_after_forward: bool = True
+) -> None:
+    """Apply ``fully_shard`` to every decoder block, then to the root (nothing with one rank).
 
-    Parameters become DTensor shards on the mesh's device (moved there from the CPU copy that
+    Parameters become DTensor shards on the rank's device (moved there from the CPU copy that
     every rank loaded). ``reshard_after_forward`` frees each block's gathered weights after its
-    forward (ZeRO-3); False keeps them until backward (ZeRO-2 style: more memory, fewer gathers).
+    forward (ZeRO-3); False keeps them until backward (more memory, fewer all-gathers).
+    ``bf16`` selects :func:`mixed_precision_policy`'s bf16 compute (on GPU only).
     """
+    if ctx.mesh is None:
+        return
+    policy = mixed_precision_policy(ctx.device, bf16)
     for block in decoder_layers(model):
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    return model
+        fully_shard(block, mesh=ctx.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=ctx.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
 
 @dataclass(frozen=True)
@@ -87,3 +92,25 @@ def local_rows(rows: Tensor, lengths: Tensor, rank: int, world_size: int) -> Loc
         filler = rows[:1].expand(target - len(mine))
         mine = torch.cat([mine, filler])
     return LocalRows(mine, weights)
+
+
+def save_hf_sharded(
+    model: nn.Module,
+    path: str | Path,
+    is_main: bool,
+    *,
+    source_dir: str | Path | None = None,
+    bucket_bytes: int = 1 << 28,
+) -> Path:
+    """Save an FSDP model in HF format; every rank calls it, rank 0 (``is_main``) writes.
+
+    The weights are gathered a bucket at a time into rank 0's host memory, which holds the
+    whole state dict while it writes; the other ranks keep nothing.
+    """
+    state: dict[str, Tensor] = {}
+    for bucket in iter_weight_buckets(model, bucket_bytes, include_tied=True, keep=is_main):
+        state.update(bucket)
+    if is_main:
+        save_hf(model, path, source_dir=source_dir, state_dict=state)  # type: ignore[arg-type]
+    torch.distributed.barrier()
+    return Path(path)

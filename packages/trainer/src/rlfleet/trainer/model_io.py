@@ -80,6 +80,16 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to freeze")
 
 
+def compile_blocks(model: nn.Module) -> None:
+    """``torch.compile`` each decoder block's forward in place (one graph, reused by every block).
+
+    The blocks' module hooks (FSDP's all-gathers) stay outside the compiled code, and the
+    parameter names do not change. The first forwards are slow while the graph compiles.
+    """
+    for block in decoder_layers(model):
+        block.forward = torch.compile(block.forward)  # type: ignore[method-assign]
+
+
 def train_top_layers(model: nn.Module, num_layers: int) -> list[str]:
     """Freeze everything but the top ``num_layers`` blocks and the final norm; returns trainable names.
 
@@ -112,7 +122,13 @@ def disable_dropout(model: nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
-def save_hf(model: PreTrainedModel, path: str | Path, *, source_dir: str | Path | None = None) -> Path:
+def save_hf(
+    model: PreTrainedModel,
+    path: str | Path,
+    *,
+    source_dir: str | Path | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """Save ``model`` as safetensors with its config, plus the tokenizer files of ``source_dir``.
 
     Args:
@@ -120,13 +136,15 @@ def save_hf(model: PreTrainedModel, path: str | Path, *, source_dir: str | Path 
         path: target directory, created if needed.
         source_dir: the directory the model was loaded from; its tokenizer files
             (:data:`TOKENIZER_FILES`) are copied when present.
+        state_dict: the full weights to write instead of ``model.state_dict()`` (an FSDP model's
+            gathered weights).
 
     Returns:
         the target directory.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path))
+    model.save_pretrained(str(path), state_dict=state_dict)
     if source_dir is not None:
         for name in TOKENIZER_FILES:
             src = Path(source_dir) / name

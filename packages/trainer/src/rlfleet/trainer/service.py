@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -19,8 +19,8 @@ from pydantic import Field
 from rlfleet.common.messages import (
     AnyMessage,
     PublishWeights,
-    Saved,
     SaveCheckpoint,
+    Saved,
     TrainStepRequest,
     TrainStepResult,
     WeightsPublished,
@@ -30,10 +30,13 @@ from rlfleet.common.service import ServiceConfig, Worker
 from rlfleet.common.subjects import subject
 from rlfleet.common.tensor_store import TensorStoreClient, TensorStoreServer
 from rlfleet.trainer.actor import Actor
-from rlfleet.trainer.algorithms import ADVANTAGES
-from rlfleet.trainer.batching import merge_rollouts
+from rlfleet.trainer.algo_config import AlgorithmSettings
+from rlfleet.trainer.algorithms import ALGORITHMS, AlgorithmName
 from rlfleet.trainer.config import ActorConfig, OptimizerConfig
-from rlfleet.trainer.errors import InvalidBatch
+from rlfleet.trainer.critic import Critic
+from rlfleet.trainer.distributed import DistContext, Sharding, init_distributed
+from rlfleet.trainer.ranks import CommandChannel, use_rank_thread
+from rlfleet.trainer.updates import build_critic, merge_batch, run_update
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +45,21 @@ class TrainerServiceConfig(ServiceConfig):
     """Settings of a trainer worker (the controller writes them from its TrainerConfig)."""
 
     model_path: str = Field(description="local HF model directory of the actor")
-    algorithm: Literal["grpo"] = Field(default="grpo", description="advantage estimator and loss")
+    algorithm: AlgorithmName = Field(default="grpo", description="ppo | grpo | rloo | reinforce_pp | dpo")
+    algo: AlgorithmSettings = Field(
+        default_factory=AlgorithmSettings, description="KL placement, PPO (GAE, critic) and DPO settings"
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: CUDA when available")
     dtype: Literal["float32", "bfloat16"] = Field(default="float32", description="parameter dtype")
     mixed_precision: Literal["auto", "none", "bf16"] = Field(
         default="auto", description="bf16 autocast with fp32 master weights; auto: bf16 on GPU, none on CPU"
     )
     trainable_layers: int | None = Field(default=None, ge=1, description="train only the top N blocks")
+    sharding: Sharding = Field(
+        default="auto",
+        description="with several ranks: auto | full | hybrid | none (rlfleet.trainer.distributed)",
+    )
+    gradient_checkpointing: bool = Field(default=False, description="recompute activations in backward")
     threads: int = Field(default=0, ge=0, description="torch CPU threads; 0 keeps torch's default")
     learning_rate: float = Field(default=1e-6, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
@@ -61,7 +72,36 @@ class TrainerServiceConfig(ServiceConfig):
     ppo_epochs: int = Field(default=1, ge=1)
     temperature: float = Field(default=1.0, gt=0)
     seed: int = Field(default=0)
-    store_capacity_mb: float = Field(default=16384, gt=0, description="TensorStore capacity for weight buckets")
+    store_capacity_mb: float = Field(
+        default=16384, gt=0, description="TensorStore capacity for weight buckets"
+    )
+
+
+def actor_config(cfg: TrainerServiceConfig, device: str) -> ActorConfig:
+    """The actor's settings from the worker's (``device``: this rank's, e.g. ``cuda:1``)."""
+    on_gpu = device.startswith("cuda")
+    return ActorConfig(
+        model_path=cfg.model_path, dtype=cfg.dtype, device=device, temperature=cfg.temperature, seed=cfg.seed,
+        use_reference=ALGORITHMS[cfg.algorithm].uses_reference(cfg.kl_coef),
+        trainable_layers=cfg.trainable_layers, sharding=cfg.sharding,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        mixed_precision=(("bf16" if on_gpu else "none") if cfg.mixed_precision == "auto"
+                         else cfg.mixed_precision),
+        optim=OptimizerConfig(lr=cfg.learning_rate, weight_decay=cfg.weight_decay),
+    )  # fmt: skip
+
+
+def build_models(cfg: TrainerServiceConfig) -> tuple[DistContext, Actor, Critic | None]:
+    """Join the trainer ranks (torchrun environment; one process without it), build actor and critic.
+
+    Every rank calls it, in the same order of collectives.
+    """
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    ctx = init_distributed(cfg.device, cfg.sharding)
+    device = str(ctx.device)
+    actor = Actor(actor_config(cfg, device), ctx)
+    return ctx, actor, build_critic(cfg, device)
 
 
 class TrainerWorker(Worker[TrainerServiceConfig]):
@@ -71,24 +111,20 @@ class TrainerWorker(Worker[TrainerServiceConfig]):
 
     async def setup(self) -> None:
         cfg = self.config
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        actor_cfg = ActorConfig(
-            model_path=cfg.model_path, dtype=cfg.dtype, device=device, temperature=cfg.temperature, seed=cfg.seed,
-            use_reference=cfg.kl_coef > 0, trainable_layers=cfg.trainable_layers,
-            mixed_precision=(("bf16" if device == "cuda" else "none") if cfg.mixed_precision == "auto"
-                             else cfg.mixed_precision),
-            optim=OptimizerConfig(lr=cfg.learning_rate, weight_decay=cfg.weight_decay),
-        )  # fmt: skip
-        self.actor = await asyncio.to_thread(Actor, actor_cfg)
+        use_rank_thread(asyncio.get_running_loop(), cfg.device)
+        self.dist, self.actor, self.critic = await asyncio.to_thread(build_models, cfg)
+        self.channel = CommandChannel(self.dist)  # to trainer ranks 1..W-1 (see ranks.py)
         self.weight_version = 0
         self.store = TensorStoreServer(capacity_bytes=int(cfg.store_capacity_mb * 2**20), ttl_s=7 * 24 * 3600)
         self.data_address = await self.store.start()
         self._clients: dict[str, TensorStoreClient] = {}
         self._published: list[TensorRef] = []
         self._lock = asyncio.Lock()
-        for verb, handler in (("step", self._on_step), ("publish", self._on_publish), ("save", self._on_save)):
+        for verb, handler in (
+            ("step", self._on_step),
+            ("publish", self._on_publish),
+            ("save", self._on_save),
+        ):
             await self.transport.subscribe(subject(cfg.cluster, "trainer", verb), handler, queue="trainer",
                                            max_concurrency=1)  # fmt: skip
 
@@ -109,6 +145,7 @@ class TrainerWorker(Worker[TrainerServiceConfig]):
         if not isinstance(message, SaveCheckpoint):
             raise ValueError(f"trainer.save takes save requests, got {message.kind!r}")
         async with self._lock:
+            await asyncio.to_thread(self.channel.send, {"op": "save", "path": message.path})
             path = await asyncio.to_thread(self.actor.save_hf, message.path)
         return Saved(path=str(path))
 
@@ -123,36 +160,18 @@ class TrainerWorker(Worker[TrainerServiceConfig]):
         async with self._lock:
             self.busy += 1
             try:
+                command = {"op": "step", "request": request.model_dump(mode="json")}
+                await asyncio.to_thread(self.channel.send, command)  # the other ranks fetch for themselves
                 chunks = await asyncio.gather(*(self._fetch(ref) for ref in request.rollouts))
-                batch = merge_rollouts(chunks)
+                batch = merge_batch(request.algorithm, chunks)
                 metrics = await asyncio.to_thread(self._update, batch, request)
             finally:
                 self.busy -= 1
         return TrainStepResult(step=request.step, metrics=metrics, weight_version=self.weight_version)
 
     def _update(self, batch: dict[str, torch.Tensor], request: TrainStepRequest) -> dict[str, float]:
-        cfg = self.config
-        n = batch["response_ids"].shape[0]
-        if len(request.scores) != n:
-            raise InvalidBatch("scores", f"{len(request.scores)} scores for {n} samples")
-        hyper: dict[str, Any] = {**request.hyperparams}
-        rewards = torch.tensor(request.scores, dtype=torch.float32)
-        advantages = ADVANTAGES[request.algorithm](rewards, batch["group_index"])
-        num_updates = max(1, int(hyper.get("num_updates", 1)))
-        t0 = time.perf_counter()
-        metrics = self.actor.update(
-            batch, advantages, micro_batch_size=cfg.micro_batch_size,
-            kl_coef=float(hyper.get("kl_coef", cfg.kl_coef)), clip_eps=float(hyper.get("clip_eps", cfg.clip_eps)),
-            entropy_coef=float(hyper.get("entropy_coef", cfg.entropy_coef)), loss_agg=cfg.loss_agg,
-            max_grad_norm=cfg.max_grad_norm, ppo_epochs=cfg.ppo_epochs,
-            mini_batch_size=None if num_updates == 1 else -(-n // num_updates),
-        )  # fmt: skip
-        seconds = time.perf_counter() - t0
-        tokens = float((batch["prompt_mask"].sum() + batch["response_mask"].sum()).item())
-        metrics["advantage/abs_mean"] = float(advantages.abs().mean().item())
-        metrics["time/update_s"] = seconds
-        metrics["throughput/train_tok_s"] = tokens / max(seconds, 1e-9)
-        return metrics
+        """One update of ``request.algorithm``; see :func:`rlfleet.trainer.updates.run_update`."""
+        return run_update(self.actor, self.critic, self.config, batch, request)
 
     async def publish(self, request: PublishWeights) -> WeightsPublished:
         """Stage the current weights as a new version, bucket by bucket, in this worker's store."""
@@ -162,13 +181,15 @@ class TrainerWorker(Worker[TrainerServiceConfig]):
             bucket_bytes = max(1, int(request.bucket_mb * 2**20))
             for old in self._published:
                 self.store.delete(old.key)
+            command = {"op": "publish", "bucket_bytes": bucket_bytes}
+            await asyncio.to_thread(self.channel.send, command)  # every rank takes part in the gathers
             refs = await asyncio.to_thread(self._stage, version, bucket_bytes)
             self._published = refs
             self.weight_version = version
             seconds = time.perf_counter() - t0
         nbytes = sum(ref.nbytes for ref in refs)
-        logger.info("staged weight version %d: %d buckets, %.1f MB in %.2fs", version, len(refs), nbytes / 2**20,
-                    seconds)  # fmt: skip
+        logger.info("staged weight version %d: %d buckets, %.1f MB in %.2fs", version, len(refs),
+                    nbytes / 2**20, seconds)  # fmt: skip
         return WeightsPublished(weight_version=version, buckets=refs, nbytes=nbytes, seconds=seconds)
 
     def _stage(self, version: int, bucket_bytes: int) -> list[TensorRef]:
@@ -178,6 +199,16 @@ class TrainerWorker(Worker[TrainerServiceConfig]):
         return refs
 
     async def teardown(self) -> None:
+        await self._stop_followers()
         for client in self._clients.values():
             await client.close()
         await self.store.stop()
+
+    async def _stop_followers(self) -> None:
+        """Tell ranks 1..W-1 to exit; they may be gone already (stopped by the launcher)."""
+        if not self.dist.distributed:
+            return
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.channel.send, {"op": "stop"}), timeout=10)
+        except (RuntimeError, TimeoutError) as exc:
+            logger.warning("could not tell the other trainer ranks to stop: %s", exc)

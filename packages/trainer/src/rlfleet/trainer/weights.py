@@ -95,6 +95,7 @@ def _full(tensor: Tensor, dtype: torch.dtype) -> Tensor:
 def _gather_bucket(slots: list[_Slot], keep: bool, pin_memory: bool) -> dict[str, Tensor]:
     """Gather each tensor of the bucket and (when ``keep``) copy it into one fresh host buffer."""
     end = slots[-1].offset + slots[-1].nbytes
+    pin_memory = pin_memory and torch.cuda.is_available()
     buffer = torch.empty(end, dtype=torch.uint8, pin_memory=pin_memory) if keep else None
     bucket: dict[str, Tensor] = {}
     on_device = False
@@ -137,7 +138,8 @@ def iter_weight_buckets(
             receiver already holds the frozen ones from the same checkpoint); None yields all.
         keep: False on ranks that take part in the gathers but keep nothing: they yield ``{}``
             for each bucket, in step with the keeping rank.
-        pin_memory: put buckets in page-locked host memory (faster device-to-host copies, CUDA only).
+        pin_memory: put buckets in page-locked host memory (faster device-to-host copies; ignored
+            without CUDA).
 
     Yields:
         ``{name: tensor}`` dicts, never empty on a keeping rank.

@@ -1,0 +1,96 @@
+"""Memory for tensor streams: glibc malloc that keeps chunk buffers, huge pages for big tensors.
+
+Two costs that had nothing to do with the network showed up in profiles of a 512 MiB stream on
+this project's machines (benchmarks/README.md, "tensor_stream"):
+
+- Every chunk passes through short-lived buffers of a few MiB: gRPC's socket read buffers, the
+  message ``bytes`` it builds, the chunk we encode. By default glibc serves blocks that large with
+  a fresh ``mmap`` (or trims the heap as soon as they are freed), so each chunk lands on fresh
+  pages: a page fault and a page clear per 4 KiB, over a third of the receiver's CPU.
+  :func:`keep_stream_buffers` raises ``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD`` so that glibc
+  reuses them; up to ``trim_threshold`` bytes of freed memory then stay with the process.
+- A received tensor needs fresh memory, and faulting it in 4 KiB at a time ran at about 1 GiB/s.
+  :func:`empty_bytes` maps tensors of 32 MiB and more with ``MADV_HUGEPAGE`` (2 MiB pages),
+  which runs 3-4x faster. Smaller ones come from malloc, where freed blocks are reused.
+
+The TensorStore server and client call :func:`keep_stream_buffers` once per process. Set
+``RLFLEET_MALLOC_TUNING=0`` to leave both malloc and page sizes alone. Elsewhere than Linux with
+glibc both fall back to the defaults.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+import threading
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit systems
+TRIM_THRESHOLD_BYTES = 512 << 20
+HUGE_ALLOC_BYTES = MMAP_THRESHOLD_BYTES  # from here on malloc would mmap fresh pages anyway
+_HUGE_PAGE = 2 << 20
+
+_lock = threading.Lock()
+_tuned: bool | None = None
+
+
+def tuning_enabled() -> bool:
+    """False when ``RLFLEET_MALLOC_TUNING=0`` asks to leave memory management alone."""
+    return os.environ.get("RLFLEET_MALLOC_TUNING", "1") != "0"
+
+
+def keep_stream_buffers(
+    mmap_threshold: int = MMAP_THRESHOLD_BYTES, trim_threshold: int = TRIM_THRESHOLD_BYTES
+) -> bool:
+    """Tune glibc malloc for streaming, once per process; True if this process's malloc is tuned."""
+    global _tuned
+    with _lock:
+        if _tuned is None:
+            _tuned = _apply(mmap_threshold, trim_threshold)
+        return _tuned
+
+
+def _apply(mmap_threshold: int, trim_threshold: int) -> bool:
+    if not tuning_enabled():
+        logger.info("RLFLEET_MALLOC_TUNING=0: leaving malloc as it is")
+        return False
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    libc = ctypes.CDLL(name)
+    mallopt = getattr(libc, "mallopt", None)
+    if getattr(libc, "gnu_get_libc_version", None) is None or mallopt is None:  # musl, macOS
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    ok = mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1 and mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1
+    logger.info(
+        "malloc tuned for tensor streams: M_MMAP_THRESHOLD=%d, M_TRIM_THRESHOLD=%d (%s)",
+        mmap_threshold,
+        trim_threshold,
+        "ok" if ok else "refused",
+    )
+    return ok
+
+
+def empty_bytes(nbytes: int) -> torch.Tensor:
+    """A new, uninitialised ``uint8`` tensor of ``nbytes`` (nbytes,), on huge pages when it is big.
+
+    The huge-page buffer is an anonymous mapping that the tensor keeps alive and that is unmapped
+    with it; it cannot be resized in place.
+    """
+    if nbytes < HUGE_ALLOC_BYTES or not tuning_enabled() or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(region, dtype=torch.uint8)
+    skip = -whole.data_ptr() % _HUGE_PAGE  # start on a 2 MiB boundary so every page can be huge
+    return whole[skip : skip + nbytes]

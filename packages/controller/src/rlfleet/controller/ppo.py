@@ -1,0 +1,92 @@
+"""``PPOTrainer``: PPO with a critic over the rlfleet tiers, usable as a library.
+
+The controller's step is GRPO's (generate, score, train, publish); the trainer does the PPO part:
+reference and critic passes, the KL in the token rewards, GAE, then critic and policy steps.
+A reward model path becomes an ``rm`` component on the reward tier (``rm:path=...``, a
+sequence-classification model scoring each sample); any reward spec works as well::
+
+    trainer = PPOTrainer(
+        actor_model_name="smollm2",
+        reward_model_name="/models/my-rm",           # or reward="charset:allowed=0123456789"
+        dataset="prompts.jsonl",
+        config=TrainerConfig(rollout_batch_size=64, train_batch_size=32, num_rollout_workers=4,
+                             num_train_workers=2, kl_coef=0.1),
+    )
+    trainer.train(num_epochs=3)
+
+The critic starts from the actor's checkpoint unless ``critic_model_name`` (argument or config
+field) names another model; only the actor's weights are published to the rollout tier.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from rlfleet.controller.config import TrainerConfig
+from rlfleet.controller.dataset import PromptDataset
+from rlfleet.controller.grpo import GRPOTrainer
+from rlfleet.controller.models import resolve_model
+
+logger = logging.getLogger(__name__)
+
+
+def reward_model_spec(
+    reward_model_name: str | None, reward: str | dict[str, Any] | None
+) -> str | dict[str, Any]:
+    """The reward spec of a PPO run: ``reward`` as given, or an ``rm`` component for a model path.
+
+    Exactly one of the two must be given. A path that exists here is made absolute (the reward
+    worker may run in another directory); any other is passed on for the reward tier to resolve.
+    """
+    if (reward_model_name is None) == (reward is None):
+        raise ValueError(
+            "give exactly one of reward_model_name (a reward model path) and reward (a reward spec)"
+        )
+    if reward is not None:
+        return reward
+    assert reward_model_name is not None
+    path = Path(reward_model_name).expanduser()
+    location = str(path.resolve()) if path.exists() else reward_model_name
+    return {"components": [{"name": "rm", "args": {"path": location}}]}
+
+
+def ppo_config(config: TrainerConfig) -> TrainerConfig:
+    """``config`` with ``algorithm='ppo'``; an explicitly different algorithm is a mistake."""
+    if config.algorithm == "ppo":
+        return config
+    if "algorithm" in config.model_fields_set:
+        raise ValueError(
+            f"PPOTrainer trains ppo but the config sets algorithm={config.algorithm!r}; use GRPOTrainer for "
+            "grpo, rloo and reinforce_pp, DPOTrainer for dpo"
+        )
+    return type(config).model_validate({**config.model_dump(), "algorithm": "ppo"})
+
+
+class PPOTrainer(GRPOTrainer):
+    """Proximal Policy Optimization with a critic (value model), GAE and a KL-penalised reward."""
+
+    def __init__(
+        self,
+        actor_model_name: str,
+        reward_model_name: str | None = None,
+        dataset: PromptDataset | str | None = None,
+        config: TrainerConfig | None = None,
+        *,
+        reward: str | dict[str, Any] | None = None,
+        critic_model_name: str | None = None,
+    ) -> None:
+        if dataset is None:
+            raise ValueError("PPOTrainer needs a dataset: a PromptDataset or a path to a prompt file")
+        spec = reward_model_spec(reward_model_name, reward)
+        config = ppo_config(config or TrainerConfig())
+        super().__init__(actor_model_name, spec, dataset, config)
+        critic = critic_model_name or config.critic_model_name
+        self.critic_model_path = resolve_model(critic, seed=config.seed) if critic else self.model_path
+
+    def trainer_worker_config(self) -> dict[str, Any]:
+        """The trainer worker's settings, with the critic's backbone."""
+        settings = super().trainer_worker_config()
+        settings["algo"]["critic_model_path"] = str(self.critic_model_path)
+        return settings

@@ -1,0 +1,221 @@
+"""PPO's critic: a value model (an HF transformer backbone plus a linear value head) and its updates.
+
+The value of response token t is read from the hidden state of the position *before* it (the
+state in which token t was chosen), exactly as the logits that give its logprob::
+
+    input_ids  (B, P + R) ──backbone──> hidden (B, P + R, H) ──[:, -(R+1):-1]──> (B, R, H)
+                                                              ──value_head──> values (B, R)
+
+The backbone is ``AutoModel`` loaded from a causal-LM checkpoint (the actor's, or another one): the
+LM head is dropped, the value head (H -> 1) is new, initialised from ``seed`` with a small normal
+(std ``1 / (H + 1)``, as OpenRLHF) and a zero bias. The critic has its own AdamW; one step
+accumulates micro-batches with the divisors of the whole mini-batch (as the actor does), under the
+clipped value loss of :func:`~rlfleet.trainer.algorithms.value.clipped_value_loss`.
+
+Under several trainer ranks the critic is not sharded: every rank holds it whole and runs the
+same update on the same batch (the ranks stay identical).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor, nn
+from transformers import AutoModel, PreTrainedModel
+
+from rlfleet.trainer.algorithms.aggregation import LossAgg, aggregate, masked_sum
+from rlfleet.trainer.algorithms.value import clipped_value_loss
+from rlfleet.trainer.config import OptimizerConfig
+from rlfleet.trainer.errors import ModelLoadError
+from rlfleet.trainer.inputs import PolicyInputs
+from rlfleet.trainer.model_io import disable_dropout
+
+logger = logging.getLogger(__name__)
+
+CRITIC_METRIC_KEYS = ("vf_loss", "vf_clip_frac", "vpred_mean")
+"""The per-step sums :meth:`Critic.forward_backward` returns (prefixed ``critic/``)."""
+
+
+class CriticConfig(BaseModel):
+    """How to build a :class:`Critic`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str = Field(description="local directory of a causal LM (save_pretrained) for the backbone")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="parameter dtype")
+    device: str = Field(default="cpu", description="torch device")
+    attn_implementation: str | None = Field(
+        default=None, description="HF attention kernel; None: HF's choice"
+    )
+    mixed_precision: Literal["none", "bf16"] = Field(default="none", description="bf16 autocast")
+    seed: int = Field(default=0, description="seed of the value head's initialisation")
+    value_clip: float | None = Field(default=0.2, gt=0.0, description="value clip range; None: off")
+    loss_agg: LossAgg = Field(default="token-mean", description="how per-token value losses reduce")
+    optim: OptimizerConfig = Field(default_factory=OptimizerConfig, description="the critic's AdamW")
+
+
+class ValueModel(nn.Module):
+    """A transformer backbone and a linear value head: token ids -> one value per response token."""
+
+    def __init__(self, backbone: PreTrainedModel, *, seed: int = 0) -> None:
+        super().__init__()
+        self.backbone = backbone
+        hidden = int(backbone.config.hidden_size)
+        param = next(backbone.parameters())
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            head = nn.Linear(hidden, 1)
+            nn.init.normal_(head.weight, std=1.0 / (hidden + 1))
+            nn.init.zeros_(head.bias)
+        self.value_head = head.to(device=param.device, dtype=param.dtype)
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, response_len: int
+    ) -> Tensor:
+        """(B, T) ids, mask and positions -> (B, R) float32 values of the last R tokens."""
+        if not 0 < response_len < input_ids.shape[1]:
+            raise ValueError(f"response_len must be in (0, T={input_ids.shape[1]}); got {response_len}")
+        out = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
+        hidden = out.last_hidden_state[:, -(response_len + 1) : -1]
+        return self.value_head(hidden).squeeze(-1).float()
+
+
+def load_value_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str | None = None,
+    seed: int = 0,
+) -> ValueModel:
+    """The backbone of the causal LM in ``path`` with a fresh value head, on ``device``.
+
+    Raises:
+        ModelLoadError: the directory does not exist or has no ``config.json``.
+    """
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(str(path), "no config.json there (expected a save_pretrained directory)")
+    kwargs: dict[str, object] = {"dtype": dtype, "local_files_only": True}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    backbone = AutoModel.from_pretrained(str(path), **kwargs)
+    model = ValueModel(backbone.to(device), seed=seed)
+    logger.info("loaded critic backbone %s (%s, %s) from %s", type(backbone).__name__, dtype, device, path)
+    return model
+
+
+class Critic:
+    """A value model with its own AdamW, warmup schedule, value clipping and micro-batches."""
+
+    def __init__(self, config: CriticConfig) -> None:
+        self.config = config
+        self.model = load_value_model(
+            config.model_path,
+            dtype=getattr(torch, config.dtype),
+            device=config.device,
+            attn_implementation=config.attn_implementation,
+            seed=config.seed,
+        )
+        disable_dropout(self.model)
+        optim = config.optim
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=optim.lr,
+            betas=optim.betas,
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+        )
+        warmup = optim.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+        )
+        self.steps = 0
+
+    @property
+    def device(self) -> torch.device:
+        """Where the value model's parameters live."""
+        return next(self.model.parameters()).device
+
+    def _autocast(self) -> torch.autocast:
+        enabled = self.config.mixed_precision == "bf16"
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    def _values(self, mb: PolicyInputs) -> Tensor:
+        with self._autocast():
+            return self.model(mb.input_ids, mb.attention_mask, mb.position_ids, mb.response_len)
+
+    @torch.no_grad()
+    def compute_values(self, inputs: PolicyInputs, *, micro_batch_size: int) -> Tensor:
+        """Values of the response tokens without grad: inputs (N, P+R) -> (N, R) float32, 0 at padding."""
+        self.model.eval()
+        parts = []
+        for rows in torch.arange(inputs.num_samples, device=inputs.input_ids.device).split(micro_batch_size):
+            mb = inputs.select(rows)
+            parts.append(self._values(mb) * mb.response_mask)
+        return torch.cat(parts)
+
+    def forward_backward(
+        self,
+        inputs: PolicyInputs,
+        rows: Tensor,
+        old_values: Tensor,
+        returns: Tensor,
+        *,
+        micro_batch_size: int,
+    ) -> dict[str, float]:
+        """Accumulate the gradient of the clipped value loss of the mini-batch ``rows`` (K,).
+
+        Args:
+            inputs: the whole batch's forward inputs (N, P + R).
+            rows: (K,) the mini-batch's rows.
+            old_values: (N, R) rollout-time values (the clip centre).
+            returns: (N, R) regression targets.
+            micro_batch_size: rows per forward/backward.
+
+        Returns:
+            ``critic/vf_loss`` (the mini-batch loss), ``critic/vf_clip_frac`` and ``critic/vpred_mean``
+            (token means over the mini-batch).
+        """
+        mask_all = inputs.response_mask[rows]
+        num_tokens = float(mask_all.sum().clamp(min=1).item())
+        divisors = {"num_tokens": num_tokens, "num_seqs": float(len(rows))}
+        self.model.train()
+        sums = dict.fromkeys(CRITIC_METRIC_KEYS, 0.0)
+        for chunk in rows.split(micro_batch_size):
+            mb = inputs.select(chunk)
+            values = self._values(mb)
+            per_token, clipped = clipped_value_loss(
+                values, old_values[chunk], returns[chunk], clip_eps=self.config.value_clip
+            )
+            loss = aggregate(per_token, mb.response_mask, self.config.loss_agg, **divisors)
+            loss.backward()
+            sums["vf_loss"] += float(loss.item())
+            sums["vf_clip_frac"] += float(masked_sum(clipped, mb.response_mask).item()) / num_tokens
+            sums["vpred_mean"] += float(masked_sum(values.detach(), mb.response_mask).item()) / num_tokens
+        return {f"critic/{key}": value for key, value in sums.items()}
+
+    def optimizer_step(self, max_grad_norm: float | None = 1.0) -> dict[str, float]:
+        """Clip, step AdamW and the schedule, zero the gradient; a non-finite norm skips the update.
+
+        Returns:
+            ``critic/grad_norm`` (before clipping) and ``critic/lr``.
+        """
+        params = list(self.model.parameters())
+        limit = float("inf") if max_grad_norm is None else max_grad_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, limit)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            logger.warning("critic step %d: gradient norm is %s; update skipped", self.steps, grad_norm)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return {"critic/grad_norm": float(grad_norm.item()), "critic/lr": lr}

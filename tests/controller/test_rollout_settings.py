@@ -1,0 +1,43 @@
+"""Rollout engine settings from TrainerConfig to the rollout worker's config (KV-cache policy, vLLM knobs)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from rlfleet.controller.config import TrainerConfig
+from rlfleet.controller.runner import FleetRunner
+from rlfleet.rollout.service import RolloutServiceConfig, engine_kwargs
+
+
+def test_cache_policy_and_vllm_settings_reach_the_worker() -> None:
+    rollout = {"engine": "vllm", "tensor_parallel_size": 2, "enforce_eager": True,
+               "gpu_memory_utilization": 0.5, "colocate": True, "sleep_level": 2}  # fmt: skip
+    cfg = TrainerConfig(rollout_cache_policy="none", rollout_max_cache_len=1024, rollout=rollout)
+    settings = FleetRunner.rollout_engine_config(SimpleNamespace(config=cfg))  # type: ignore[arg-type]
+    worker = RolloutServiceConfig(model_path="/m", cluster="c", engine="vllm", **settings)
+    assert engine_kwargs(worker, "vllm", "cuda") == {
+        "dtype": "float32", "device": "cuda", "seed": 0, "max_batch_size": 64, "tensor_parallel_size": 2,
+        "gpu_memory_utilization": 0.5, "enforce_eager": True, "enable_prefix_caching": False,
+        "max_model_len": 1024, "colocate": True, "sleep_level": 2,
+    }  # fmt: skip
+
+
+def test_defaults_are_lru_and_2048() -> None:
+    cfg = TrainerConfig()
+    assert (cfg.rollout_cache_policy, cfg.rollout_max_cache_len) == ("lru", 2048)
+    assert (cfg.rollout.colocate, cfg.rollout.enforce_eager, cfg.rollout.tensor_parallel_size) == (
+        False,
+        None,
+        1,
+    )
+
+
+def test_prompt_plus_response_must_fit_the_cache_cap() -> None:
+    with pytest.raises(ValueError, match=r"max_prompt_length \(512\) \+ max_response_length \(128\) exceeds "
+                                         r"rollout_max_cache_len \(600\)"):  # fmt: skip
+        TrainerConfig(rollout_max_cache_len=600)
+    TrainerConfig(rollout_max_cache_len=640)
+    with pytest.raises(ValueError, match="rollout_cache_policy"):
+        TrainerConfig(rollout_cache_policy="fifo")

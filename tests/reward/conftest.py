@@ -1,0 +1,132 @@
+"""Fixtures of the reward tests: tiny sequence-classification models, a rollout store, in-process servers.
+
+``make_tiny_rm(num_labels, seed)`` builds (once per session and arguments) a 2-layer BERT
+classifier with a character tokenizer in a temporary folder. ``rollout_store`` is a real
+TensorStore gRPC server holding rollout batches made from texts. ``reward_server`` starts a
+:class:`RewardWorker` on an in-process transport and returns a client transport next to it.
+"""
+
+from __future__ import annotations
+
+import string
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlfleet.common.inproc_transport import InProcessBroker, InProcessTransport
+from rlfleet.common.refs import TensorRef
+from rlfleet.common.service import Worker
+
+CHARS = string.ascii_letters + string.digits + string.punctuation + " \n"
+SPECIALS = ("[PAD]", "[CLS]", "[SEP]", "[UNK]")
+
+
+def build_char_bert_tokenizer() -> Any:
+    """A character-level tokenizer with BERT's specials and text-pair template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate((*SPECIALS, *CHARS))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", cls_token="[CLS]",
+                                   sep_token="[SEP]", unk_token="[UNK]", model_max_length=128)  # fmt: skip
+
+
+def build_tiny_rm(folder: Path, *, num_labels: int, seed: int) -> Path:
+    """Save a random-init 2-layer BERT sequence classifier (hidden 32) and its tokenizer to ``folder``."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    tokenizer = build_char_bert_tokenizer()
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=128, num_labels=num_labels,
+        id2label={i: f"label{i}" for i in range(num_labels)},
+        label2id={f"label{i}": i for i in range(num_labels)},
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    model = BertForSequenceClassification(config).eval()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def make_tiny_rm(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    built: dict[tuple[int, int], Path] = {}
+
+    def make(num_labels: int = 1, seed: int = 0) -> Path:
+        key = (num_labels, seed)
+        if key not in built:
+            folder = tmp_path_factory.mktemp(f"tiny-rm-{num_labels}-{seed}")
+            built[key] = build_tiny_rm(folder, num_labels=num_labels, seed=seed)
+        return built[key]
+
+    return make
+
+
+class RolloutStore:
+    """A real TensorStore holding rollout batches built from texts."""
+
+    def __init__(self) -> None:
+        from rlfleet.common.tensor_store import TensorStoreServer
+
+        self.server = TensorStoreServer()
+
+    def put(self, prompts: Sequence[str], responses: Sequence[str], group_index: Sequence[int]) -> TensorRef:
+        """Store one rollout batch (the contract's tensors; token ids are dummies) and return its ref."""
+        from rlfleet.common.batch import RolloutBatch
+
+        n = len(responses)
+        batch = RolloutBatch.from_rows(
+            prompts=[[1, 2]] * n, responses=[[3]] * n, logprobs=[[0.0]] * n, group_index=list(group_index),
+            pad_id=0, prompt_text=list(prompts), response_text=list(responses),
+        )  # fmt: skip
+        return self.server.put_local(f"batch-{uuid.uuid4().hex[:8]}", batch.to_tensors())
+
+
+@pytest.fixture
+async def rollout_store() -> AsyncIterator[RolloutStore]:
+    store = RolloutStore()
+    await store.server.start()
+    yield store
+    await store.server.stop()
+
+
+ServerFactory = Callable[[dict[str, Any]], Awaitable[tuple[InProcessTransport, Worker[Any]]]]
+
+
+@pytest.fixture
+async def reward_server() -> AsyncIterator[ServerFactory]:
+    """``await reward_server(config_dict)`` -> (client transport, started RewardWorker)."""
+    from rlfleet.common.config import load_config
+    from rlfleet.reward.service import RewardServiceConfig, RewardWorker
+
+    started: list[tuple[InProcessTransport, InProcessTransport, RewardWorker]] = []
+
+    async def start(config: dict[str, Any]) -> tuple[InProcessTransport, RewardWorker]:
+        broker = InProcessBroker()
+        cfg = load_config(RewardServiceConfig, data={"cluster": "test", "worker_id": "reward-0", **config})
+        server = InProcessTransport(broker, tier="reward", name="server")
+        client = InProcessTransport(broker, tier="controller", name="client")
+        worker = RewardWorker(cfg, server)
+        await worker.start()
+        started.append((client, server, worker))
+        return client, worker
+
+    yield start
+    for client, server, worker in started:
+        await worker.stop("test over")
+        await client.close()
+        await server.close()
