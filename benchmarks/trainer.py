@@ -64,7 +64,10 @@ RESULTS = Path(__file__).parent / "results" / "trainer_h200.json"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen2-0.5b", choices=sorted(PRESETS))
-    p.add_argument("--variants", default="eager,compile", help="comma list of eager, compile")
+    p.add_argument(
+        "--variants", default="eager,compile",
+        help="comma list of eager, compile, and either with -noreshard (keep gathered weights for backward)",
+    )  # fmt: skip
     p.add_argument("--rows", type=int, default=64, help="sequences per update (all ranks)")
     p.add_argument("--micro-batch", type=int, default=16, help="sequences per forward/backward per rank")
     p.add_argument("--seq-len", type=int, default=2048)
@@ -77,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", default="/tmp/rlfleet-bench")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--skip-publish", action="store_true")
+    p.add_argument("--profile", type=Path, default=None, help="profile one more update; kernel table here")
+    p.add_argument("--profile-publish", type=Path, default=None, help="cProfile one gather round; stats here")
     return p.parse_args(argv)
 
 
@@ -152,7 +157,8 @@ def run_variant(
     """Load the actor for ``variant`` and time ``--steps`` updates after ``--warmup``."""
     actor_cfg = ActorConfig(
         model_path=str(path), dtype="float32", device=str(ctx.device), attn_implementation="sdpa",
-        mixed_precision="bf16", compile=variant == "compile", sharding=args.sharding,
+        mixed_precision="bf16", compile=variant.startswith("compile"), sharding=args.sharding,
+        reshard_after_forward=not variant.endswith("-noreshard"),
         gradient_checkpointing=args.gradient_checkpointing, optim=OptimizerConfig(lr=1e-6),
     )  # fmt: skip
     t0 = time.perf_counter()
@@ -186,12 +192,56 @@ def run_variant(
     return actor, result
 
 
+def profile_update(args: argparse.Namespace, ctx: DistContext, actor: Actor, vocab: int) -> None:
+    """One more update under the profiler; rank 0 writes the kernels by device time to ``--profile``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch, adv = make_batch(args, vocab, ctx.device)
+    sync(ctx)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        actor.update(batch, adv, micro_batch_size=args.micro_batch)
+        sync(ctx)
+    if ctx.is_main:
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+        args.profile.parent.mkdir(parents=True, exist_ok=True)
+        args.profile.write_text(table)
+        print("\n".join(table.splitlines()[:30]), flush=True)
+
+
+def link_ceilings(ctx: DistContext, nbytes: int = 512 << 20) -> dict[str, float]:
+    """What the links give on their own: a bf16 all-gather of ``nbytes`` in all, and a pinned
+    device-to-host copy of ``nbytes`` (medians of 5 after a warm-up); GB/s of ``nbytes``."""
+    if ctx.device.type != "cuda":
+        return {}
+    part = torch.randn(nbytes // 2 // ctx.world_size, device=ctx.device, dtype=torch.bfloat16)
+    full = torch.empty(part.numel() * ctx.world_size, device=ctx.device, dtype=torch.bfloat16)
+    host = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=True)
+
+    def median_s(fn: Any) -> float:
+        times = []
+        for i in range(6):
+            sync(ctx)
+            t0 = time.perf_counter()
+            fn()
+            sync(ctx)
+            if i:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    gather_s = median_s(lambda: dist.all_gather_into_tensor(full, part))
+    copy_s = median_s(lambda: host.copy_(full, non_blocking=True))
+    return {
+        "allgather_gb_s": round(nbytes / 1e9 / gather_s, 1),
+        "d2h_pinned_gb_s": round(nbytes / 1e9 / copy_s, 1),
+    }
+
+
 def publish_path(args: argparse.Namespace, ctx: DistContext, actor: Actor) -> dict[str, Any]:
     """GB/s of gather only, gather + stage (pinned, pageable), and the loopback gRPC stream."""
     from rlfleet.common.tensor_store import TensorStoreClient, TensorStoreServer
 
     bucket = int(args.bucket_mb * 2**20)
-    out: dict[str, Any] = {"bucket_mb": args.bucket_mb}
+    out: dict[str, Any] = {"bucket_mb": args.bucket_mb, **link_ceilings(ctx)}
 
     def timed(fn: Any) -> float:
         sync(ctx)
@@ -211,6 +261,17 @@ def publish_path(args: argparse.Namespace, ctx: DistContext, actor: Actor) -> di
     nbytes = sum(p.numel() for p in actor.model.parameters()) * 2
     out["payload_gb"] = round(nbytes / 1e9, 3)
     out["gather_gb_s"] = round(nbytes / 1e9 / min(timed(gather_only) for _ in range(3)), 1)
+    if args.profile_publish is not None:
+        import cProfile
+        import io
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.runcall(timed, gather_only)
+        if ctx.is_main:
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
+            args.profile_publish.write_text(text.getvalue())
 
     async def stage_and_stream(pin: bool) -> tuple[float, float]:
         server = TensorStoreServer(capacity_bytes=64 << 30, ttl_s=3600.0)
@@ -269,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         report["variants"].append(result)
         if ctx.is_main:
             print(json.dumps(result), flush=True)
+    if args.profile is not None and actor is not None:
+        profile_update(args, ctx, actor, config.vocab_size)
     if not args.skip_publish and actor is not None:
         report["publish"] = publish_path(args, ctx, actor)
     if ctx.is_main:

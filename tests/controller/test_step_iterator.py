@@ -48,7 +48,13 @@ class FakeFleet:
                 for r in results]  # fmt: skip
 
     async def train_step(
-        self, step: int, rollouts: list[Any], scores: list[float], hyper: dict[str, Any], *, algorithm: str = "grpo"
+        self,
+        step: int,
+        rollouts: list[Any],
+        scores: list[float],
+        hyper: dict[str, Any],
+        *,
+        algorithm: str = "grpo",
     ) -> Any:
         if step == self.fail_train_at:
             raise TierDied("trainer", "trainer-0", 1, error="RuntimeError: out of memory")

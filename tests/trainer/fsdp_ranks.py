@@ -37,7 +37,7 @@ from rlfleet.trainer.config import ActorConfig, OptimizerConfig, PolicyLossConfi
 from rlfleet.trainer.distributed import init_distributed
 
 AGGS = ("token-mean", "seq-mean-token-mean")
-BUCKET_BYTES = 8192
+BUCKET_BYTES = 9216
 
 
 class LiveBytes(TorchDispatchMode):
@@ -73,7 +73,11 @@ class LiveBytes(TorchDispatchMode):
         weakref.finalize(tensor, self._release, key)
 
     def __torch_dispatch__(
-        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
         aliases = any(ret.alias_info is not None for ret in func._schema.returns)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.config import ActorConfig, OptimizerConfig, PolicyLossConfig
@@ -28,7 +29,7 @@ from rlfleet.trainer.model_io import load_causal_lm
 RANKS_SCRIPT = Path(__file__).with_name("fsdp_ranks.py")
 PROMPTS, RESPONSES = [3, 5, 2, 4, 5], [4, 2, 6, 1, 3]  # 5 rows: rank 1 pads one micro-batch row
 AGGS = ("token-mean", "seq-mean-token-mean")
-BUCKET_BYTES = 8192
+BUCKET_BYTES = 9216
 
 
 def _free_port() -> int:
@@ -59,8 +60,21 @@ def _inputs() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
+def odd_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer tied Llama whose vocabulary (67) splits unevenly over 2 ranks (34 + 33 rows)."""
+    path = tmp_path_factory.mktemp("odd-llama")
+    config = LlamaConfig(
+        vocab_size=67, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(1234)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
 def fsdp_run(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    odd_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, dict[str, torch.Tensor]]:
     """Run the two ranks once; returns their output directory and the batch they used."""
     out = tmp_path_factory.mktemp("fsdp")
@@ -75,7 +89,7 @@ def fsdp_run(
         command = [
             sys.executable,
             str(RANKS_SCRIPT),
-            str(tiny_model_dir),
+            str(odd_model_dir),
             str(out / "batch.safetensors"),
             str(out),
         ]
@@ -100,12 +114,12 @@ def _single(model_dir: Path) -> Actor:
 
 @pytest.mark.timeout(150)
 def test_two_ranks_give_the_loss_and_gradients_of_one_process(
-    fsdp_run: tuple[Path, dict[str, torch.Tensor]], tiny_model_dir: Path
+    fsdp_run: tuple[Path, dict[str, torch.Tensor]], odd_model_dir: Path
 ) -> None:
     out, data = fsdp_run
     batch = dict(data)
     adv, old_noise, ref_shift = batch.pop("advantages"), batch.pop("old_noise"), batch.pop("ref_shift")
-    actor = _single(tiny_model_dir)
+    actor = _single(odd_model_dir)
     prepared = actor.prepare(batch, adv, micro_batch_size=5, with_reference=True)
     prepared = dataclasses.replace(
         prepared,
@@ -129,12 +143,12 @@ def test_two_ranks_give_the_loss_and_gradients_of_one_process(
 
 @pytest.mark.timeout(150)
 def test_two_ranks_update_and_save_like_one_process(
-    fsdp_run: tuple[Path, dict[str, torch.Tensor]], tiny_model_dir: Path
+    fsdp_run: tuple[Path, dict[str, torch.Tensor]], odd_model_dir: Path
 ) -> None:
     out, data = fsdp_run
     batch = dict(data)
     adv = batch.pop("advantages")
-    actor = _single(tiny_model_dir)
+    actor = _single(odd_model_dir)
     metrics = actor.update(batch, adv, micro_batch_size=2, mini_batch_size=3, ppo_epochs=2, max_grad_norm=0.5)
     ranked = json.loads((out / "metrics.json").read_text())["update"]
     assert ranked["num_optimizer_steps"] == metrics["num_optimizer_steps"] == 4.0
@@ -142,7 +156,7 @@ def test_two_ranks_update_and_save_like_one_process(
         assert ranked[key] == pytest.approx(metrics[key], rel=1e-3, abs=1e-6), key
     got = load_file(str(out / "params_after.safetensors"))
     moved = 0.0
-    initial = load_causal_lm(tiny_model_dir).state_dict()
+    initial = load_causal_lm(odd_model_dir).state_dict()
     for name, param in actor.model.named_parameters():
         torch.testing.assert_close(got[name], param.detach(), atol=1e-5, rtol=1e-4, msg=name)
         moved += (param.detach() - initial[name]).abs().sum().item()
@@ -156,10 +170,10 @@ def test_two_ranks_update_and_save_like_one_process(
 
 @pytest.mark.timeout(150)
 def test_publish_gathers_the_full_state_dict_bucket_by_bucket(
-    fsdp_run: tuple[Path, dict[str, torch.Tensor]], tiny_model_dir: Path
+    fsdp_run: tuple[Path, dict[str, torch.Tensor]], odd_model_dir: Path
 ) -> None:
     out, _ = fsdp_run
-    state = load_causal_lm(tiny_model_dir).state_dict()
+    state = load_causal_lm(odd_model_dir).state_dict()
     got = load_file(str(out / "buckets.safetensors"))
     assert set(got) == set(state) - {"lm_head.weight"}  # the tied alias travels once
     for name, tensor in got.items():
@@ -177,8 +191,9 @@ def test_publish_memory_stays_within_about_one_bucket(fsdp_run: tuple[Path, dict
     for rank in (0, 1):
         seen = json.loads((out / f"rank{rank}.json").read_text())
         assert seen["model_bytes"] > 8 * BUCKET_BYTES  # the model is many buckets large
-        # one host bucket, plus the parameter being gathered and its gather buffer
-        bound = BUCKET_BYTES + 2 * seen["largest_param_bytes"] + 1024
+        # the host bucket, the gathered shards (a bucket) and this rank's half of them, and one
+        # full parameter being cut out of the gathered buffer
+        bound = 2.5 * BUCKET_BYTES + seen["largest_param_bytes"] + 1024
         assert seen["peak_bytes"] <= bound, (rank, seen["peak_bytes"], bound)
         # the measurement sees real allocations: at least the gathered parameter (and rank 0's bucket)
         assert seen["peak_bytes"] >= seen["largest_param_bytes"]

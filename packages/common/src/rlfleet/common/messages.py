@@ -225,7 +225,7 @@ class RewardStats(Message):
     worker_id: str
     tenant: str = Field(default="", description="the tenant the token belongs to ('admin' / '' when open)")
     endpoints: dict[str, EndpointStats] = Field(default_factory=dict)
-    refused: dict[str, int] = Field(default_factory=dict, description="refusals of this tenant, by error code")
+    refused: dict[str, int] = Field(default_factory=dict, description="this tenant's refusals, by error code")
 
 
 # --- trainer --------------------------------------------------------------------------------

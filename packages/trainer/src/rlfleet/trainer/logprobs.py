@@ -1,15 +1,16 @@
 """Per-token log-probabilities (and entropy) of the response tokens under a causal LM.
 
-Memory: the model is asked only for the logits of the last R + 1 positions (``logits_to_keep``),
-never the whole (B, T, V). They are then reduced in chunks of rows; each chunk is cast to float32,
-divided by the temperature, and reduced to ``logit[label] - logsumexp`` and to the entropy. Under
-autograd each chunk runs inside an activation checkpoint, so the float32 copies and softmax of the
-(B, R, V) logits are not kept for backward: only the logits themselves are, and the chunk's
-intermediates are rebuilt during backward.
+Memory: the model is asked only for the logits of the R positions that predict response tokens
+(``logits_to_keep`` as an index tensor), never the whole (B, T, V). They are then reduced in
+chunks of rows; each chunk is cast to float32, divided by the temperature, and reduced to
+``logit[label] - logsumexp`` and to the entropy. Under autograd each chunk runs inside an
+activation checkpoint, so the float32 copies and softmax of the (B, R, V) logits are not kept for
+backward: only the logits themselves are, and the chunk's intermediates are rebuilt in backward.
 
 With ``compiled=True`` the per-chunk reduction runs as one ``torch.compile``d kernel chain: the
 (C, V) float32 intermediates then never reach device memory, which matters for large vocabularies
-(it is memory-bound: a 150k vocabulary makes each token's reduction read and write megabytes).
+(it is memory-bound: a 150k vocabulary makes each token's reduction read and write megabytes),
+and it runs without the activation checkpoint (its backward recomputes the softmax itself).
 
 Temperature: logits are divided by the sampling temperature exactly as the rollout engine does
 before sampling, so the logprobs are those of the distribution the tokens were drawn from
@@ -79,13 +80,19 @@ def logprobs_from_logits(
         raise ValueError(f"temperature must be > 0 to compute logprobs; got {temperature}")
     b, r, v = logits.shape
     flat_logits, flat_labels = logits.reshape(b * r, v), labels.reshape(b * r)
-    use_checkpoint = torch.is_grad_enabled() and logits.requires_grad
+    # the compiled reduction keeps for backward only what it needs (it recomputes the softmax
+    # itself), so it needs no activation checkpoint, and skipping it saves a pass over the logits
+    use_checkpoint = torch.is_grad_enabled() and logits.requires_grad and not compiled
     reduce = _compiled_chunk() if compiled else _chunk_logprob_entropy
+    if b * r == 0:
+        empty = logits.new_zeros((b, r), dtype=torch.float32)
+        return empty, (empty.clone() if compute_entropy else None)
     logprob_parts: list[Tensor] = []
     entropy_parts: list[Tensor] = []
-    for start in range(0, b * r, max(chunk_rows, 1)):
-        chunk = flat_logits[start : start + chunk_rows]
-        chunk_labels = flat_labels[start : start + chunk_rows]
+    # split, not slicing in a loop: one SplitBackward puts the chunks' gradients together once,
+    # where each slice's backward would write a zero-filled full-size (B * R, V) gradient
+    step = max(chunk_rows, 1)
+    for chunk, chunk_labels in zip(flat_logits.split(step), flat_labels.split(step), strict=True):
         args = (chunk, chunk_labels, temperature, compute_entropy)
         if use_checkpoint:
             logprob, entropy = checkpoint(reduce, *args, use_reentrant=False)
@@ -93,9 +100,6 @@ def logprobs_from_logits(
             logprob, entropy = reduce(*args)
         logprob_parts.append(logprob)
         entropy_parts.append(entropy)
-    if not logprob_parts:  # R == 0 or B == 0
-        empty = logits.new_zeros((b, r), dtype=torch.float32)
-        return empty, (empty.clone() if compute_entropy else None)
     logprobs = torch.cat(logprob_parts).reshape(b, r)
     entropy = torch.cat(entropy_parts).reshape(b, r) if compute_entropy else None
     return logprobs, entropy
@@ -139,14 +143,17 @@ def token_logprobs(
         raise ValueError(f"response_len must be in (0, T={input_ids.shape[1]}); got {response_len}")
     if position_ids is None:
         position_ids = (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+    # the logit at position t predicts token t + 1: keep positions T-R-1 .. T-2
+    total = input_ids.shape[1]
     kwargs: dict[str, object] = {"use_cache": False}
-    if _accepts_logits_to_keep(model):
-        kwargs["logits_to_keep"] = response_len + 1
+    trim = not _accepts_logits_to_keep(model)
+    if not trim:  # only these positions reach the lm_head, and the logits come out contiguous
+        kwargs["logits_to_keep"] = torch.arange(total - response_len - 1, total - 1, device=input_ids.device)
     logits = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
     ).logits
-    # the logit at position t predicts token t + 1: keep positions T-R-1 .. T-2
-    logits = logits[:, -(response_len + 1) : -1]
+    if trim:
+        logits = logits[:, -(response_len + 1) : -1]
     labels = input_ids[:, -response_len:]
     return logprobs_from_logits(
         logits,

@@ -194,7 +194,8 @@ class TrainerWorker(Worker[TrainerServiceConfig]):
 
     def _stage(self, version: int, bucket_bytes: int) -> list[TensorRef]:
         refs = []
-        for i, bucket in enumerate(self.actor.iter_weight_buckets(bucket_bytes)):
+        pinned = self.actor.device.type == "cuda"  # page-locked: device-to-host copies at full speed
+        for i, bucket in enumerate(self.actor.iter_weight_buckets(bucket_bytes, pin_memory=pinned)):
             refs.append(self.store.put_local(f"weights/v{version}/{i}", bucket))
         return refs
 

@@ -1,11 +1,12 @@
 """Walking a model's weights in size-bounded buckets, for publishing them to rollout workers.
 
 Works for a plain model and for one sharded by FSDP2 (parameters are DTensor shards). For a
-sharded model every rank walks the same buckets in the same order: each parameter is first
-converted to the target dtype on its shard (so the gather moves bf16, not float32), then
-gathered to a full tensor (``DTensor.full_tensor()``, a collective), and copied straight into
-the bucket's host buffer on the rank that keeps buckets (rank 0); the others drop it. The
-extra memory on a rank is thus one full parameter on the device plus one bucket on the host.
+sharded model every rank walks the same buckets in the same order: the bucket's shards are
+converted to the target dtype (so the gather moves bf16, not float32) and all-gathered, one
+collective for all parameters sharded alike (:mod:`rlfleet.trainer.gather`), and each full tensor
+is copied into the bucket's host buffer on the rank that keeps buckets (rank 0); the others drop
+them. The extra memory on a rank is thus about one bucket on the device (the gathered shards,
+plus one full parameter being cut out) and one bucket on the host.
 
 Tied weights: when ``lm_head.weight`` shares its storage with ``model.embed_tokens.weight`` the
 state dict lists both names for one tensor. By default each storage is yielded once, under the
@@ -18,12 +19,14 @@ name. :func:`tied_aliases` lists the dropped names; ``include_tied=True`` yields
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+
+from rlfleet.trainer.gather import iter_full
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +42,13 @@ def _storage_key(tensor: Tensor) -> tuple[int, ...]:
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:
     """``{alias: kept_name}`` for every state-dict entry that shares storage with an earlier one."""
+    return _aliases(model.state_dict(keep_vars=True))
+
+
+def _aliases(state: Mapping[str, Tensor]) -> dict[str, str]:
     seen: dict[tuple[int, ...], str] = {}
     aliases: dict[str, str] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    for name, tensor in state.items():
         key = _storage_key(tensor)
         if key in seen:
             aliases[name] = seen[key]
@@ -66,10 +73,11 @@ def _plan(
     model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None, include_tied: bool, only: set[str] | None
 ) -> Iterator[list[_Slot]]:
     """Group the state dict into buckets of at most ``bucket_bytes`` (a larger tensor goes alone)."""
-    skip = set() if include_tied else set(tied_aliases(model))
+    state = model.state_dict(keep_vars=True)  # one walk (slow for a big FSDP model); detached later
+    skip = set() if include_tied else set(_aliases(state))
     bucket: list[_Slot] = []
     size = 0
-    for name, tensor in model.state_dict().items():
+    for name, tensor in state.items():
         if name in skip or (only is not None and name not in only):
             continue
         target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
@@ -84,25 +92,16 @@ def _plan(
         yield bucket
 
 
-def _full(tensor: Tensor, dtype: torch.dtype) -> Tensor:
-    """The whole tensor in ``dtype``; for a DTensor shard, converted locally, then gathered."""
-    tensor = tensor.detach()
-    if isinstance(tensor, DTensor):
-        return tensor.to(dtype).full_tensor()
-    return tensor.to(dtype)
-
-
 def _gather_bucket(slots: list[_Slot], keep: bool, pin_memory: bool) -> dict[str, Tensor]:
-    """Gather each tensor of the bucket and (when ``keep``) copy it into one fresh host buffer."""
+    """Gather the bucket's tensors and (when ``keep``) copy them into one fresh host buffer."""
     end = slots[-1].offset + slots[-1].nbytes
     pin_memory = pin_memory and torch.cuda.is_available()
     buffer = torch.empty(end, dtype=torch.uint8, pin_memory=pin_memory) if keep else None
     bucket: dict[str, Tensor] = {}
     on_device = False
-    for slot in slots:
-        full = _full(slot.tensor, slot.dtype)  # every rank: the gather is a collective
-        if buffer is None:
-            continue
+    fulls = iter_full([s.tensor for s in slots], [s.dtype for s in slots], keep=keep)
+    for slot, full in zip(slots, fulls, strict=False):  # every rank: the gathers are collectives
+        assert buffer is not None
         view = buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(full.shape)
         view.copy_(full, non_blocking=pin_memory)
         on_device = on_device or full.device.type != "cpu"

@@ -1,0 +1,105 @@
+"""The algorithm fields of TrainerConfig/JobConfig, the controller-side KL controller, the PPO reward spec."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from rlfleet.common.config import load_config
+from rlfleet.common.errors import ConfigError
+from rlfleet.common.kl_control import build_kl_controller
+from rlfleet.controller.algo_config import TRAINER_ALGO_KEYS, advance_kl_controller
+from rlfleet.controller.config import JobConfig, TrainerConfig
+from rlfleet.controller.dpo import dpo_config
+from rlfleet.controller.ppo import ppo_config, reward_model_spec
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_seed_configs_build() -> None:
+    ppo = TrainerConfig(rollout_batch_size=64, train_batch_size=32, num_rollout_workers=4, kl_coef=0.1)
+    assert ppo.algorithm == "grpo" and ppo.kl_ctrl == "fixed" and ppo.kl_mode is None
+    assert TrainerConfig(beta=0.1).beta == 0.1
+
+
+@pytest.mark.parametrize(
+    ("settings", "needle"),
+    [
+        ({"algorithm": "a2c"}, "'ppo', 'grpo', 'rloo', 'reinforce_pp' or 'dpo'"),
+        ({"algorithm": "rloo", "group_size": 1}, "group_size must be greater than or equal to 2 for rloo"),
+        ({"kl_ctrl": "adaptive", "kl_coef": 0.1}, "needs kl_target > 0 and kl_coef > 0"),
+        ({"kl_ctrl": "adaptive", "kl_target": 0.05, "kl_coef": 0.0}, "needs kl_target > 0 and kl_coef > 0"),
+        ({"kl_ctrl": "scheduled"}, "needs kl_total_steps"),
+        ({"kl_mode": "logits"}, "'loss' or 'reward'"),
+        ({"kl_estimator": "k4"}, "'k1', 'k2' or 'k3'"),
+        ({"lam": 1.5}, "less than or equal to 1"),
+        ({"beta": 0.0}, "greater than 0"),
+        ({"label_smoothing": 0.5}, "less than 0.5"),
+        ({"value_clip": 0.0}, "greater than 0"),
+    ],
+)
+def test_bad_algorithm_settings_are_rejected(settings: dict[str, object], needle: str) -> None:
+    with pytest.raises(ValidationError, match=needle):
+        TrainerConfig(**settings)
+
+
+def test_single_sample_groups_are_fine_where_nothing_compares_them() -> None:
+    for algorithm in ("ppo", "reinforce_pp", "dpo"):
+        assert TrainerConfig(algorithm=algorithm, group_size=1).group_size == 1
+
+
+def test_a_job_needs_a_reward_unless_it_is_dpo(tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text("model: tiny:x\ndata: {path: pairs.jsonl}\nalgorithm: dpo\n")
+    assert load_config(JobConfig, job).reward is None
+    with pytest.raises(ConfigError, match="scores rollouts: set reward"):
+        load_config(JobConfig, job, ["algorithm=ppo"])
+
+
+def test_the_example_jobs_pick_their_algorithms() -> None:
+    ppo = load_config(JobConfig, REPO / "examples" / "tiny_ppo.yaml")
+    dpo = load_config(JobConfig, REPO / "examples" / "tiny_dpo.yaml")
+    assert (ppo.algorithm, dpo.algorithm, dpo.beta) == ("ppo", "dpo", 0.1)
+    assert set(ppo.trainer_algo_settings()) == set(TRAINER_ALGO_KEYS)
+
+
+def test_the_kl_controller_config_follows_the_fields() -> None:
+    cfg = TrainerConfig(
+        kl_ctrl="scheduled", kl_coef=0.2, kl_end_coef=0.0, kl_total_steps=100, kl_schedule="cosine"
+    )
+    control = cfg.kl_control(cfg.kl_coef)
+    assert (control.kind, control.coef, control.end_coef, control.total_steps) == ("scheduled", 0.2, 0.0, 100)
+    adaptive = TrainerConfig(kl_ctrl="adaptive", kl_coef=0.1, kl_target=0.5, kl_horizon=1000)
+    ctl = build_kl_controller(adaptive.kl_control(adaptive.kl_coef))
+    advance_kl_controller(ctl, {"kl": 1.0}, num_samples=100)  # err = clip(1/0.5 - 1) = 0.2
+    assert ctl.value == pytest.approx(0.1 * (1 + 0.2 * 100 / 1000))
+    advance_kl_controller(ctl, {}, num_samples=100)  # no KL measured: it stays
+    assert ctl.value == pytest.approx(0.102)
+
+
+def test_a_scheduled_controller_advances_even_without_a_measured_kl() -> None:
+    cfg = TrainerConfig(kl_ctrl="scheduled", kl_coef=0.2, kl_end_coef=0.0, kl_total_steps=10)
+    ctl = build_kl_controller(cfg.kl_control(cfg.kl_coef))
+    advance_kl_controller(ctl, {}, num_samples=5)
+    assert ctl.value == pytest.approx(0.1)
+
+
+def test_the_trainers_set_their_algorithm_and_refuse_another() -> None:
+    assert ppo_config(TrainerConfig(kl_coef=0.1)).algorithm == "ppo"
+    assert dpo_config(TrainerConfig(beta=0.3)).beta == 0.3
+    with pytest.raises(ValueError, match="use GRPOTrainer for grpo"):
+        ppo_config(TrainerConfig(algorithm="grpo"))
+    with pytest.raises(ValueError, match="DPOTrainer trains dpo"):
+        dpo_config(TrainerConfig(algorithm="rloo"))
+
+
+def test_a_reward_model_path_becomes_an_rm_component(tmp_path: Path) -> None:
+    spec = reward_model_spec(str(tmp_path), None)
+    assert spec == {"components": [{"name": "rm", "args": {"path": str(tmp_path.resolve())}}]}
+    assert reward_model_spec(None, "charset:allowed=0123456789") == "charset:allowed=0123456789"
+    with pytest.raises(ValueError, match="exactly one of"):
+        reward_model_spec(None, None)
+    with pytest.raises(ValueError, match="exactly one of"):
+        reward_model_spec(str(tmp_path), "concise")

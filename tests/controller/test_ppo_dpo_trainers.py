@@ -1,0 +1,173 @@
+"""PPOTrainer and DPOTrainer against in-memory fleets: what they start, what each step sends, the KL
+controller between steps, and the DPO batch that travels through the controller's own TensorStore."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlfleet.common.messages import (
+    GenerateResult,
+    SamplingParams,
+    ScoreResult,
+    TrainStepResult,
+    WeightsLoaded,
+    WeightsPublished,
+)
+from rlfleet.common.refs import TensorRef
+from rlfleet.common.tensor_store import TensorStoreClient
+from rlfleet.controller import DPOTrainer, GRPOTrainer, PPOTrainer, TrainerConfig
+from rlfleet.controller.cli import build_trainer
+from rlfleet.controller.config import JobConfig
+from rlfleet.controller.models import resolve_model
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = REPO / "examples" / "data" / "tiny_digits.jsonl"
+PAIRS = REPO / "examples" / "data" / "tiny_prefs.jsonl"
+
+
+class FakeFleet:
+    """Answers a step's calls; records train steps; reports a KL of 1.0; fetches DPO batches."""
+
+    reward = None
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.train_requests: list[dict[str, Any]] = []
+        self.fetched: list[dict[str, Any]] = []
+
+    async def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, weight_version: int
+    ) -> list[Any]:
+        ref = TensorRef(address="fake:1", key=f"rollout/{self.version}")
+        return [GenerateResult(job_id="g", worker_id="rollout-0", weight_version=self.version, ref=ref,
+                               num_prompts=len(prompts), num_samples=len(prompts) * sampling.n)]  # fmt: skip
+
+    async def score(self, results: list[Any], metadata: list[Any], endpoint: str) -> list[ScoreResult]:
+        return [ScoreResult(job_id="s", endpoint=endpoint, spec_version="v0", scores=[0.5] * r.num_samples)
+                for r in results]  # fmt: skip
+
+    async def train_step(
+        self,
+        step: int,
+        rollouts: list[TensorRef],
+        scores: list[float],
+        hyper: dict[str, Any],
+        *,
+        algorithm: str,
+    ) -> TrainStepResult:
+        self.train_requests.append({"step": step, "algorithm": algorithm, "num_scores": len(scores), **hyper})
+        if algorithm == "dpo":
+            client = TensorStoreClient(rollouts[0].address)
+            try:
+                self.fetched.append(await client.fetch(rollouts[0]))
+            finally:
+                await client.close()
+        return TrainStepResult(step=step, metrics={"loss": 0.1, "kl": 1.0}, weight_version=self.version)
+
+    async def publish_weights(self, bucket_mb: float) -> WeightsPublished:
+        self.version += 1
+        return WeightsPublished(weight_version=self.version, buckets=[], nbytes=0, seconds=0.01)
+
+    async def load_weights(self, published: WeightsPublished) -> list[WeightsLoaded]:
+        return [WeightsLoaded(worker_id="rollout-0", weight_version=published.weight_version)]
+
+    async def close(self) -> None:
+        return None
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return resolve_model("tiny:digits", cache_dir=tmp_path_factory.mktemp("models"))
+
+
+def _config(tmp_path: Path, **kwargs: Any) -> TrainerConfig:
+    base = {"rollout_batch_size": 4, "train_batch_size": 2, "group_size": 2, "output_dir": str(tmp_path),
+            "loggers": ["jsonl"], "sample_table_size": 0, "max_prompt_length": 32,
+            "max_response_length": 8}  # fmt: skip
+    return TrainerConfig(**{**base, **kwargs})
+
+
+def _no_release(trainer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def release(results: list[Any]) -> None:
+        return None
+
+    monkeypatch.setattr(trainer, "_release", release)
+
+
+def test_ppo_steps_send_ppo_and_an_adaptive_kl_coefficient(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _config(tmp_path, kl_coef=0.1, kl_ctrl="adaptive", kl_target=0.5, kl_horizon=80)
+    trainer = PPOTrainer(actor_model_name=str(model_dir), reward_model_name=str(tmp_path),
+                         dataset=str(PROMPTS), config=config, critic_model_name=str(model_dir))  # fmt: skip
+    assert trainer.reward_spec == {"components": [{"name": "rm", "args": {"path": str(tmp_path.resolve())}}]}
+    worker = trainer.trainer_worker_config()
+    assert worker["algorithm"] == "ppo" and worker["algo"]["critic_model_path"] == str(model_dir)
+    assert worker["algo"]["lam"] == 0.95 and worker["algo"]["kl_mode"] is None
+    fleet = FakeFleet()
+    trainer._fleet = fleet  # type: ignore[assignment]  # start() sees a fleet and starts nothing
+    _no_release(trainer, monkeypatch)
+    results = []
+    for result in trainer.steps(num_epochs=1, max_steps=3):
+        results.append(result)
+        if result.step == 2:
+            trainer.kl_coef = 0.05  # overrides the controller; it adapts on from there
+    trainer.close()
+    sent = [r["kl_coef"] for r in fleet.train_requests]
+    # kl 1.0 vs target 0.5: err clipped to 0.2; 8 samples per step; horizon 80 -> x1.02 per step
+    assert sent == pytest.approx([0.1, 0.102, 0.05])
+    assert [r.metrics["kl_coef"] for r in results] == pytest.approx(sent)
+    assert {r["algorithm"] for r in fleet.train_requests} == {"ppo"}
+    assert {r["num_updates"] for r in fleet.train_requests} == {2}
+    assert trainer.kl_coef == pytest.approx(0.051)
+
+
+def test_dpo_starts_only_a_trainer_and_ships_pairs_through_its_own_store(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = DPOTrainer(str(model_dir), str(PAIRS), _config(tmp_path, beta=0.2))
+    assert trainer.config.algorithm == "dpo" and trainer.tier_counts() == {"trainer": 1}
+    specs = trainer.worker_specs()
+    assert [s.tier for s in specs] == ["trainer"] and specs[0].config["algo"]["beta"] == 0.2
+    fleet = FakeFleet()
+    trainer._fleet = fleet  # type: ignore[assignment]
+    results = list(trainer.steps(num_epochs=1, max_steps=2))
+    store = trainer._store
+    assert store is not None and store.keys == []  # each step's batch is dropped once trained on
+    trainer.close()
+    assert [r.step for r in results] == [1, 2] and trainer._store is None
+    assert [(r["algorithm"], r["num_scores"], r["num_updates"]) for r in fleet.train_requests] == [
+        ("dpo", 0, 2)
+    ] * 2
+    batch = fleet.fetched[0]
+    assert set(batch) == {
+        "prompt_ids",
+        "prompt_mask",
+        "chosen_ids",
+        "chosen_mask",
+        "rejected_ids",
+        "rejected_mask",
+    }
+    assert batch["prompt_ids"].shape[0] == 4 and bool((batch["chosen_mask"].sum(-1) > 0).all())
+
+
+def test_the_cli_picks_the_trainer_by_algorithm(model_dir: Path, tmp_path: Path) -> None:
+    common = {"model": str(model_dir), "output_dir": str(tmp_path), "loggers": ["jsonl"]}
+    dpo = JobConfig(**common, algorithm="dpo", data={"path": str(PAIRS)}, beta=0.3)
+    ppo = JobConfig(
+        **common, algorithm="ppo", data={"path": str(PROMPTS)}, reward="charset:allowed=0123456789"
+    )
+    rloo = JobConfig(
+        **common, algorithm="rloo", data={"path": str(PROMPTS)}, reward="charset:allowed=0123456789"
+    )
+    built = [build_trainer(job) for job in (dpo, ppo, rloo)]
+    assert [type(t) for t in built] == [DPOTrainer, PPOTrainer, GRPOTrainer]
+    assert built[1].critic_model_path == built[1].model_path  # the critic starts from the actor
+    assert built[2].trainer_worker_config()["algorithm"] == "rloo"
+    for trainer in built:
+        trainer.close()
