@@ -37,7 +37,6 @@ def test_every_example_job_loads_and_its_data_exists(path: Path) -> None:
     ("settings", "needle"),
     [
         ({"rollout_batch_size": 16, "train_batch_size": 6}, "must be a multiple of train_batch_size"),
-        ({"num_train_workers": 2}, "set num_train_workers=1"),
         ({"group_size": 1}, "greater than or equal to 2"),
         ({"kl_coef": -0.1}, "greater than or equal to 0"),
         ({"loggers": ["console", "mlflow"]}, "console"),

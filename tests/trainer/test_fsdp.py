@@ -112,6 +112,7 @@ def _single(model_dir: Path) -> Actor:
     return Actor(ActorConfig(model_path=str(model_dir), optim=OptimizerConfig(lr=1e-2, weight_decay=0.0)))
 
 
+@pytest.mark.slow  # the two ranks start once per module (about 25 s on 2 cores)
 @pytest.mark.timeout(150)
 def test_two_ranks_give_the_loss_and_gradients_of_one_process(
     fsdp_run: tuple[Path, dict[str, torch.Tensor]], odd_model_dir: Path
@@ -141,6 +142,7 @@ def test_two_ranks_give_the_loss_and_gradients_of_one_process(
         actor.optimizer.zero_grad(set_to_none=True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_two_ranks_update_and_save_like_one_process(
     fsdp_run: tuple[Path, dict[str, torch.Tensor]], odd_model_dir: Path
@@ -168,6 +170,7 @@ def test_two_ranks_update_and_save_like_one_process(
     assert config["architectures"] == ["LlamaForCausalLM"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_publish_gathers_the_full_state_dict_bucket_by_bucket(
     fsdp_run: tuple[Path, dict[str, torch.Tensor]], odd_model_dir: Path
@@ -185,6 +188,7 @@ def test_publish_gathers_the_full_state_dict_bucket_by_bucket(
     assert not any(other["bucket_bytes"])  # rank 1 gathers with rank 0 but keeps nothing
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_publish_memory_stays_within_about_one_bucket(fsdp_run: tuple[Path, dict[str, torch.Tensor]]) -> None:
     out, _ = fsdp_run

@@ -270,11 +270,27 @@ class WeightsPublished(Message):
     loaded_by: list[str] = Field(default_factory=list)
 
 
+class LatestWeights(Message):
+    """Ask the trainer for its current weight version (a late rollout worker catching up).
+
+    The reply is the :class:`WeightsPublished` of that version (``buckets`` empty before the
+    first publish: the model on disk is version 0).
+    """
+
+    kind: Literal["trainer.latest"] = "trainer.latest"
+    worker_id: str = ""
+
+
 class SaveCheckpoint(Message):
-    """Ask the trainer to save an HF-format checkpoint to a path."""
+    """Ask the trainer to save a checkpoint to a path.
+
+    ``mode="hf"``: an HF-format export in ``path``. ``mode="full"``: the HF export in ``path/hf``
+    plus the training state (sharded model and optimizer, schedulers, RNG) in ``path/trainer``.
+    """
 
     kind: Literal["trainer.save"] = "trainer.save"
     path: str
+    mode: Literal["hf", "full"] = "hf"
 
 
 class Saved(Message):
@@ -282,6 +298,26 @@ class Saved(Message):
 
     kind: Literal["trainer.saved"] = "trainer.saved"
     path: str
+
+
+class LoadCheckpoint(Message):
+    """Ask the trainer to restore the training state a full save wrote in ``path`` (its ``trainer/``).
+
+    ``weight_version`` is the version the restored weights had; the next publish continues from it.
+    """
+
+    kind: Literal["trainer.load"] = "trainer.load"
+    path: str
+    weight_version: int = Field(default=0, ge=0)
+
+
+class CheckpointLoaded(Message):
+    """The trainer restored a checkpoint: its optimizer step count and weight version now."""
+
+    kind: Literal["trainer.loaded"] = "trainer.loaded"
+    path: str
+    steps: int
+    weight_version: int
 
 
 # --- generic --------------------------------------------------------------------------------
@@ -316,7 +352,8 @@ AnyMessage = Annotated[
         WorkerAnnounce, Heartbeat, WorkerLeave, Ping,
         GenerateRequest, GenerateResult, LoadWeights, WeightsLoaded,
         ScoreRequest, ScoreResult, SetRewardSpec, RewardSpecSet, RewardStatsRequest, RewardStats,
-        TrainStepRequest, TrainStepResult, PublishWeights, WeightsPublished, SaveCheckpoint, Saved,
+        TrainStepRequest, TrainStepResult, PublishWeights, WeightsPublished, LatestWeights,
+        SaveCheckpoint, Saved, LoadCheckpoint, CheckpointLoaded,
         Ack, Shutdown, ErrorReply,
     ],
     Field(discriminator="kind"),

@@ -55,7 +55,14 @@ class TrainerConfig(AlgorithmFields):
     micro_batch_size: int = Field(default=8, ge=1, description="sequences per forward/backward pass")
     group_size: int = Field(default=4, ge=1, description="samples per prompt (grpo and rloo need >= 2)")
     num_rollout_workers: int = Field(default=1, ge=1, description="rollout worker processes")
-    num_train_workers: int = Field(default=1, ge=1, description="trainer ranks")
+    num_train_workers: int = Field(
+        default=1, ge=1, description="trainer ranks (processes, one GPU each) sharing the model by FSDP2"
+    )
+    sharding: Literal["auto", "full", "hybrid", "none"] = Field(
+        default="auto",
+        description="how the trainer ranks share the model: full (FSDP), hybrid (shard within a node, "
+        "replicate across nodes), none (replicate), auto (full on one node, hybrid on several)",
+    )
     ppo_epochs: int = Field(default=1, ge=1, description="passes over each rollout batch")
     kl_coef: float = Field(
         default=0.05, ge=0.0, description="KL-to-reference coefficient (the KL controller's start value)"
@@ -74,7 +81,15 @@ class TrainerConfig(AlgorithmFields):
     seed: int = Field(default=42, description="seed for data order, sampling and init")
     output_dir: str = Field(default="outputs/run", description="metrics, logs and checkpoints go here")
     log_every: int = Field(default=1, ge=1, description="steps between [PROGRESS] lines")
-    save_every: int = Field(default=0, ge=0, description="steps between checkpoints; 0 = only the final one")
+    save_every: int = Field(
+        default=0, ge=0,
+        description="steps between full checkpoints (output_dir/checkpoint-<step>); 0: final HF model only",
+    )  # fmt: skip
+    resume_from: str | None = Field(
+        default=None,
+        description="continue a run from a checkpoint-<step> directory, or 'auto': the latest one in "
+        "output_dir (a fresh start when there is none)",
+    )
     loggers: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
         default_factory=lambda: ["console", "jsonl", "tensorboard"], description="metric sinks"
     )
@@ -131,11 +146,6 @@ class TrainerConfig(AlgorithmFields):
                 f"max_prompt_length ({self.max_prompt_length}) + max_response_length "
                 f"({self.max_response_length}) exceeds rollout_max_cache_len ({self.rollout_max_cache_len}); "
                 "raise rollout_max_cache_len or shorten prompts/responses (longer requests are refused)"
-            )
-        if self.num_train_workers > 1:
-            raise ValueError(
-                f"num_train_workers={self.num_train_workers}: this version trains in one process; "
-                "set num_train_workers=1 (FSDP2 across ranks is not available yet)"
             )
         return self
 

@@ -134,3 +134,23 @@ class RewardFnNotPortable(RlfleetError, ValueError):
             "'package.module:function' name, a top-level function of an importable module, or a "
             "CompositeReward / RewardScaler built from a spec (or its compute_reward)"
         )
+
+
+class WorkerGone(RlfleetError, ConnectionError):
+    """A worker left or was declared dead while a request to it was in flight (its job moves on)."""
+
+    def __init__(self, tier: str, worker_id: str, job_id: str = "") -> None:
+        self.tier = tier
+        self.worker_id = worker_id
+        self.job_id = job_id
+        job = f" during job {job_id}" if job_id else ""
+        super().__init__(f"{tier} worker {worker_id} left or died{job}")
+
+
+class CheckpointNotFound(RlfleetError, FileNotFoundError):
+    """``resume_from`` names a directory that is not a complete run checkpoint."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"cannot resume from {path!r}: {reason} (expected an output_dir/checkpoint-<step>)")

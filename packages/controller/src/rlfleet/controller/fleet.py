@@ -18,13 +18,15 @@ import itertools
 import logging
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
-from rlfleet.common.errors import RemoteError, RequestTimeout
+from rlfleet.common.errors import NoResponders, RemoteError, RequestTimeout
 from rlfleet.common.membership import WorkerRegistry
 from rlfleet.common.messages import (
+    CheckpointLoaded,
     GenerateRequest,
     GenerateResult,
+    LoadCheckpoint,
     LoadWeights,
     PublishWeights,
     SamplingParams,
@@ -42,6 +44,8 @@ from rlfleet.common.messages import (
 from rlfleet.common.refs import TensorRef
 from rlfleet.common.subjects import subject
 from rlfleet.common.transport import Transport
+from rlfleet.controller.errors import WorkerGone
+from rlfleet.controller.rollout_dispatch import GoneWatch, split_by_capacity
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +53,19 @@ logger = logging.getLogger(__name__)
 class Fleet:
     """Requests to the rollout, reward and trainer tiers of one cluster."""
 
-    def __init__(self, transport: Transport, cluster: str, *, request_timeout: float = 900.0) -> None:
+    def __init__(
+        self, transport: Transport, cluster: str, *, request_timeout: float = 900.0, dead_after: float = 10.0
+    ) -> None:
         self.transport = transport
         self.cluster = cluster
         self.request_timeout = request_timeout
-        self.registry = WorkerRegistry(transport, cluster)
+        self.gone = GoneWatch()
+        self.registry = WorkerRegistry(
+            transport, cluster, dead_after=dead_after, on_join=self.gone.mark_joined,
+            on_leave=self.gone.mark_gone, on_dead=self.gone.mark_gone,
+        )  # fmt: skip
+        self.published: WeightsPublished | None = None  # the last version every rollout worker must hold
+        self._admitting: dict[tuple[str, int], asyncio.Task[None]] = {}
         self.reward: Any = None  # a RewardControl (set by the runner): scores go through it, token and all
         self._jobs = itertools.count()
         self._run = uuid.uuid4().hex[:8]
@@ -84,33 +96,85 @@ class Fleet:
     def _job_id(self, what: str) -> str:
         return f"{self._run}-{what}-{next(self._jobs)}"
 
-    def rollout_workers(self) -> list[Any]:
-        return sorted(self.registry.workers("rollout"), key=lambda w: w.worker_id)
+    def rollout_workers(self, pool: str | None = None, weight_version: int = -1) -> list[Any]:
+        """Live rollout workers (of ``pool``; at ``weight_version`` unless it is -1), by id."""
+        workers = self.registry.workers("rollout", pool)
+        return [w for w in workers if weight_version < 0 or w.weight_version == weight_version]
+
+    async def _admitted(self, pool: str | None, weight_version: int) -> list[Any]:
+        """Workers that may serve ``weight_version``; a stale one (joined late) is sent the published
+        buckets in the background, and waited for only when nobody else can serve."""
+        admitted = self.rollout_workers(pool, weight_version)
+        stale = [w for w in self.rollout_workers(pool) if w not in admitted]
+        published = self.published
+        if weight_version < 0 or not stale or published is None or published.weight_version != weight_version:
+            return admitted
+        tasks = [self._admit(w, published) for w in stale]
+        if not admitted:
+            await asyncio.gather(*tasks, return_exceptions=True)
+            admitted = self.rollout_workers(pool, weight_version)
+        return admitted
+
+    def _admit(self, worker: Any, published: WeightsPublished) -> asyncio.Task[None]:
+        key = (worker.worker_id, published.weight_version)
+        task = self._admitting.get(key)
+        if task is None:
+            task = self._admitting[key] = asyncio.create_task(self._load_one(worker, published))
+        return task
+
+    async def _load_one(self, worker: Any, published: WeightsPublished) -> None:
+        message = LoadWeights(weight_version=published.weight_version, buckets=published.buckets)
+        try:
+            reply = await self.gone.request(self.transport, worker, message, timeout=self.request_timeout)
+        except (RequestTimeout, ConnectionError, RemoteError) as exc:
+            logger.warning("rollout worker %s did not catch up to version %d: %s", worker.worker_id,
+                           published.weight_version, exc)  # fmt: skip
+            self._admitting.pop((worker.worker_id, published.weight_version), None)
+            return
+        assert isinstance(reply, WeightsLoaded), reply
+        info = self.registry.get("rollout", worker.worker_id)
+        if info is not None:
+            info.weight_version = reply.weight_version
+        logger.info("rollout worker %s admitted at weight version %d", worker.worker_id, reply.weight_version)
 
     # --- rollout ----------------------------------------------------------------------------
 
     async def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, weight_version: int
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        weight_version: int,
+        *,
+        pool: str | None = None,
     ) -> list[GenerateResult]:
-        """Split prompts over the live rollout workers; re-dispatch a failed chunk to another worker.
+        """Split prompts over the admitted rollout workers (those at ``weight_version``, of ``pool``)
+        in proportion to their capacity; a chunk whose worker fails, leaves or dies goes to another.
 
-        Returns one result per chunk, in prompt order (chunk i holds a contiguous slice).
-        """
-        workers = self.rollout_workers()
+        Returns one result per chunk, in prompt order (chunk i holds a contiguous slice), so every
+        prompt is answered exactly once.
+        """  # fmt: skip
+        workers = await self._admitted(pool, weight_version)
         if not workers:
-            raise RuntimeError("no rollout worker is alive in cluster " + self.cluster)
-        size = -(-len(prompts) // len(workers))
-        chunks = [list(map(list, prompts[i : i + size])) for i in range(0, len(prompts), size)]
-        tasks = [
-            self._generate_chunk(
-                chunk, sampling, weight_version, preferred=workers[i % len(workers)].worker_id
+            where = f" pool {pool!r} of" if pool is not None else ""
+            raise RuntimeError(
+                f"no rollout worker of{where} cluster {self.cluster} holds version {weight_version}"
             )
-            for i, chunk in enumerate(chunks)
-        ]
+        sizes = split_by_capacity(len(prompts), [w.announce.capacity for w in workers])
+        tasks, start = [], 0
+        for worker, size in zip(workers, sizes, strict=True):
+            if size:
+                chunk = [list(p) for p in prompts[start : start + size]]
+                tasks.append(self._generate_chunk(chunk, sampling, weight_version, worker.worker_id, pool))
+            start += size
         return list(await asyncio.gather(*tasks))
 
     async def _generate_chunk(
-        self, chunk: list[list[int]], sampling: SamplingParams, weight_version: int, preferred: str
+        self,
+        chunk: list[list[int]],
+        sampling: SamplingParams,
+        weight_version: int,
+        preferred: str,
+        pool: str | None = None,
     ) -> GenerateResult:
         request = GenerateRequest(
             job_id=self._job_id("gen"),
@@ -120,7 +184,7 @@ class Fleet:
         )
         tried: set[str] = set()
         while True:
-            alive = {w.worker_id: w for w in self.rollout_workers()}
+            alive = {w.worker_id: w for w in self.rollout_workers(pool, weight_version)}
             candidates = [preferred] if preferred in alive and preferred not in tried else []
             candidates += [w for w in alive if w not in tried and w != preferred]
             if not candidates:
@@ -130,10 +194,10 @@ class Fleet:
             worker = alive[candidates[0]]
             tried.add(worker.worker_id)
             try:
-                reply = await self.transport.request(
-                    worker.subject, request, timeout=self.request_timeout, tier="rollout"
+                reply = await self.gone.request(
+                    self.transport, worker, request, timeout=self.request_timeout, job_id=request.job_id
                 )
-            except (RequestTimeout, ConnectionError) as exc:
+            except (RequestTimeout, ConnectionError) as exc:  # WorkerGone and NoResponders included
                 logger.warning("rollout worker %s failed job %s: %s; re-dispatching", worker.worker_id,
                                request.job_id, exc)  # fmt: skip
                 continue
@@ -147,15 +211,28 @@ class Fleet:
 
     async def load_weights(self, published: WeightsPublished) -> list[WeightsLoaded]:
         """Every rollout worker pulls the published buckets straight from the trainer's store."""
+        self.published = published
+        self._admitting = {k: t for k, t in self._admitting.items() if k[1] == published.weight_version}
         message = LoadWeights(weight_version=published.weight_version, buckets=published.buckets)
         workers = self.rollout_workers()
         replies = await asyncio.gather(
-            *(self.transport.request(w.subject, message, timeout=self.request_timeout, tier="rollout")
-              for w in workers)
-        )  # fmt: skip
-        for reply in replies:
+            *(self.gone.request(self.transport, w, message, timeout=self.request_timeout) for w in workers),
+            return_exceptions=True,
+        )
+        loaded: list[WeightsLoaded] = []
+        for worker, reply in zip(workers, replies, strict=True):
+            if isinstance(reply, WorkerGone | NoResponders):
+                logger.warning("rollout worker %s is gone; it will not hold version %d", worker.worker_id,
+                               published.weight_version)  # fmt: skip
+                continue
+            if isinstance(reply, BaseException):
+                raise reply
             assert isinstance(reply, WeightsLoaded), reply
-        return list(replies)  # type: ignore[arg-type]
+            worker.weight_version = reply.weight_version
+            loaded.append(reply)
+        if not loaded:
+            raise RuntimeError(f"no rollout worker loaded weight version {published.weight_version}")
+        return loaded
 
     # --- reward -----------------------------------------------------------------------------
 
@@ -200,8 +277,13 @@ class Fleet:
         return subject(self.cluster, "trainer", verb)
 
     async def train_step(
-        self, step: int, rollouts: Sequence[TensorRef], scores: Sequence[float], hyperparams: dict[str, Any],
-        *, algorithm: str = "grpo",
+        self,
+        step: int,
+        rollouts: Sequence[TensorRef],
+        scores: Sequence[float],
+        hyperparams: dict[str, Any],
+        *,
+        algorithm: str = "grpo",
     ) -> TrainStepResult:
         """One update of ``algorithm`` on the referenced batches (rollouts, or DPO preference pairs)."""
         request = TrainStepRequest(step=step, rollouts=list(rollouts), scores=list(scores),
@@ -212,20 +294,32 @@ class Fleet:
         assert isinstance(reply, TrainStepResult), reply
         return reply
 
-    async def publish_weights(self, bucket_mb: float) -> WeightsPublished:
+    async def publish_weights(self, bucket_mb: float, weight_version: int = -1) -> WeightsPublished:
+        """Stage the trainer's weights as ``weight_version`` (-1: the next one)."""
+        message = PublishWeights(bucket_mb=bucket_mb, weight_version=weight_version)
         reply = await self.transport.request(
-            self._trainer("publish"), PublishWeights(bucket_mb=bucket_mb), timeout=self.request_timeout,
-            tier="trainer",
-        )  # fmt: skip
+            self._trainer("publish"), message, timeout=self.request_timeout, tier="trainer"
+        )
         assert isinstance(reply, WeightsPublished), reply
         return reply
 
-    async def save(self, path: str) -> str:
+    async def save(self, path: str, mode: Literal["hf", "full"] = "hf") -> str:
+        """Have the trainer save to ``path``: an HF export, or (``full``) that plus its training state."""
         reply = await self.transport.request(
-            self._trainer("save"), SaveCheckpoint(path=path), timeout=self.request_timeout, tier="trainer"
-        )
+            self._trainer("save"), SaveCheckpoint(path=path, mode=mode), timeout=self.request_timeout,
+            tier="trainer",
+        )  # fmt: skip
         assert isinstance(reply, Saved), reply
         return reply.path
+
+    async def load_checkpoint(self, path: str, weight_version: int) -> CheckpointLoaded:
+        """Have the trainer restore the training state of the full checkpoint in ``path``."""
+        reply = await self.transport.request(
+            self._trainer("load"), LoadCheckpoint(path=path, weight_version=weight_version),
+            timeout=self.request_timeout, tier="trainer",
+        )  # fmt: skip
+        assert isinstance(reply, CheckpointLoaded), reply
+        return reply
 
     async def shutdown(self, reason: str = "run finished") -> None:
         """Ask every known worker to stop (embedded runs also stop their processes)."""

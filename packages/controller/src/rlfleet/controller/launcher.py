@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -251,3 +252,28 @@ def _kill_group(pgid: int) -> None:
         logger.warning("cannot kill process group %d: %s", pgid, exc)
         return
     logger.info("killed what was left of process group %d", pgid)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now (the OS picks it; taken again at once, so rarely raced)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def trainer_rank_specs(
+    config: dict[str, Any], num_ranks: int, worker_id: str = "trainer-0"
+) -> list[WorkerSpec]:
+    """The trainer's processes: one worker, or ``num_ranks`` ranks on this host with the torchrun
+    variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, and
+    ``MASTER_PORT`` a free port). Rank 0 joins NATS as ``worker_id``; the others follow it."""
+    if num_ranks == 1:
+        return [WorkerSpec("trainer", worker_id, config)]
+    shared = {"WORLD_SIZE": str(num_ranks), "LOCAL_WORLD_SIZE": str(num_ranks), "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": str(free_port())}  # fmt: skip
+    specs = []
+    for rank in range(num_ranks):
+        env = {**shared, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        name = worker_id if rank == 0 else f"{worker_id}-rank{rank}"
+        specs.append(WorkerSpec("trainer", name, config, env=env))
+    return specs

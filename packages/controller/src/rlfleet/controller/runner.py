@@ -19,11 +19,12 @@ from typing import Any, TypeVar
 import yaml
 
 from rlfleet.common.kl_control import build_kl_controller
+from rlfleet.controller.checkpoints import resolve_resume, resume_run, save_run_checkpoint
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptDataset
 from rlfleet.controller.errors import TierDied, TierNotReady
 from rlfleet.controller.fleet import Fleet
-from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec
+from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec, trainer_rank_specs
 from rlfleet.controller.loggers import ConsoleProgress, MetricSink, check_loggers, make_sinks
 from rlfleet.controller.models import resolve_model
 from rlfleet.controller.reward_control import attach_reward, describe_reward_fn, model_swap
@@ -115,6 +116,9 @@ class FleetRunner:
                 for spec in self.worker_specs():
                     self._launcher.spawn(spec)
             self.run(self._connect(url))
+            resume = resolve_resume(cfg.resume_from, self.output_dir)
+            if resume is not None:
+                resume_run(self, resume)
             if cfg.sample_table_size and self.uses_rollouts:
                 self._table = SampleTable(self, self.dataset.sample_items(cfg.sample_table_size))
                 self.run(self._table.capture("before"))
@@ -156,7 +160,7 @@ class FleetRunner:
         cfg = self.config
         common = {"cluster": self.cluster}
         specs = [
-            WorkerSpec("trainer", "trainer-0", {**common, **self.trainer_worker_config()}),
+            *trainer_rank_specs({**common, **self.trainer_worker_config()}, cfg.num_train_workers),
             WorkerSpec(
                 "reward", "reward-0", {**common, "endpoints": {cfg.reward_endpoint: self.reward_spec}}
             ),
@@ -184,7 +188,7 @@ class FleetRunner:
         keys = (
             "learning_rate", "weight_decay", "micro_batch_size", "max_grad_norm", "clip_eps", "kl_coef",
             "entropy_coef", "loss_agg", "ppo_epochs", "temperature", "seed", "algorithm", "device",
-            "mixed_precision", "trainable_layers",
+            "mixed_precision", "trainable_layers", "sharding",
         )  # fmt: skip
         return {"model_path": str(self.model_path), **{k: getattr(cfg, k) for k in keys},
                 "algo": cfg.trainer_algo_settings()}  # fmt: skip
@@ -263,7 +267,7 @@ class FleetRunner:
         if self._progress is not None:
             self._progress.update(step, epoch, metrics)
         if self.config.save_every and step % self.config.save_every == 0:
-            self.save(self.output_dir / f"checkpoint-{step}")
+            save_run_checkpoint(self, self.output_dir / f"checkpoint-{step}")
 
     def save(self, path: str | Path) -> Path:
         """Save the actor in HF format (loadable with ``AutoModelForCausalLM.from_pretrained``)."""

@@ -19,6 +19,7 @@ from rlfleet.common.messages import AnyMessage, GenerateRequest, GenerateResult,
 from rlfleet.common.service import ServiceConfig, Worker
 from rlfleet.common.subjects import subject
 from rlfleet.common.tensor_store import TensorStoreClient, TensorStoreServer
+from rlfleet.rollout.catch_up import catch_up
 from rlfleet.rollout.engines.registry import make_engine, resolve_engine_name
 from rlfleet.rollout.engines.tensors import to_rollout_tensors
 from rlfleet.rollout.errors import StaleWeights
@@ -51,6 +52,9 @@ class RolloutServiceConfig(ServiceConfig):
     )
     colocate: bool = Field(default=False, description="vLLM: sleep between rollouts (GPU shared)")
     sleep_level: Literal[1, 2] = Field(default=1, description="vLLM sleep level when colocated")
+    catch_up_timeout_s: float = Field(
+        default=10.0, gt=0, description="late join: wait this long for the trainer's latest weights"
+    )
 
 
 def engine_kwargs(cfg: RolloutServiceConfig, engine: str, device: str) -> dict[str, Any]:
@@ -85,6 +89,9 @@ class RolloutWorker(Worker[RolloutServiceConfig]):
         self.data_address = await self.store.start()
         self._clients: dict[str, TensorStoreClient] = {}
         self._gpu = asyncio.Lock()  # one engine call at a time: generation and weight loads never overlap
+        # late join: hold the trainer's current version before the first announce (never serve stale)
+        self.weight_version = await catch_up(self.transport, cfg.cluster, self.worker_id, self.weight_version,
+                                             self.load_weights, timeout=cfg.catch_up_timeout_s)  # fmt: skip
         await self.transport.subscribe(subject(cfg.cluster, "rollout", "generate"), self._on_generate,
                                        queue=f"rollout-{cfg.pool}", max_concurrency=cfg.capacity)  # fmt: skip
 

@@ -62,7 +62,8 @@ class Actor:
     """A policy model with its optimizer, and (on demand) a frozen reference copy.
 
     The reference is loaded from ``config.model_path`` the first time it is needed (``kl_coef > 0``
-    or ``use_reference``), so that directory must still hold the initial weights then.
+    or ``use_reference``), so that directory must still hold the initial weights then. With a
+    ``dist`` of several ranks both models are sharded with FSDP2 (see the module docstring).
     """
 
     def __init__(self, config: ActorConfig, dist: DistContext | None = None) -> None:
@@ -100,11 +101,10 @@ class Actor:
 
     def _load(self) -> PreTrainedModel:
         """Load the model: on its device, or on the CPU when FSDP will shard it onto the device."""
+        device = "cpu" if self.dist.distributed else self.config.device
+        attn = self.config.attn_implementation
         return load_causal_lm(
-            self.config.model_path,
-            dtype=self._dtype,
-            device="cpu" if self.dist.distributed else self.config.device,
-            attn_implementation=self.config.attn_implementation,
+            self.config.model_path, dtype=self._dtype, device=device, attn_implementation=attn
         )
 
     def _shard(self, model: PreTrainedModel) -> None:
@@ -136,8 +136,7 @@ class Actor:
 
     def _rank_rows(self, rows: Tensor, inputs: PolicyInputs) -> tuple[Tensor, Tensor]:
         """This rank's share of ``rows`` (see :func:`rlfleet.trainer.fsdp.local_rows`): rows, weights."""
-        lengths = inputs.attention_mask.sum(dim=-1)
-        share = local_rows(rows, lengths, self.dist.rank, self.dist.world_size)
+        share = local_rows(rows, inputs.attention_mask.sum(dim=-1), self.dist.rank, self.dist.world_size)
         return share.rows, share.weights
 
     @torch.no_grad()

@@ -25,3 +25,12 @@ class ModelLoadError(TrainerError, FileNotFoundError):
         self.path = path
         self.reason = reason
         super().__init__(f"cannot load a causal LM from {path!r}: {reason}")
+
+
+class CheckpointError(TrainerError, FileNotFoundError):
+    """A training checkpoint directory is missing a part, or does not fit this run."""
+
+    def __init__(self, path: object, reason: str) -> None:
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"training checkpoint {self.path!r} {reason}")

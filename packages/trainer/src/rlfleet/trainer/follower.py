@@ -17,6 +17,7 @@ import torch
 from rlfleet.common.messages import TrainStepRequest
 from rlfleet.common.refs import TensorRef
 from rlfleet.common.tensor_store import TensorStoreClient
+from rlfleet.trainer.checkpoint import load_checkpoint, save_checkpoint
 from rlfleet.trainer.errors import InvalidBatch
 from rlfleet.trainer.ranks import CommandChannel, use_rank_thread
 from rlfleet.trainer.service import TrainerServiceConfig, build_models
@@ -51,7 +52,7 @@ class Follower:
                 await client.close()
 
     async def handle(self, command: dict[str, Any]) -> None:
-        """Run one command: ``step``, ``publish`` or ``save``."""
+        """Run one command: ``step``, ``publish``, ``save`` or ``load``."""
         op = command["op"]
         if op == "step":
             request = TrainStepRequest.model_validate(command["request"])
@@ -64,7 +65,10 @@ class Follower:
         elif op == "publish":
             await asyncio.to_thread(self._drain, int(command["bucket_bytes"]))
         elif op == "save":
-            await asyncio.to_thread(self.actor.save_hf, command["path"])
+            mode = command.get("mode", "hf")
+            await asyncio.to_thread(save_checkpoint, command["path"], self.actor, self.critic, mode)
+        elif op == "load":
+            await asyncio.to_thread(load_checkpoint, command["path"], self.actor, self.critic)
         else:
             raise ValueError(f"unknown trainer command {op!r} from rank 0")
 

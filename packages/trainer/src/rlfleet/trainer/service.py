@@ -18,6 +18,9 @@ from pydantic import Field
 
 from rlfleet.common.messages import (
     AnyMessage,
+    CheckpointLoaded,
+    LatestWeights,
+    LoadCheckpoint,
     PublishWeights,
     SaveCheckpoint,
     Saved,
@@ -32,6 +35,7 @@ from rlfleet.common.tensor_store import TensorStoreClient, TensorStoreServer
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.algo_config import AlgorithmSettings
 from rlfleet.trainer.algorithms import ALGORITHMS, AlgorithmName
+from rlfleet.trainer.checkpoint import load_checkpoint, save_checkpoint
 from rlfleet.trainer.config import ActorConfig, OptimizerConfig
 from rlfleet.trainer.critic import Critic
 from rlfleet.trainer.distributed import DistContext, Sharding, init_distributed
@@ -105,7 +109,7 @@ def build_models(cfg: TrainerServiceConfig) -> tuple[DistContext, Actor, Critic 
 
 
 class TrainerWorker(Worker[TrainerServiceConfig]):
-    """Serves ``trainer.step``, ``trainer.publish`` and ``trainer.save``."""
+    """Serves ``trainer.step``, ``trainer.publish``, ``trainer.save`` and ``trainer.load``."""
 
     tier = "trainer"
 
@@ -124,6 +128,8 @@ class TrainerWorker(Worker[TrainerServiceConfig]):
             ("step", self._on_step),
             ("publish", self._on_publish),
             ("save", self._on_save),
+            ("load", self._on_load),
+            ("latest", self._on_latest),
         ):
             await self.transport.subscribe(subject(cfg.cluster, "trainer", verb), handler, queue="trainer",
                                            max_concurrency=1)  # fmt: skip
@@ -145,9 +151,29 @@ class TrainerWorker(Worker[TrainerServiceConfig]):
         if not isinstance(message, SaveCheckpoint):
             raise ValueError(f"trainer.save takes save requests, got {message.kind!r}")
         async with self._lock:
-            await asyncio.to_thread(self.channel.send, {"op": "save", "path": message.path})
-            path = await asyncio.to_thread(self.actor.save_hf, message.path)
+            command = {"op": "save", "path": message.path, "mode": message.mode}
+            await asyncio.to_thread(self.channel.send, command)
+            actor, critic = self.actor, self.critic
+            path = await asyncio.to_thread(save_checkpoint, message.path, actor, critic, message.mode)
         return Saved(path=str(path))
+
+    async def _on_load(self, message: AnyMessage) -> AnyMessage:
+        if not isinstance(message, LoadCheckpoint):
+            raise ValueError(f"trainer.load takes load requests, got {message.kind!r}")
+        async with self._lock:
+            await asyncio.to_thread(self.channel.send, {"op": "load", "path": message.path})
+            steps = await asyncio.to_thread(load_checkpoint, message.path, self.actor, self.critic)
+            self.weight_version = message.weight_version
+        return CheckpointLoaded(path=message.path, steps=steps, weight_version=self.weight_version)
+
+    async def _on_latest(self, message: AnyMessage) -> AnyMessage:
+        """The current version's buckets, for a rollout worker that joins late (no lock: the pair
+        ``_published``/``weight_version`` is swapped without an await in between)."""
+        if not isinstance(message, LatestWeights):
+            raise ValueError(f"trainer.latest takes latest-weights requests, got {message.kind!r}")
+        refs = list(self._published)
+        return WeightsPublished(weight_version=self.weight_version, buckets=refs,
+                                nbytes=sum(r.nbytes for r in refs), seconds=0.0)  # fmt: skip
 
     async def _fetch(self, ref: TensorRef) -> dict[str, torch.Tensor]:
         client = self._clients.get(ref.address)

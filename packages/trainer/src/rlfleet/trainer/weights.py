@@ -76,7 +76,7 @@ def _plan(
     state = model.state_dict(keep_vars=True)  # one walk (slow for a big FSDP model); detached later
     skip = set() if include_tied else set(_aliases(state))
     bucket: list[_Slot] = []
-    size = 0
+    size = end = 0  # payload bytes, and the end of the last tensor in the host buffer
     for name, tensor in state.items():
         if name in skip or (only is not None and name not in only):
             continue
@@ -84,10 +84,11 @@ def _plan(
         nbytes = tensor.numel() * target.itemsize
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
-            bucket, size = [], 0
-        offset = -(-sum(s.nbytes for s in bucket) // _ALIGN) * _ALIGN if bucket else 0
+            bucket, size, end = [], 0, 0
+        offset = -(-end // _ALIGN) * _ALIGN
         bucket.append(_Slot(name, tensor, target, offset))
         size += nbytes
+        end = offset + nbytes
     if bucket:
         yield bucket
 

@@ -1,0 +1,104 @@
+"""Run checkpoints every ``save_every`` steps, and ``resume_from`` one.
+
+A checkpoint directory ``output_dir/checkpoint-<step>/`` holds::
+
+    hf/                      HF export of the actor (AutoModelForCausalLM.from_pretrained)
+    trainer/                 the trainer's state: sharded model + optimizer (DCP), schedulers, RNG
+    controller_state.json    step, epoch, dataset position, KL controller, weight version, reward spec
+
+The trainer writes the first two (``trainer.save`` with ``mode="full"``), the controller the
+last, once the trainer has replied, so a checkpoint with ``controller_state.json`` is complete.
+Resuming restores the trainer (``trainer.load``), republishes the restored weights under their
+saved version so the rollout workers serve them, then restores the controller's own position.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlfleet.controller.errors import CheckpointNotFound
+
+if TYPE_CHECKING:
+    from rlfleet.controller.runner import FleetRunner
+
+logger = logging.getLogger(__name__)
+
+CONTROLLER_STATE = "controller_state.json"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The complete ``checkpoint-<step>`` of ``output_dir`` with the highest step, or None."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return None
+    found = [
+        (int(m.group(1)), child)
+        for child in root.iterdir()
+        if (m := _CHECKPOINT.match(child.name)) and (child / CONTROLLER_STATE).exists()
+    ]
+    return max(found)[1] if found else None
+
+
+def resolve_resume(resume_from: str | None, output_dir: str | Path) -> Path | None:
+    """The checkpoint ``resume_from`` names: a path, or ``auto`` (latest one; None when there is none)."""
+    if resume_from is None:
+        return None
+    if resume_from == "auto":
+        found = latest_checkpoint(output_dir)
+        if found is None:
+            logger.info("resume_from=auto: no checkpoint in %s, starting fresh", output_dir)
+        return found
+    path = Path(resume_from)
+    if not (path / CONTROLLER_STATE).exists():
+        raise CheckpointNotFound(str(path), f"it has no {CONTROLLER_STATE}")
+    return path
+
+
+def controller_state(runner: FleetRunner) -> dict[str, Any]:
+    """What the controller must restore to continue: JSON-ready."""
+    return {
+        "global_step": runner.global_step,
+        "epoch": runner.dataset.epoch,
+        "dataset": runner.dataset.state_dict(),
+        "kl_controller": runner.kl_controller.state_dict(),
+        "weight_version": runner.weight_version,
+        "reward_spec": runner.reward_spec,
+    }
+
+
+def save_run_checkpoint(runner: FleetRunner, path: str | Path) -> Path:
+    """Have the trainer write its full state in ``path``, then write ``controller_state.json``."""
+    root = Path(path).resolve()
+    runner.run(runner.fleet.save(str(root), mode="full"))
+    (root / CONTROLLER_STATE).write_text(json.dumps(controller_state(runner), indent=1))
+    logger.info("checkpoint of step %d saved to %s", runner.global_step, root)
+    return root
+
+
+def resume_run(runner: FleetRunner, path: Path) -> None:
+    """Restore the trainer from ``path``, serve its weights on the rollout tier, restore the controller."""
+    state = json.loads((path / CONTROLLER_STATE).read_text())
+    version = int(state["weight_version"])
+    runner.run(_restore_tiers(runner, path.resolve(), version, runner.uses_rollouts))
+    runner.dataset.load_state_dict(state["dataset"])
+    runner.kl_controller.load_state_dict(state["kl_controller"])
+    runner.global_step = int(state["global_step"])
+    runner.weight_version = version
+    runner._epoch = int(state["epoch"])
+    if state.get("reward_spec") != runner.reward_spec:
+        logger.warning("the checkpoint's reward spec %r differs from this run's %r; keeping this run's",
+                       state.get("reward_spec"), runner.reward_spec)  # fmt: skip
+    logger.info("resumed from %s at step %d (weight version %d)", path, runner.global_step, version)
+
+
+async def _restore_tiers(runner: FleetRunner, path: Path, version: int, publish: bool) -> None:
+    fleet = runner.fleet
+    await fleet.load_checkpoint(str(path), version)
+    if publish:
+        published = await fleet.publish_weights(runner.config.weight_bucket_mb, weight_version=version)
+        await fleet.load_weights(published)

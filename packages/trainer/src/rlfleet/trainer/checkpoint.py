@@ -1,0 +1,190 @@
+"""Full training checkpoints of a trainer: save everything a run needs to continue exactly.
+
+Layout of ``<dir>`` (every rank calls :func:`save_training_state` / :func:`load_training_state`)::
+
+    <dir>/actor/            model + optimizer, torch.distributed.checkpoint (sharded under FSDP)
+    <dir>/critic/           the critic's model + optimizer (PPO only), same format
+    <dir>/state.json        LR schedulers, optimizer-step counters (rank 0 writes)
+    <dir>/rng-<rank>.json   python ``random`` state of each rank
+    <dir>/rng-<rank>.safetensors   torch CPU / CUDA RNG states and the actor's shuffle generator
+
+The model and optimizer go through ``get_state_dict`` / ``set_state_dict``, so the same code
+serves one process and FSDP2 ranks. Schedulers and RNG states are JSON and safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from rlfleet.trainer.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from rlfleet.trainer.actor import Actor
+    from rlfleet.trainer.critic import Critic
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "state.json"
+
+
+class Trainable(Protocol):
+    """What a checkpoint holds of an actor or a critic."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    steps: int
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _save_part(part: Trainable, path: Path) -> None:
+    """Model and optimizer of ``part`` as a DCP checkpoint in ``path`` (collective under FSDP)."""
+    model_state, optim_state = get_state_dict(part.model, part.optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.save(state, checkpoint_id=str(path), no_dist=not _distributed())
+
+
+def _load_part(part: Trainable, path: Path) -> None:
+    """Load ``path`` (written by :func:`_save_part`) into ``part``'s model and optimizer in place."""
+    if not path.is_dir():
+        raise CheckpointError(path, "holds no model/optimizer checkpoint")
+    model_state, optim_state = get_state_dict(part.model, part.optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+    set_state_dict(
+        part.model, part.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+
+
+def _schedule_state(part: Trainable) -> dict[str, Any]:
+    """The scheduler's plain fields (its lambdas are code, rebuilt from the config) and the step count."""
+    sched = {k: v for k, v in part.scheduler.state_dict().items() if k != "lr_lambdas"}
+    return {"scheduler": sched, "steps": part.steps}
+
+
+def _restore_schedule(part: Trainable, state: dict[str, Any]) -> None:
+    sched = dict(state["scheduler"])
+    sched["lr_lambdas"] = [None] * len(part.optimizer.param_groups)
+    part.scheduler.load_state_dict(sched)
+    part.steps = int(state["steps"])
+
+
+def _save_rng(path: Path, rank: int, generator: torch.Generator | None) -> None:
+    version, internal, gauss = random.getstate()
+    (path / f"rng-{rank}.json").write_text(json.dumps({"version": version, "state": list(internal),
+                                                       "gauss": gauss}))  # fmt: skip
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = state
+    if generator is not None:
+        tensors["generator"] = generator.get_state()
+    save_file(tensors, str(path / f"rng-{rank}.safetensors"))
+
+
+def _load_rng(path: Path, rank: int, generator: torch.Generator | None) -> None:
+    files = path / f"rng-{rank}.json", path / f"rng-{rank}.safetensors"
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise CheckpointError(path, f"lacks the RNG state of rank {rank} ({missing})")
+    py = json.loads(files[0].read_text())
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    tensors = load_file(str(files[1]))
+    torch.set_rng_state(tensors["torch_cpu"])
+    if torch.cuda.is_available():
+        names = [f"torch_cuda_{i}" for i in range(torch.cuda.device_count())]
+        cuda = [tensors[name] for name in names if name in tensors]
+        if len(cuda) == len(names):
+            torch.cuda.set_rng_state_all(cuda)
+    if generator is not None and "generator" in tensors:
+        generator.set_state(tensors["generator"])
+
+
+def save_training_state(
+    path: str | Path, actor: Trainable, critic: Trainable | None = None, *,
+    generator: torch.Generator | None = None,
+) -> Path:  # fmt: skip
+    """Write the training state of ``actor`` (and ``critic``) under ``path``; every rank calls it.
+
+    ``generator``: the actor's mini-batch shuffle generator (saved per rank with the RNG states).
+    """
+    root = Path(path)
+    rank = _rank()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    _save_part(actor, root / "actor")
+    state: dict[str, Any] = {"actor": _schedule_state(actor)}
+    if critic is not None:
+        _save_part(critic, root / "critic")
+        state["critic"] = _schedule_state(critic)
+    _save_rng(root, rank, generator)
+    if rank == 0:
+        (root / STATE_FILE).write_text(json.dumps(state, indent=1))
+    _barrier()
+    logger.info("training state saved to %s (actor step %d)", root, actor.steps)
+    return root
+
+
+def load_training_state(
+    path: str | Path, actor: Trainable, critic: Trainable | None = None, *,
+    generator: torch.Generator | None = None,
+) -> int:  # fmt: skip
+    """Restore what :func:`save_training_state` wrote; every rank calls it. Returns the actor's step."""
+    root = Path(path)
+    state_file = root / STATE_FILE
+    if not state_file.exists():
+        raise CheckpointError(root, f"has no {STATE_FILE}: not a training checkpoint")
+    state = json.loads(state_file.read_text())
+    if (critic is None) != ("critic" not in state):
+        raise CheckpointError(root, "critic presence differs from this run's algorithm")
+    _load_part(actor, root / "actor")
+    _restore_schedule(actor, state["actor"])
+    if critic is not None:
+        _load_part(critic, root / "critic")
+        _restore_schedule(critic, state["critic"])
+    _load_rng(root, _rank(), generator)
+    _barrier()
+    logger.info("training state loaded from %s (actor step %d)", root, actor.steps)
+    return actor.steps
+
+
+def save_checkpoint(
+    path: str | Path, actor: Actor, critic: Critic | None, mode: Literal["hf", "full"] = "hf"
+) -> Path:
+    """What ``trainer.save`` does on every rank: an HF export in ``path`` (``hf``), or in ``path/hf``
+    with the training state in ``path/trainer`` (``full``)."""
+    if mode == "hf":
+        return actor.save_hf(path)
+    root = Path(path)
+    actor.save_hf(root / "hf")
+    save_training_state(root / "trainer", actor, critic, generator=actor._generator)
+    return root
+
+
+def load_checkpoint(path: str | Path, actor: Actor, critic: Critic | None) -> int:
+    """What ``trainer.load`` does on every rank: restore ``path/trainer``; returns the actor's step."""
+    return load_training_state(Path(path) / "trainer", actor, critic, generator=actor._generator)

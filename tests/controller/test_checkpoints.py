@@ -1,0 +1,47 @@
+"""Finding the checkpoint ``resume_from`` names: a path, or ``auto`` (the latest complete one)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlfleet.controller.checkpoints import CONTROLLER_STATE, latest_checkpoint, resolve_resume
+from rlfleet.controller.config import TrainerConfig
+from rlfleet.controller.errors import CheckpointNotFound
+
+
+def _checkpoint(root: Path, step: int, complete: bool = True) -> Path:
+    path = root / f"checkpoint-{step}"
+    (path / "trainer").mkdir(parents=True)
+    if complete:
+        (path / CONTROLLER_STATE).write_text("{}")
+    return path
+
+
+def test_auto_takes_the_highest_complete_step(tmp_path: Path) -> None:
+    _checkpoint(tmp_path, 2)
+    ten = _checkpoint(tmp_path, 10)
+    _checkpoint(tmp_path, 12, complete=False)  # the run died while saving it
+    (tmp_path / "checkpoint-x").mkdir()
+    assert latest_checkpoint(tmp_path) == ten
+    assert resolve_resume("auto", tmp_path) == ten
+    assert resolve_resume(None, tmp_path) is None
+
+
+def test_auto_without_checkpoints_starts_fresh(tmp_path: Path) -> None:
+    assert resolve_resume("auto", tmp_path / "missing") is None
+    assert resolve_resume("auto", tmp_path) is None
+
+
+def test_a_named_checkpoint_must_be_complete(tmp_path: Path) -> None:
+    two = _checkpoint(tmp_path, 2)
+    assert resolve_resume(str(two), tmp_path / "elsewhere") == two
+    broken = _checkpoint(tmp_path, 4, complete=False)
+    with pytest.raises(CheckpointNotFound, match="controller_state.json"):
+        resolve_resume(str(broken), tmp_path)
+
+
+def test_resume_from_is_a_config_field() -> None:
+    assert TrainerConfig().resume_from is None
+    assert TrainerConfig(resume_from="auto", save_every=5).resume_from == "auto"

@@ -1,0 +1,121 @@
+"""A trainer of two gloo ranks behind one NATS worker, started as the embedded launcher does.
+
+Rank 0 answers ``trainer.step``, ``trainer.publish`` and ``trainer.save``; rank 1 follows its
+commands and fetches the rollouts itself. The step's metrics, the published weights and the
+saved checkpoint must equal what one process computes on the same batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlfleet.common.errors import NoResponders
+from rlfleet.common.messages import (
+    PublishWeights,
+    SaveCheckpoint,
+    Saved,
+    TrainStepRequest,
+    TrainStepResult,
+    WeightsPublished,
+)
+from rlfleet.common.nats_transport import NatsTransport
+from rlfleet.common.subjects import subject
+from rlfleet.common.tensor_store import TensorStoreClient, TensorStoreServer
+from rlfleet.controller.launcher import EmbeddedFleet, trainer_rank_specs
+from rlfleet.trainer.model_io import load_causal_lm
+from rlfleet.trainer.service import TrainerServiceConfig, build_models
+from rlfleet.trainer.updates import merge_batch, run_update
+
+CLUSTER = "ranks"
+PROMPTS, RESPONSES = [3, 5, 2, 4, 5, 3], [4, 2, 6, 1, 3, 5]
+
+
+def _rollouts(vocab: int) -> dict[str, torch.Tensor]:
+    """A contract batch of 3 prompts x 2 samples (left-padded prompts, right-padded responses)."""
+    gen = torch.Generator().manual_seed(5)
+    n, p, r = len(PROMPTS), max(PROMPTS), max(RESPONSES)
+    batch = {key: torch.zeros((n, width), dtype=torch.int64) for key, width in
+             (("prompt_ids", p), ("prompt_mask", p), ("response_ids", r), ("response_mask", r))}  # fmt: skip
+    for i, (pl, rl) in enumerate(zip(PROMPTS, RESPONSES, strict=True)):
+        batch["prompt_ids"][i, p - pl :] = torch.randint(3, vocab, (pl,), generator=gen)
+        batch["prompt_mask"][i, p - pl :] = 1
+        batch["response_ids"][i, :rl] = torch.randint(3, vocab, (rl,), generator=gen)
+        batch["response_mask"][i, :rl] = 1
+    batch["rollout_logprobs"] = -torch.rand((n, r), generator=gen) * batch["response_mask"]
+    batch["group_index"] = torch.arange(n) // 2
+    return batch
+
+
+async def _ask(transport: NatsTransport, verb: str, message: object, deadline: float) -> object:
+    """Request ``trainer.<verb>``, waiting for the worker to subscribe (it loads its model first)."""
+    while True:
+        try:
+            return await transport.request(subject(CLUSTER, "trainer", verb), message, timeout=120)  # type: ignore[arg-type]
+        except NoResponders:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_two_trainer_ranks_serve_like_one_process(tmp_path: Path, tiny_model_dir: Path, procs) -> None:
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    settings = {"cluster": CLUSTER, "model_path": str(tiny_model_dir), "device": "cpu", "micro_batch_size": 2,
+                "learning_rate": 1e-3, "threads": 1, "seed": 0}  # fmt: skip
+    store = TensorStoreServer(capacity_bytes=1 << 28, ttl_s=600)
+    await store.start()
+    batch = _rollouts(vocab)
+    ref = store.put_local("rollouts/0", batch)
+    request = TrainStepRequest(step=1, rollouts=[ref], scores=[1.0, 0.0, 0.0, 1.0, 1.0, 0.5])
+    fleet = EmbeddedFleet(tmp_path / "fleet", jetstream=False)
+    transport = None
+    try:
+        url = fleet.start_nats()
+        specs = trainer_rank_specs(settings, 2)
+        assert [s.env["RANK"] for s in specs] == ["0", "1"] and specs[0].env["MASTER_PORT"]
+        for spec in specs:
+            fleet.spawn(spec)
+        transport = await NatsTransport.connect(url, name="test", tier="controller")
+        deadline = time.monotonic() + 150
+        result = await _ask(transport, "step", request, deadline)
+        assert isinstance(result, TrainStepResult), result
+        published = await _ask(
+            transport, "publish", PublishWeights(weight_version=1, bucket_mb=0.01), deadline
+        )
+        assert isinstance(published, WeightsPublished) and len(published.buckets) > 2
+        saved = await _ask(transport, "save", SaveCheckpoint(path=str(tmp_path / "saved")), deadline)
+        assert isinstance(saved, Saved)
+        client = TensorStoreClient(published.buckets[0].address)
+        weights: dict[str, torch.Tensor] = {}
+        for bucket in published.buckets:
+            weights.update(await client.fetch(bucket))
+        await client.close()
+        fleet.check()  # both ranks still run
+        pids = [w.pid for w in fleet.workers]
+    finally:
+        if transport is not None:
+            await transport.close()
+        fleet.stop()
+        await store.stop()
+    assert procs.survivors(pids) == []
+
+    # the same step in this process (one rank, no FSDP)
+    cfg = TrainerServiceConfig(**settings)
+    _, actor, critic = build_models(cfg)
+    expected = run_update(actor, critic, cfg, merge_batch("grpo", [batch]), request)
+    for key in ("loss", "pg_loss", "entropy", "grad_norm", "approx_kl"):
+        assert result.metrics[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+    state = actor.model.state_dict()
+    assert set(weights) == set(state) - {"lm_head.weight"} or set(weights) == set(state)
+    for name, value in weights.items():
+        torch.testing.assert_close(value, state[name], atol=1e-5, rtol=1e-4, msg=name)
+    reloaded = load_causal_lm(tmp_path / "saved").state_dict()
+    for name, value in weights.items():
+        torch.testing.assert_close(reloaded[name], value, msg=name)

@@ -1,0 +1,78 @@
+"""One rank of the 2-rank gloo checkpoint test (run as a script, with the torchrun variables set).
+
+    RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python checkpoint_ranks.py MODEL OUT
+
+Under FSDP2 on the CPU: an actor takes one update (shuffled mini-batches), saves its training state
+(sharded DCP) to ``OUT/ckpt``, takes a second update and gathers its parameters; a fresh actor
+loads ``OUT/ckpt``, takes the same second update and gathers its parameters. Rank 0 writes both
+to ``OUT/expected.safetensors`` and ``OUT/resumed.safetensors``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from rlfleet.trainer.actor import Actor
+from rlfleet.trainer.checkpoint import load_training_state, save_training_state
+from rlfleet.trainer.config import ActorConfig, OptimizerConfig
+from rlfleet.trainer.distributed import init_distributed
+
+PROMPTS, RESPONSES = [3, 5, 2, 4, 5], [4, 2, 6, 1, 3]
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    n, p, r = len(PROMPTS), max(PROMPTS), max(RESPONSES)
+    batch = {
+        "prompt_ids": torch.zeros((n, p), dtype=torch.int64),
+        "prompt_mask": torch.zeros((n, p), dtype=torch.int64),
+        "response_ids": torch.zeros((n, r), dtype=torch.int64),
+        "response_mask": torch.zeros((n, r), dtype=torch.int64),
+    }
+    for i, (pl, rl) in enumerate(zip(PROMPTS, RESPONSES, strict=True)):
+        batch["prompt_ids"][i, p - pl :] = torch.randint(3, 64, (pl,), generator=gen)
+        batch["prompt_mask"][i, p - pl :] = 1
+        batch["response_ids"][i, :rl] = torch.randint(3, 64, (rl,), generator=gen)
+        batch["response_mask"][i, :rl] = 1
+    return batch
+
+
+def _update(actor: Actor, batch: dict[str, torch.Tensor], scale: float) -> None:
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.0, 0.3]) * scale
+    actor.update(batch, adv, micro_batch_size=2, mini_batch_size=3)
+
+
+def _gathered(actor: Actor) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for bucket in actor.iter_weight_buckets(1 << 30):
+        state.update({k: v.clone() for k, v in bucket.items()})
+    return state
+
+
+def main(model_dir: str, out_dir: str) -> None:
+    out = Path(out_dir)
+    ctx = init_distributed(device="cpu", sharding="full")
+    config = ActorConfig(model_path=model_dir, seed=11, optim=OptimizerConfig(lr=1e-2, warmup_steps=2))
+    batch = _batch()
+    actor = Actor(config, ctx)
+    _update(actor, batch, 1.0)
+    save_training_state(out / "ckpt", actor, generator=actor._generator)
+    _update(actor, batch, 2.0)
+    expected = _gathered(actor)
+    fresh = Actor(config.model_copy(update={"seed": 99}), ctx)
+    load_training_state(out / "ckpt", fresh, generator=fresh._generator)
+    _update(fresh, batch, 2.0)
+    resumed = _gathered(fresh)
+    if ctx.is_main:
+        save_file(expected, str(out / "expected.safetensors"))
+        save_file(resumed, str(out / "resumed.safetensors"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
