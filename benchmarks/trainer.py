@@ -228,7 +228,8 @@ def link_ceilings(ctx: DistContext, nbytes: int = 512 << 20) -> dict[str, float]
                 times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
-    gather_s = median_s(lambda: dist.all_gather_into_tensor(full, part))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather_s = median_s(lambda: gather(full, part))
     copy_s = median_s(lambda: host.copy_(full, non_blocking=True))
     return {
         "allgather_gb_s": round(nbytes / 1e9 / gather_s, 1),

@@ -6,7 +6,8 @@ Loads the actor under FSDP2 on the CPU, then, on the batch in BATCH (a safetenso
 contract batch plus ``advantages``, ``old_noise`` and ``ref_shift``):
 
 1. ``forward_backward`` over all rows for each loss aggregation; the gathered gradients and the
-   metrics go to ``OUT/grads_<agg>.safetensors`` and ``OUT/metrics.json``;
+   metrics go to ``OUT/grads_<agg>.safetensors`` and ``OUT/metrics.json``; the token-mean one
+   again with gradient checkpointing, to ``OUT/grads_checkpointed.safetensors``;
 2. publishes the weights in small buckets while a dispatch mode tracks the bytes of the tensors
    alive that the walk created (the peak goes to ``OUT/rank<r>.json``); a second walk's merged
    buckets go to ``OUT/buckets.safetensors``;
@@ -118,6 +119,16 @@ def main(model_dir: str, batch_path: str, out_dir: str) -> None:
         actor.optimizer.zero_grad(set_to_none=True)
         if ctx.is_main:
             save_file(grads, str(out / f"grads_{agg}.safetensors"))
+    # gradient checkpointing under FSDP: the blocks recompute (and re-gather) in backward
+    checkpointed = Actor(config.model_copy(update={"gradient_checkpointing": True}), ctx)
+    loss = PolicyLossConfig(kl_coef=0.1, entropy_coef=0.01, loss_agg=AGGS[0])
+    checkpointed.forward_backward(prepared, rows, micro_batch_size=2, loss=loss)
+    grads = {
+        n: full(p.grad).contiguous() for n, p in checkpointed.model.named_parameters() if p.grad is not None
+    }
+    if ctx.is_main:
+        save_file(grads, str(out / "grads_checkpointed.safetensors"))
+    del checkpointed
 
     tracker = LiveBytes()
     sizes = []

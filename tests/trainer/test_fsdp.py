@@ -137,6 +137,10 @@ def test_two_ranks_give_the_loss_and_gradients_of_one_process(
         for name, grad in grads.items():
             torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-4, msg=f"{agg}: {name}")
         assert metrics["clip_frac"] > 0 and metrics["kl_loss"] != 0
+        if agg == AGGS[0]:  # the same gradient with gradient checkpointing under FSDP
+            checkpointed = load_file(str(out / "grads_checkpointed.safetensors"))
+            for name, grad in grads.items():
+                torch.testing.assert_close(checkpointed[name], grad, atol=1e-6, rtol=1e-4, msg=name)
         for key, value in metrics.items():
             assert ranked[agg][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (agg, key)
         actor.optimizer.zero_grad(set_to_none=True)

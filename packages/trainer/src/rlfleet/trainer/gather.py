@@ -28,6 +28,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 logger = logging.getLogger(__name__)
 
+# the same collective; torch >= 2.13 renamed it (and warns on the old name)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def shard_dim(tensor: Tensor) -> int | None:
     """The mesh dimension a DTensor is split over along dim 0, when that is its only split."""
@@ -75,7 +78,7 @@ def _packed(tensors: Sequence[Tensor], dtype: torch.dtype, keep: bool) -> Iterat
         send[offset : offset + local.numel()].copy_(local)
         offset += slot
     gathered = torch.empty(world * sum(slots), dtype=dtype, device=local_device)
-    dist.all_gather_into_tensor(gathered, send, group=group)
+    _all_gather(gathered, send, group=group)
     del send
     gathered = gathered.view(world, -1)
     if not keep:
