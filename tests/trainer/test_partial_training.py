@@ -11,7 +11,8 @@ from rlfleet.trainer.config import ActorConfig, OptimizerConfig
 
 @pytest.mark.timeout(120)
 def test_top_layers_train_and_publish_alone(tiny_model_dir, make_batch):
-    actor = Actor(ActorConfig(model_path=str(tiny_model_dir), trainable_layers=1, optim=OptimizerConfig(lr=1e-2)))
+    config = ActorConfig(model_path=str(tiny_model_dir), trainable_layers=1, optim=OptimizerConfig(lr=1e-2))
+    actor = Actor(config)
     before = {k: v.clone() for k, v in actor.model.state_dict().items()}
     batch = make_batch([3, 4, 2, 5], [4, 2, 3, 4])
     n = batch["response_ids"].shape[0]

@@ -146,7 +146,9 @@ class ScoreRequest(Message):
     job_id: str
     endpoint: str = "default"
     rollout: TensorRef
-    metadata: list[dict[str, Any]] = Field(default_factory=list, description="per prompt (group), e.g. answers")
+    metadata: list[dict[str, Any]] = Field(
+        default_factory=list, description="per prompt (group), e.g. answers"
+    )
     token: str = Field(default="", description="tenant API token")
 
 
@@ -348,7 +350,7 @@ class ErrorReply(Message):
 
 
 AnyMessage = Annotated[
-    Union[
+    Union[  # noqa: UP007 - one name per line reads better than a 25-way `|` chain
         WorkerAnnounce, Heartbeat, WorkerLeave, Ping,
         GenerateRequest, GenerateResult, LoadWeights, WeightsLoaded,
         ScoreRequest, ScoreResult, SetRewardSpec, RewardSpecSet, RewardStatsRequest, RewardStats,

@@ -26,7 +26,7 @@ def _pad(t: Tensor, width: int, left: bool, value: float = 0) -> Tensor:
 
 
 def merge_rollouts(chunks: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """Concatenate rollout chunks (batch contract) into one batch; shapes (N_total, P_max) / (N_total, R_max)."""
+    """Concatenate rollout chunks (batch contract) into one batch: (N_total, P_max) and (N_total, R_max)."""
     if not chunks:
         raise InvalidBatch("rollouts", "a train step needs at least one rollout chunk")
     for i, chunk in enumerate(chunks):
