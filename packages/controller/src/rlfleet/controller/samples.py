@@ -46,7 +46,7 @@ class SampleTable:
         await runner._release(results)
         scores = [s for result in scored for s in result.scores]
         rows = [
-            {"prompt": item.text, "answer": text, "words": len(text.split()), "reward": score}
+            {"prompt": _question(item), "answer": text, "words": len(text.split()), "reward": score}
             for item, text, score in zip(self.items, texts, scores, strict=True)
         ]
         self.captures[label] = rows
@@ -74,6 +74,15 @@ def _answer(row: dict[str, Any]) -> str:
 
 def _mean(rows: list[dict[str, Any]], key: str) -> float:
     return sum(row[key] for row in rows) / len(rows)
+
+
+def _question(item: PromptItem) -> str:
+    """The prompt as the user wrote it (the last user message of a chat), not the templated text."""
+    prompt = item.prompt
+    if isinstance(prompt, str):
+        return prompt
+    users = [m.get("content", "") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+    return str(users[-1]) if users else item.text
 
 
 def _cell(text: str, width: int = 240) -> str:
