@@ -14,22 +14,15 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from rlfleet.common.errors import MessageDecodeError, MessageTooLarge, ProtocolMismatch
+from rlfleet.common.errors import MessageDecodeError, MessageTooLarge
+from rlfleet.common.message_base import (  # noqa: F401 - re-exported: messages is the one import
+    MAX_MESSAGE_BYTES,
+    PROTOCOL,
+    Message,
+    Tier,
+    check_protocol,
+)
 from rlfleet.common.refs import TensorRef
-
-PROTOCOL = "1.1"
-"""The wire schema version this code speaks: bump MINOR for additive changes, MAJOR otherwise."""
-
-Tier = Literal["controller", "rollout", "reward", "trainer"]
-
-
-class Message(BaseModel):
-    """Base of every control message."""
-
-    model_config = ConfigDict(extra="ignore", frozen=False)
-
-    protocol: str = Field(default=PROTOCOL, description="wire schema version, MAJOR.MINOR")
-
 
 # --- membership -----------------------------------------------------------------------------
 
@@ -361,21 +354,6 @@ AnyMessage = Annotated[
     Field(discriminator="kind"),
 ]  # fmt: skip
 MESSAGES: TypeAdapter[AnyMessage] = TypeAdapter(AnyMessage)
-
-MAX_MESSAGE_BYTES = 1 << 20
-"""nats-server's default max_payload; a message over it belongs on the tensor plane."""
-
-
-def _major(version: str) -> str:
-    return version.split(".", 1)[0]
-
-
-def check_protocol(theirs: object) -> None:
-    """Raise :class:`ProtocolMismatch` unless ``theirs`` shares our MAJOR version."""
-    if not isinstance(theirs, str) or not theirs:
-        raise MessageDecodeError(f"'protocol' must be a 'MAJOR.MINOR' string, got {theirs!r}")
-    if _major(theirs) != _major(PROTOCOL):
-        raise ProtocolMismatch(PROTOCOL, theirs)
 
 
 def encode(message: Message, *, limit: int = MAX_MESSAGE_BYTES) -> bytes:
