@@ -41,7 +41,12 @@ class FakeFleet:
         self.fetched: list[dict[str, Any]] = []
 
     async def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, weight_version: int
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        weight_version: int,
+        *,
+        pool: str | None = None,
     ) -> list[Any]:
         ref = TensorRef(address="fake:1", key=f"rollout/{self.version}")
         return [GenerateResult(job_id="g", worker_id="rollout-0", weight_version=self.version, ref=ref,

@@ -36,7 +36,12 @@ class FakeFleet:
         self.fail_train_at = fail_train_at
 
     async def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, weight_version: int
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        weight_version: int,
+        *,
+        pool: str | None = None,
     ) -> list[Any]:
         assert weight_version == self.version, "generation must be pinned to the latest weights"
         ref = TensorRef(address="fake:1", key=f"rollout/{self.version}")

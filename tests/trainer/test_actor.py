@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -92,6 +93,17 @@ def test_rollout_logprob_diff_reports_engine_drift(tiny_model_dir: Path, make_ba
     )
     mask = batch["response_mask"].bool()
     assert metrics["rollout_logprob_diff"] == pytest.approx(exact[mask].abs().mean().item(), rel=1e-4)
+
+    # NaN: tokens no engine produced (responses a rollout fn wrote) stay out of the drift
+    unknown = torch.zeros_like(exact)
+    unknown[:2] = float("nan")
+    metrics = actor.update(dict(batch, rollout_logprobs=unknown), torch.zeros(5), micro_batch_size=5)
+    rest = mask.clone()
+    rest[:2] = False
+    assert metrics["rollout_logprob_diff"] == pytest.approx(exact[rest].abs().mean().item(), rel=1e-4)
+    all_unknown = torch.full_like(exact, float("nan"))
+    metrics = actor.update(dict(batch, rollout_logprobs=all_unknown), torch.zeros(5), micro_batch_size=5)
+    assert "rollout_logprob_diff" not in metrics and math.isfinite(metrics["loss"])
 
 
 def test_kl_to_a_frozen_reference(tiny_model_dir: Path, make_batch: Callable) -> None:

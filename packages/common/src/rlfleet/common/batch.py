@@ -5,7 +5,8 @@ prompt-major (sample j of prompt i is row i*n + j):
 
 - ``prompt_ids`` (N, P) int64, LEFT-padded with the pad id; ``prompt_mask`` (N, P) int64, 1 on tokens
 - ``response_ids`` (N, R) int64, RIGHT-padded; ``response_mask`` (N, R) int64, 1 on generated
-  tokens (a generated EOS counts); ``rollout_logprobs`` (N, R) float32, 0 at padding
+  tokens (a generated EOS counts); ``rollout_logprobs`` (N, R) float32, 0 at padding, NaN on
+  tokens no engine produced (responses the controller's rollout fn wrote itself)
 - ``group_index`` (N,) int64: the prompt (0..num_prompts-1) each sample answers
 - ``prompt_text`` / ``response_text`` uint8 (total utf-8 bytes,) with ``*_offsets`` (N+1,) int64:
   text ``i`` is ``data[offsets[i]:offsets[i+1]]`` (:func:`pack_texts` / :func:`unpack_texts`)

@@ -22,6 +22,8 @@ _EXPORTS: dict[str, str] = {
     "PromptDataset": "rlfleet.controller.dataset",
     "PreferenceDataset": "rlfleet.controller.preference",
     "resolve_model": "rlfleet.controller.models",
+    "Pool": "rlfleet.controller.routing",
+    "Response": "rlfleet.controller.routing",
 }
 
 __all__ = [
@@ -29,8 +31,10 @@ __all__ = [
     "GRPOTrainer",
     "JobConfig",
     "PPOTrainer",
+    "Pool",
     "PreferenceDataset",
     "PromptDataset",
+    "Response",
     "StepResult",
     "TrainerConfig",
     "__version__",
@@ -46,6 +50,7 @@ if TYPE_CHECKING:
     from rlfleet.controller.models import resolve_model
     from rlfleet.controller.ppo import PPOTrainer
     from rlfleet.controller.preference import PreferenceDataset
+    from rlfleet.controller.routing import Pool, Response
 
 
 def __getattr__(name: str) -> Any:

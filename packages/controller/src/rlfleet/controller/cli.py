@@ -68,8 +68,14 @@ def build_trainer(job):  # (JobConfig) -> GRPOTrainer | PPOTrainer | DPOTrainer
     if job.algorithm == "ppo":
         from rlfleet.controller.ppo import PPOTrainer
 
-        return PPOTrainer(job.model, dataset=dataset, config=config, reward=job.reward)
-    return GRPOTrainer(job.model, job.reward, dataset, config)
+        trainer = PPOTrainer(job.model, dataset=dataset, config=config, reward=job.reward)
+    else:
+        trainer = GRPOTrainer(job.model, job.reward, dataset, config)
+    if job.rollout_fn:
+        from rlfleet.controller.routing import import_rollout_fn
+
+        trainer.set_rollout_fn(import_rollout_fn(job.rollout_fn))
+    return trainer
 
 
 def train(job) -> int:  # job: JobConfig

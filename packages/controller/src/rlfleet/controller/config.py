@@ -7,6 +7,7 @@ reward, data, epochs), so every field is reachable from the command line as ``a.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
@@ -39,6 +40,27 @@ class RolloutConfig(_Config):
     sleep_level: Literal[1, 2] = Field(
         default=1, description="vLLM sleep when colocated: 1 offloads weights to CPU, 2 discards them"
     )
+
+
+POOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+RESERVED_ROUTES = ("any", "text")
+"""Route names of :meth:`~rlfleet.controller.grpo.GRPOTrainer.set_rollout_fn` that no pool may take:
+``any`` (every pool serves) and ``text`` (the rollout fn wrote the response itself)."""
+
+
+class RolloutPoolConfig(_Config):
+    """One named rollout pool: its size, and where it differs from ``rollout`` (None: the same)."""
+
+    workers: int = Field(default=1, ge=1, description="rollout worker processes in this pool")
+    engine: Literal["hf", "vllm", "auto"] | None = Field(default=None, description="engine of this pool")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(default=None, description="engine dtype")
+    max_batch_size: int | None = Field(
+        default=None, ge=1, description="sequences one worker generates together"
+    )
+    tensor_parallel_size: int | None = Field(
+        default=None, ge=1, description="vLLM: GPUs one engine shards over"
+    )
+    gpu_memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0, description="vLLM: GPU share")
 
 
 class TrainerConfig(AlgorithmFields):
@@ -108,7 +130,8 @@ class TrainerConfig(AlgorithmFields):
     )
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="where the trainer runs")
     trainable_layers: int | None = Field(
-        default=None, ge=1,
+        default=None,
+        ge=1,
         description="train only the top N transformer blocks (+ final norm), embeddings frozen; "
         "cheap on CPU. None trains every parameter",
     )
@@ -118,6 +141,11 @@ class TrainerConfig(AlgorithmFields):
         "bf16 is also much faster on CPUs with AVX512-BF16 or AMX",
     )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout tier settings")
+    rollout_pools: dict[str, RolloutPoolConfig] = Field(
+        default_factory=dict,
+        description="named rollout pools (e.g. {small: {workers: 1, engine: hf}, fleet: {workers: 2}}) that "
+        "a rollout fn routes prompts to (set_rollout_fn); empty: one pool 'default' of num_rollout_workers",
+    )
     rollout_cache_policy: Literal["lru", "none"] = Field(
         default="lru", description="vLLM KV cache: lru = prefix caching with LRU eviction, none = off"
     )
@@ -150,6 +178,29 @@ class TrainerConfig(AlgorithmFields):
         return self
 
     @model_validator(mode="after")
+    def _check_pools(self) -> TrainerConfig:
+        for name in self.rollout_pools:
+            if not POOL_NAME.match(name):
+                raise ValueError(f"rollout pool name {name!r}: use 1-64 letters, digits, '_' or '-'")
+            if name in RESERVED_ROUTES:
+                raise ValueError(
+                    f"rollout pool name {name!r} is reserved (routes {RESERVED_ROUTES} are built in)"
+                )
+        total = sum(pool.workers for pool in self.rollout_pools.values())
+        if total and "num_rollout_workers" in self.model_fields_set and self.num_rollout_workers != total:
+            raise ValueError(
+                f"num_rollout_workers ({self.num_rollout_workers}) differs from the workers of rollout_pools "
+                f"({total}); set one of them"
+            )
+        return self
+
+    def pool_sizes(self) -> dict[str, int]:
+        """Rollout workers per pool, in config order (no pools: ``{'default': num_rollout_workers}``)."""
+        if not self.rollout_pools:
+            return {"default": self.num_rollout_workers}
+        return {name: pool.workers for name, pool in self.rollout_pools.items()}
+
+    @model_validator(mode="after")
     def _check_algorithm(self) -> TrainerConfig:
         check_algorithm_fields(self.algorithm, self.group_size, self.kl_coef, self)
         return self
@@ -179,13 +230,21 @@ class JobConfig(TrainerConfig):
     num_epochs: int = Field(default=1, ge=1, description="passes over the dataset")
     max_steps: int | None = Field(default=None, ge=1, description="stop after this many steps")
     description: str = Field(default="", description="free text shown at start")
+    rollout_fn: str | None = Field(
+        default=None,
+        description="'package.module:function' routing each prompt to a rollout pool or answering it "
+        "(GRPOTrainer.set_rollout_fn); the module must be importable from where rlfleet runs",
+    )
 
     @model_validator(mode="after")
     def _online_needs_reward(self) -> JobConfig:
         if self.reward is None and self.algorithm not in OFFLINE_ALGORITHMS:
             raise ValueError(f"algorithm {self.algorithm} scores rollouts: set reward (a reward spec)")
+        if self.rollout_fn and self.algorithm in OFFLINE_ALGORITHMS:
+            raise ValueError(f"rollout_fn routes rollouts; algorithm {self.algorithm} generates none")
         return self
 
     def trainer_config(self) -> TrainerConfig:
         """The TrainerConfig part of this job."""
-        return TrainerConfig(**{name: getattr(self, name) for name in TrainerConfig.model_fields})
+        fields = [name for name in TrainerConfig.model_fields if name in self.model_fields_set]
+        return TrainerConfig(**{name: getattr(self, name) for name in fields})

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlfleet.common.tensor_store import TensorStoreServer
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptItem
 from rlfleet.controller.launcher import WorkerSpec
@@ -27,9 +26,6 @@ from rlfleet.controller.loop import StepLoop
 from rlfleet.controller.preference import PreferenceDataset
 
 logger = logging.getLogger(__name__)
-
-STORE_CAPACITY_BYTES = 1 << 30
-"""Capacity of the controller's store; it holds one step's token ids at a time."""
 
 
 def dpo_config(config: TrainerConfig) -> TrainerConfig:
@@ -60,7 +56,6 @@ class DPOTrainer(StepLoop):
             )  # fmt: skip
         super().__init__(actor_model_name, None, dataset, config)
         self.preferences: PreferenceDataset = dataset
-        self._store: TensorStoreServer | None = None
 
     def tier_counts(self) -> dict[str, int]:
         return {"trainer": 1}
@@ -69,39 +64,17 @@ class DPOTrainer(StepLoop):
         """Only the trainer: DPO neither generates nor scores."""
         return [spec for spec in super().worker_specs() if spec.tier == "trainer"]
 
-    def start(self) -> None:
-        """Bring up the trainer and the controller's own TensorStore (idempotent)."""
-        super().start()
-        if self._store is None:
-            store = TensorStoreServer(capacity_bytes=STORE_CAPACITY_BYTES, ttl_s=3600.0)
-            try:
-                # a trainer of a joined cluster may run on another machine: listen on every interface
-                self.run(store.start(host="127.0.0.1" if self.config.nats_url is None else "0.0.0.0"))
-            except BaseException:
-                self.close()
-                raise
-            self._store = store
-
     async def _step(self, batch: list[PromptItem]) -> dict[str, float]:
         cfg = self.config
-        assert self._store is not None, "start() first"
+        store = await self.own_store()
         t0 = time.perf_counter()
         key = f"dpo/{self.cluster}/{self.global_step + 1}"
-        ref = self._store.put_local(key, self.preferences.collate(batch))
+        ref = store.put_local(key, self.preferences.collate(batch))
         hyper: dict[str, Any] = {"num_updates": cfg.rollout_batch_size // cfg.train_batch_size}
         try:
             stepped = await self.fleet.train_step(self.global_step + 1, [ref], [], hyper, algorithm="dpo")
         finally:
-            self._store.delete(key)
+            store.delete(key)
         metrics = dict(stepped.metrics)
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
-
-    def close(self) -> None:
-        """Stop the store, then the fleet (idempotent)."""
-        store, self._store = self._store, None
-        try:
-            if store is not None and self._loop is not None and not self._loop.is_closed():
-                self._loop.run_until_complete(store.stop())
-        finally:
-            super().close()

@@ -19,6 +19,7 @@ from rlfleet.controller.algo_config import advance_kl_controller
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptDataset, PromptItem
 from rlfleet.controller.loop import StepLoop, StepResult
+from rlfleet.controller.routing import RolloutFn, RolloutRouter, RouteSummary
 
 __all__ = ["GRPOTrainer", "StepResult"]
 
@@ -42,6 +43,23 @@ class GRPOTrainer(StepLoop):
         config: TrainerConfig | None = None,
     ) -> None:
         super().__init__(actor_model_name, reward, dataset, config or TrainerConfig())
+        pools = list(self.config.rollout_pools)
+        self.router = RolloutRouter(self.tokenizer, self.config.max_response_length, self.own_store, pools)
+        self.last_routes: dict[str, RouteSummary] = {}
+        """Where the last step's prompts went: route (pool, ``any`` or ``text``) -> rows and workers."""
+
+    def set_rollout_fn(self, fn: RolloutFn | None) -> None:
+        """Route each prompt of the next steps: ``fn(item)`` sees a :class:`PromptItem` and returns the
+        name of the rollout pool that serves it (``TrainerConfig.rollout_pools``, or a joined worker's
+        ``--pool``), ``None`` for any pool, or the response text itself (one ``str`` for every sample,
+        or a list of ``group_size``). ``None`` instead of a fn restores the default: every pool serves
+        every prompt. See :mod:`rlfleet.controller.routing`.
+        """
+        if fn is not None and not callable(fn):
+            raise TypeError(
+                f"set_rollout_fn takes a function of a PromptItem (or None), got {type(fn).__name__}"
+            )
+        self.router.fn = fn
 
     # --- the step -------------------------------------------------------------------------
 
@@ -60,9 +78,11 @@ class GRPOTrainer(StepLoop):
         cfg = self.config
         fleet = self.fleet
         t0 = time.perf_counter()
-        results = await fleet.generate([it.token_ids for it in batch], self._sampling(), self.weight_version)
+        routed = await self.router.generate(fleet, batch, self._sampling(), self.weight_version)
+        results = routed.results
+        self.last_routes = routed.routes
         t1 = time.perf_counter()
-        metadata = self._chunk_metadata(batch, results)
+        metadata = self._chunk_metadata(routed.items, results)
         scored = await fleet.score(results, metadata, cfg.reward_endpoint)
         scores = [s for result in scored for s in result.scores]
         t2 = time.perf_counter()
@@ -81,7 +101,8 @@ class GRPOTrainer(StepLoop):
         await self._release(results)
         metrics = dict(stepped.metrics)
         metrics.update(_reward_metrics(scores, scored))
-        generated = sum(r.num_tokens for r in results)
+        metrics.update(routed.metrics())
+        generated = sum(r.num_tokens for r in results if r.worker_id != "controller")  # not fn-written
         metrics.update({
             "weight_version": float(self.weight_version),
             "rollout/weight_version_min": float(min(r.weight_version for r in loaded)),

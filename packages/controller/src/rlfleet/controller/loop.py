@@ -26,6 +26,8 @@ class StepResult:
     metrics: dict[str, float]
     weight_version: int
     samples: list[dict[str, Any]] = field(default_factory=list)
+    routes: dict[str, Any] = field(default_factory=dict)
+    """Where the step's prompts went (GRPO/PPO): route -> :class:`rlfleet.controller.routing.RouteSummary`."""
 
 
 class StepLoop(FleetRunner):
@@ -57,7 +59,8 @@ class StepLoop(FleetRunner):
                 except BaseException:  # re-raised: only makes sure no process outlives a failed run
                     self.close()
                     raise
-                yield StepResult(self.global_step, epoch + 1, metrics, self.weight_version)
+                routes = dict(getattr(self, "last_routes", {}))
+                yield StepResult(self.global_step, epoch + 1, metrics, self.weight_version, routes=routes)
 
     def train(self, num_epochs: int = 1, max_steps: int | None = None) -> list[StepResult]:
         """Train for ``num_epochs`` (or ``max_steps``), then save the final model and stop the fleet."""

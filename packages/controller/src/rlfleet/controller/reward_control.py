@@ -260,3 +260,49 @@ def model_swap(new_rm: Any, component: str | None) -> dict[str, Any]:
     if component is not None:
         raise RewardFnNotPortable(new_rm, "component= only applies when new_rm is a model directory")
     return describe_reward_fn(new_rm)
+
+
+class RewardControls:
+    """The trainers' reward methods between steps (mixed into :class:`~rlfleet.controller.runner.FleetRunner`,
+    which supplies ``fleet``, ``run``, ``config`` and the event loop)."""
+
+    fleet: Any
+    config: TrainerConfig
+    reward_spec: Any
+    _loop: asyncio.AbstractEventLoop | None
+
+    def run(self, coro: Any) -> Any:  # supplied by FleetRunner
+        raise NotImplementedError
+
+    def set_reward_fn(self, fn: Any) -> str:
+        """Switch the reward for the next steps (progressive rewards); returns the new reward version.
+
+        ``fn``: a spec (str or dict), a ``package.module:function`` name or an importable top-level
+        function, or a ``CompositeReward`` / ``RewardScaler`` built from a spec (or its
+        ``compute_reward``); see :func:`rlfleet.controller.reward_control.describe_reward_fn`. Works
+        with the run's own reward worker and with a shared server (``reward_url``).
+        """
+        wire = describe_reward_fn(fn)
+        done = self.run(self.fleet.reward.set_reward(wire, self.config.reward_endpoint))
+        self.reward_spec = wire["spec"]
+        return done.spec_version
+
+    def update_reward_model(self, new_rm: Any, *, component: str | None = None, wait: bool = True) -> Any:
+        """Hot-swap the reward model: the reward tier loads it in the background, the old one keeps
+        serving until the switch, and scores name the version that made them (``reward/spec_revision``).
+
+        ``new_rm``: a reward model directory (the endpoint's ``rm`` component, or the one labelled
+        ``component``, is pointed at it; the rest of the spec stays) or anything :meth:`set_reward_fn`
+        takes. ``wait=True`` returns the new version once switched; ``wait=False`` returns at once with
+        an ``asyncio.Task`` that completes while later steps run.
+        """
+        wire = model_swap(new_rm, component)
+        swap = self.fleet.reward.set_reward(wire, self.config.reward_endpoint)
+        if wait:
+            return self.run(swap).spec_version
+        assert self._loop is not None
+        return self._loop.create_task(swap, name="reward-model-swap")
+
+    def reward_stats(self) -> Any:
+        """This run's view of its reward endpoint (``RewardStats``: version, counts, scaler state)."""
+        return self.run(self.fleet.reward.stats(self.config.reward_endpoint))

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import yaml
 
 from rlfleet.common.kl_control import build_kl_controller
+from rlfleet.common.tensor_store import TensorStoreClient, TensorStoreServer
 from rlfleet.controller.checkpoints import resolve_resume, resume_run, save_run_checkpoint
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptDataset
@@ -27,14 +28,17 @@ from rlfleet.controller.fleet import Fleet
 from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec, trainer_rank_specs
 from rlfleet.controller.loggers import ConsoleProgress, MetricSink, check_loggers, make_sinks
 from rlfleet.controller.models import resolve_model
-from rlfleet.controller.reward_control import attach_reward, describe_reward_fn, model_swap
+from rlfleet.controller.reward_control import RewardControls, attach_reward
 from rlfleet.controller.samples import SampleTable
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+STORE_CAPACITY_BYTES = 1 << 30
+"""Capacity of the controller's own store; it holds one step's batch at a time."""
 
-class FleetRunner:
+
+class FleetRunner(RewardControls):
     """Base of the RL trainers: fleet lifecycle, event loop, metrics and checkpoints."""
 
     uses_rollouts: bool = True
@@ -71,6 +75,7 @@ class FleetRunner:
         self._sinks: list[MetricSink] = []
         self._progress: ConsoleProgress | None = None
         self._table: SampleTable | None = None
+        self._store: TensorStoreServer | None = None
 
     @property
     def kl_coef(self) -> float:
@@ -153,7 +158,7 @@ class FleetRunner:
 
     def tier_counts(self) -> dict[str, int]:
         reward = 0 if self.config.reward_url else 1  # a shared reward server is waited for on its own
-        return {"rollout": self.config.num_rollout_workers, "reward": reward, "trainer": 1}
+        return {"rollout": sum(self.config.pool_sizes().values()), "reward": reward, "trainer": 1}
 
     def worker_specs(self) -> list[WorkerSpec]:
         """The processes an embedded run starts."""
@@ -167,12 +172,25 @@ class FleetRunner:
         ]
         if cfg.reward_url:  # scores go to the shared reward server: no reward worker of our own
             specs = [s for s in specs if s.tier != "reward"]
-        for i in range(cfg.num_rollout_workers):
-            specs.append(WorkerSpec("rollout", f"rollout-{i}", {
-                **common, "model_path": str(self.model_path), "engine": cfg.rollout.engine,
-                "dtype": cfg.rollout.dtype, "max_batch_size": cfg.rollout.max_batch_size,
-                "seed": cfg.seed + i, "device": cfg.device, **self.rollout_engine_config(),
-            }))  # fmt: skip
+        specs += self.rollout_specs(common)
+        return specs
+
+    def rollout_specs(self, common: dict[str, Any]) -> list[WorkerSpec]:
+        """A rollout worker per slot of each pool: ``rollout-<i>``, or ``rollout-<pool>-<i>`` with pools."""
+        cfg = self.config
+        specs: list[WorkerSpec] = []
+        for pool, size in cfg.pool_sizes().items():
+            overrides = cfg.rollout_pools[pool] if cfg.rollout_pools else None
+            for i in range(size):
+                settings = {
+                    **common, "pool": pool, "model_path": str(self.model_path), "engine": cfg.rollout.engine,
+                    "dtype": cfg.rollout.dtype, "max_batch_size": cfg.rollout.max_batch_size,
+                    "seed": cfg.seed + len(specs), "device": cfg.device, **self.rollout_engine_config(),
+                }  # fmt: skip
+                if overrides is not None:
+                    settings.update(overrides.model_dump(exclude={"workers"}, exclude_none=True))
+                name = f"rollout-{i}" if overrides is None else f"rollout-{pool}-{i}"
+                specs.append(WorkerSpec("rollout", name, settings))
         return specs
 
     def rollout_engine_config(self) -> dict[str, Any]:
@@ -301,6 +319,7 @@ class FleetRunner:
             if self._progress is not None:
                 self._progress.close()
                 self._progress = None
+            self._stop_store()
             self._disconnect()
         finally:
             launcher, self._launcher = self._launcher, None
@@ -308,6 +327,11 @@ class FleetRunner:
                 launcher.stop()
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.close()
+
+    def _stop_store(self) -> None:
+        store, self._store = self._store, None
+        if store is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.run_until_complete(store.stop())
 
     def _disconnect(self) -> None:
         """Cancel what a Ctrl-C left running, leave the control plane, cancel what is left."""
@@ -338,46 +362,22 @@ class FleetRunner:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # --- between steps ---------------------------------------------------------------------
-
-    def set_reward_fn(self, fn: Any) -> str:
-        """Switch the reward for the next steps (progressive rewards); returns the new reward version.
-
-        ``fn``: a spec (str or dict), a ``package.module:function`` name or an importable top-level
-        function, or a ``CompositeReward`` / ``RewardScaler`` built from a spec (or its
-        ``compute_reward``); see :func:`rlfleet.controller.reward_control.describe_reward_fn`. Works
-        with the run's own reward worker and with a shared server (``reward_url``).
-        """
-        wire = describe_reward_fn(fn)
-        done = self.run(self.fleet.reward.set_reward(wire, self.config.reward_endpoint))
-        self.reward_spec = wire["spec"]
-        return done.spec_version
-
-    def update_reward_model(self, new_rm: Any, *, component: str | None = None, wait: bool = True) -> Any:
-        """Hot-swap the reward model: the reward tier loads it in the background, the old one keeps
-        serving until the switch, and scores name the version that made them (``reward/spec_revision``).
-
-        ``new_rm``: a reward model directory (the endpoint's ``rm`` component, or the one labelled
-        ``component``, is pointed at it; the rest of the spec stays) or anything :meth:`set_reward_fn`
-        takes. ``wait=True`` returns the new version once switched; ``wait=False`` returns at once with
-        an ``asyncio.Task`` that completes while later steps run.
-        """
-        wire = model_swap(new_rm, component)
-        swap = self.fleet.reward.set_reward(wire, self.config.reward_endpoint)
-        if wait:
-            return self.run(swap).spec_version
-        assert self._loop is not None
-        return self._loop.create_task(swap, name="reward-model-swap")
-
-    def reward_stats(self) -> Any:
-        """This run's view of its reward endpoint (``RewardStats``: version, counts, scaler state)."""
-        return self.run(self.fleet.reward.stats(self.config.reward_endpoint))
+    async def own_store(self) -> TensorStoreServer:
+        """The controller's own TensorStore, started on first use, for batches the controller itself
+        makes (DPO pairs, responses a rollout fn wrote); the tiers fetch from it like any other."""
+        if self._store is None:
+            store = TensorStoreServer(capacity_bytes=STORE_CAPACITY_BYTES, ttl_s=3600.0)
+            # workers of a joined cluster may run on other machines: listen on every interface then
+            await store.start(host="127.0.0.1" if self.config.nats_url is None else "0.0.0.0")
+            self._store = store
+        return self._store
 
     async def _release(self, results: list[Any]) -> None:
-        """Free consumed rollout batches in their workers' stores."""
-        from rlfleet.common.tensor_store import TensorStoreClient
-
+        """Free consumed rollout batches in their workers' stores (or the controller's own)."""
         for result in results:
+            if self._store is not None and result.ref.address == self._store.address:
+                self._store.delete(result.ref.key)
+                continue
             client = TensorStoreClient(result.ref.address)
             try:
                 await client.delete(result.ref.key)

@@ -104,8 +104,11 @@ def batch_metrics(prepared: PreparedBatch) -> dict[str, float]:
     if prepared.old_logprobs is None:
         return metrics
     if prepared.rollout_logprobs is not None:
-        diff = (prepared.old_logprobs - prepared.rollout_logprobs).abs()
-        metrics["rollout_logprob_diff"] = float(masked_mean(diff, mask).item())
+        # NaN marks tokens no engine produced (responses a rollout fn wrote): left out of the drift
+        known = mask * torch.isfinite(prepared.rollout_logprobs)
+        if known.any():
+            diff = (prepared.old_logprobs - prepared.rollout_logprobs.nan_to_num()).abs()
+            metrics["rollout_logprob_diff"] = float(masked_mean(diff, known).item())
     if prepared.ref_logprobs is not None:
         kl = kl_k3(prepared.old_logprobs, prepared.ref_logprobs)
         metrics["kl"] = float(masked_mean(kl, mask).item())

@@ -1,0 +1,277 @@
+"""Hybrid rollout routing: a user function picks the rollout pool of each prompt, or answers it itself.
+
+``trainer.set_rollout_fn(fn)``; ``fn(item)`` sees each :class:`~rlfleet.controller.dataset.PromptItem`
+of a step (``item.text``, ``item.token_ids``, ``item.metadata``) and returns:
+
+- the name of a rollout pool (``"small"``), or ``Pool("small")``: that pool's workers generate it.
+  A pool is one named in ``TrainerConfig.rollout_pools`` or announced by a joined worker
+  (``rlfleet-rollout serve --pool NAME``); ``Pool`` with an unknown name is an error.
+- ``None``: any pool (the fleet splits such prompts over every worker, as without a fn).
+- the response text itself: any other string (used for all ``group_size`` samples), a list of
+  ``group_size`` strings, or ``Response(...)`` holding either (for a text that equals a pool name).
+
+The pools generate at the same time. Responses the fn wrote become one rollout batch in the
+controller's own TensorStore, in the batch contract (the prompt as the model sees it, the text
+tokenized, EOS appended unless cut at ``max_response_length``, ``rollout_logprobs`` NaN since no
+engine produced them); the reward and trainer tiers read it like any rollout worker's batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlfleet.common.batch import RolloutBatch, pad_left, pad_right
+from rlfleet.common.messages import GenerateResult, SamplingParams
+from rlfleet.common.tensor_server import TensorStoreServer
+from rlfleet.controller.dataset import PromptItem
+
+logger = logging.getLogger(__name__)
+
+ANY, TEXT = "any", "text"
+"""Route names besides the pools: every pool serves; the fn wrote the response."""
+
+RolloutFn = Callable[[PromptItem], Any]
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The rollout pool named ``name`` serves this prompt (an unknown name is an error)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Response:
+    """The response to this prompt: one text for every sample, or a list of ``group_size`` texts."""
+
+    texts: str | Sequence[str]
+
+
+def import_rollout_fn(name: str) -> RolloutFn:
+    """The function ``package.module:function`` names (a job file's ``rollout_fn``), or a ConfigError.
+
+    The working directory is searched too, as ``python -m`` would.
+    """
+    import importlib
+    import os
+    import sys
+
+    from rlfleet.common.errors import ConfigError
+
+    module, _, attr = name.partition(":")
+    if not module or not attr:
+        raise ConfigError("rollout_fn", name, "expected 'package.module:function'")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError("rollout_fn", name, f"cannot import it ({exc})") from None
+    if not callable(fn):
+        raise ConfigError("rollout_fn", name, f"{type(fn).__name__} is not callable")
+    return fn
+
+
+class RouteError(ValueError):
+    """What a rollout fn returned for a prompt cannot be used."""
+
+    def __init__(self, item: PromptItem, problem: str) -> None:
+        self.row = item.index
+        super().__init__(f"rollout fn, prompt row {item.index} ({item.text[:40]!r}): {problem}")
+
+
+@dataclass
+class RoutePlan:
+    """Where each prompt of a batch goes: route name -> positions in the batch, in batch order."""
+
+    routes: dict[str, list[int]] = field(default_factory=dict)
+    texts: dict[int, list[str]] = field(default_factory=dict)
+    """Batch position -> its ``n`` response texts, for the prompts routed to ``text``."""
+
+
+def plan_routes(fn: RolloutFn | None, batch: Sequence[PromptItem], pools: Sequence[str], n: int) -> RoutePlan:
+    """Ask ``fn`` about every prompt of ``batch`` (before anything is generated, so a bad answer
+    costs nothing); ``pools`` are the known pool names, ``n`` the samples per prompt."""
+    plan = RoutePlan()
+    for position, item in enumerate(batch):
+        route, texts = (ANY, None) if fn is None else _decide(fn, item, pools, n)
+        plan.routes.setdefault(route, []).append(position)
+        if texts is not None:
+            plan.texts[position] = texts
+    return plan
+
+
+_near_misses: set[str] = set()
+
+
+def _decide(fn: RolloutFn, item: PromptItem, pools: Sequence[str], n: int) -> tuple[str, list[str] | None]:
+    try:
+        answer = fn(item)
+    except Exception as exc:
+        raise RouteError(item, f"it raised {type(exc).__name__}: {exc}") from exc
+    if answer is None:
+        return ANY, None
+    if isinstance(answer, Pool):
+        if answer.name not in pools:
+            raise RouteError(item, f"no rollout pool {answer.name!r}; the pools are {sorted(pools)}")
+        return answer.name, None
+    if isinstance(answer, str) and answer in pools:
+        return answer, None
+    if (
+        isinstance(answer, str)
+        and answer not in _near_misses
+        and difflib.get_close_matches(answer, pools, 1, 0.8)
+    ):
+        _near_misses.add(answer)
+        logger.warning(
+            "rollout fn returned %r, close to a pool name but not one (pools %s): it is used as the "
+            "response text; return Pool(name) to route strictly", answer, sorted(pools),
+        )  # fmt: skip
+    texts = answer.texts if isinstance(answer, Response) else answer
+    return TEXT, _texts(item, texts, n)
+
+
+def _texts(item: PromptItem, texts: Any, n: int) -> list[str]:
+    if isinstance(texts, str):
+        return [texts] * n
+    if not isinstance(texts, Sequence) or not all(isinstance(t, str) for t in texts):
+        raise RouteError(item, f"expected a pool name, None or response text(s), got {type(texts).__name__}")
+    if len(texts) != n:
+        raise RouteError(item, f"returned {len(texts)} responses; a prompt takes group_size={n} (or one str)")
+    return list(texts)
+
+
+def text_batch(
+    items: Sequence[PromptItem], texts: Sequence[Sequence[str]], tokenizer: Any, max_response_length: int
+) -> tuple[dict[str, torch.Tensor], int]:
+    """The rollout batch (contract tensors) of responses written by the fn, and its response tokens.
+
+    ``texts[i]`` are the samples of ``items[i]``. A text longer than ``max_response_length`` tokens
+    is cut there (no EOS, like an engine that hit the limit); otherwise EOS ends it.
+    """
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    prompts, responses, response_texts, groups = [], [], [], []
+    for group, (item, samples) in enumerate(zip(items, texts, strict=True)):
+        for text in samples:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) >= max_response_length or eos is None:
+                cut = ids[:max_response_length]
+                text = text if len(cut) == len(ids) else tokenizer.decode(cut, skip_special_tokens=True)
+                ids = cut
+            else:
+                ids = [*ids, eos]
+            prompts.append(list(item.token_ids or []))
+            responses.append(ids)
+            response_texts.append(text)
+            groups.append(group)
+    prompt_ids, prompt_mask = pad_left(prompts, pad)
+    response_ids, response_mask = pad_right(responses, pad, torch.int64)
+    unknown = [[math.nan] * len(ids) for ids in responses]  # no engine logprob: NaN, 0 at padding
+    logprobs, _ = pad_right(unknown, 0.0, torch.float32)
+    batch = RolloutBatch(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+        response_ids=response_ids, response_mask=response_mask,
+        rollout_logprobs=logprobs, group_index=torch.tensor(groups, dtype=torch.int64),
+        prompt_text=tokenizer.batch_decode(prompts, skip_special_tokens=True), response_text=response_texts,
+    )  # fmt: skip
+    return batch.to_tensors(), sum(len(ids) for ids in responses)
+
+
+@dataclass
+class RouteSummary:
+    """What one route served in a step: dataset rows, and the workers that generated them."""
+
+    rows: list[int]
+    workers: list[str]
+
+
+@dataclass
+class RoutedRollout:
+    """A step's rollout: ``results[i]`` answers a contiguous slice of ``items`` (the batch regrouped
+    by route), in order, so per-prompt metadata splits the same way."""
+
+    items: list[PromptItem]
+    results: list[GenerateResult]
+    routes: dict[str, RouteSummary]
+
+    def metrics(self) -> dict[str, float]:
+        """``rollout/routed/<route>``: prompts per route (only when a rollout fn routed the step)."""
+        if list(self.routes) == [ANY]:
+            return {}
+        return {f"rollout/routed/{route}": float(len(s.rows)) for route, s in self.routes.items()}
+
+
+class RolloutRouter:
+    """Runs a step's rollout through the fleet, the way the rollout fn (if any) routes it.
+
+    ``store`` returns the controller's own TensorStore (started on first use) for fn-written responses.
+    """
+
+    def __init__(
+        self, tokenizer: Any, max_response_length: int, store: Callable[[], Any], config_pools: Sequence[str]
+    ) -> None:  # fmt: skip
+        self.fn: RolloutFn | None = None
+        self.tokenizer = tokenizer
+        self.max_response_length = max_response_length
+        self._store = store
+        self._config_pools = list(config_pools)
+        self._texts = 0
+
+    def pools(self, fleet: Any) -> list[str]:
+        """Known pool names: the configured ones, then those of joined workers."""
+        joined = sorted({w.pool for w in fleet.rollout_workers()} - set(self._config_pools))
+        return [*self._config_pools, *joined]
+
+    async def generate(
+        self, fleet: Any, batch: Sequence[PromptItem], sampling: SamplingParams, weight_version: int
+    ) -> RoutedRollout:
+        pools = self.pools(fleet) if self.fn is not None else []
+        plan = await asyncio.to_thread(plan_routes, self.fn, batch, pools, sampling.n)
+        order = [route for route in [*pools, ANY, TEXT] if route in plan.routes]
+        jobs = []
+        for route in order:
+            items = [batch[p] for p in plan.routes[route]]
+            if route == TEXT:
+                jobs.append(self._answer(items, [plan.texts[p] for p in plan.routes[route]], weight_version))
+            else:
+                pool = None if route == ANY else route
+                jobs.append(
+                    fleet.generate([it.token_ids for it in items], sampling, weight_version, pool=pool)
+                )
+        done = await asyncio.gather(*jobs)
+        routed = RoutedRollout([], [], {})
+        for route, results in zip(order, done, strict=True):
+            items = [batch[p] for p in plan.routes[route]]
+            routed.items += items
+            routed.results += results
+            workers = sorted({r.worker_id for r in results})
+            routed.routes[route] = RouteSummary([it.index for it in items], workers)
+        return routed
+
+    async def _answer(
+        self, items: list[PromptItem], texts: list[list[str]], weight_version: int
+    ) -> list[GenerateResult]:
+        t0 = time.perf_counter()
+        tensors, num_tokens = await asyncio.to_thread(
+            text_batch, items, texts, self.tokenizer, self.max_response_length
+        )
+        store: TensorStoreServer = await self._store()
+        self._texts += 1
+        job_id = f"text-{self._texts}"
+        ref = store.put_local(f"rollout/controller/{job_id}", tensors)
+        result = GenerateResult(
+            job_id=job_id, worker_id="controller", weight_version=weight_version, ref=ref,
+            num_prompts=len(items), num_samples=sum(len(t) for t in texts), num_tokens=num_tokens,
+            seconds=time.perf_counter() - t0,
+        )  # fmt: skip
+        return [result]
