@@ -98,6 +98,16 @@ class FleetRunner(RewardControls):
         """Pids of the processes this run started and has not stopped (embedded runs only)."""
         return self._launcher.pids if self._launcher is not None else []
 
+    @property
+    def nats_url(self) -> str:
+        """The control plane this run uses (embedded: its private nats-server); standalone workers join
+        it with ``rlfleet-rollout serve --nats URL --cluster <config.cluster>``."""
+        if self._launcher is not None:
+            return self._launcher.url
+        if self.config.nats_url is None:
+            raise RuntimeError("the fleet is not started; call start() or train() first")
+        return self.config.nats_url
+
     # --- lifecycle ------------------------------------------------------------------------
 
     @property
