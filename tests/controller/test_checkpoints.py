@@ -45,3 +45,15 @@ def test_a_named_checkpoint_must_be_complete(tmp_path: Path) -> None:
 def test_resume_from_is_a_config_field() -> None:
     assert TrainerConfig().resume_from is None
     assert TrainerConfig(resume_from="auto", save_every=5).resume_from == "auto"
+
+
+def test_resume_re_applies_a_reward_switched_mid_run_unless_the_user_changed_it() -> None:
+    from rlfleet.controller.checkpoints import reward_to_restore
+
+    switched = {"reward_spec": "concise:max_words=30", "initial_reward_spec": "concise:max_words=80"}
+    assert reward_to_restore(switched, "concise:max_words=80") == "concise:max_words=30"  # same script
+    assert reward_to_restore(switched, "concise:max_words=30") is None  # already in force
+    assert reward_to_restore(switched, "numeric") is None  # a deliberate change wins
+    older = {"reward_spec": "numeric"}  # a checkpoint without the starting spec
+    assert reward_to_restore(older, "numeric") is None
+    assert reward_to_restore(older, "charset:allowed=01") is None

@@ -52,3 +52,39 @@ def test_resumed_steps_equal_the_uninterrupted_run(tmp_path: Path, tiny_model_di
             assert ours[key] == pytest.approx(theirs[key], rel=1e-6, abs=1e-7), (ours["step"], key)
     assert (tmp_path / "cut" / "checkpoint-4" / "controller_state.json").is_file()
     assert procs.survivors(procs.launched(tmp_path / "cut")) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_reward_switched_mid_run_is_in_force_after_resume(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """set_reward_fn at step 1, checkpoint at step 2; the same script resumed scores with the switched
+    spec (the reward tier is told again), a script with another spec keeps its own."""
+    from rlfleet.controller import GRPOTrainer, TrainerConfig
+
+    def trainer(out: Path, spec: str, resume_from: str | None = None) -> GRPOTrainer:
+        config = TrainerConfig(
+            rollout_batch_size=8, train_batch_size=8, micro_batch_size=64, group_size=4, max_prompt_length=32,
+            max_response_length=8, kl_coef=0.0, seed=0, output_dir=str(out), loggers=["jsonl"],
+            sample_table_size=0, save_every=2, resume_from=resume_from,
+        )  # fmt: skip
+        return GRPOTrainer(str(tiny_model_dir), spec, str(DATA), config)
+
+    first = trainer(tmp_path / "run", "charset:allowed=0123456789")
+    try:
+        for result in first.steps(num_epochs=1, max_steps=2):
+            if result.step == 1:
+                first.set_reward_fn("charset:allowed=0")
+    finally:
+        first.close()
+    state = json.loads((tmp_path / "run" / "checkpoint-2" / "controller_state.json").read_text())
+    assert state["reward_spec"] == "charset:allowed=0"
+    assert state["initial_reward_spec"] == "charset:allowed=0123456789"
+
+    again = trainer(tmp_path / "run", "charset:allowed=0123456789", resume_from="auto")
+    try:
+        again.start()
+        assert again.global_step == 2 and again.reward_spec == "charset:allowed=0"
+        served = again.reward_stats().endpoints["default"].spec
+        assert served == "charset:allowed='0',case_sensitive=true", served
+    finally:
+        again.close()

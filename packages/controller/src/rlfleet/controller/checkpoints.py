@@ -4,7 +4,8 @@ A checkpoint directory ``output_dir/checkpoint-<step>/`` holds::
 
     hf/                      HF export of the actor (AutoModelForCausalLM.from_pretrained)
     trainer/                 the trainer's state: sharded model + optimizer (DCP), schedulers, RNG
-    controller_state.json    step, epoch, dataset position, KL controller, weight version, reward spec
+    controller_state.json    step, epoch, dataset position, KL controller, weight version, reward
+                             spec (the one in force and the one the run started with)
 
 The trainer writes the first two (``trainer.save`` with ``mode="full"``), the controller the
 last, once the trainer has replied, so a checkpoint with ``controller_state.json`` is complete.
@@ -68,6 +69,7 @@ def controller_state(runner: FleetRunner) -> dict[str, Any]:
         "kl_controller": runner.kl_controller.state_dict(),
         "weight_version": runner.weight_version,
         "reward_spec": runner.reward_spec,
+        "initial_reward_spec": runner.initial_reward_spec,
     }
 
 
@@ -90,10 +92,29 @@ def resume_run(runner: FleetRunner, path: Path) -> None:
     runner.global_step = int(state["global_step"])
     runner.weight_version = version
     runner._epoch = int(state["epoch"])
-    if state.get("reward_spec") != runner.reward_spec:
-        logger.warning("the checkpoint's reward spec %r differs from this run's %r; keeping this run's",
-                       state.get("reward_spec"), runner.reward_spec)  # fmt: skip
+    restore = reward_to_restore(state, runner.reward_spec)
+    if restore is not None and runner.uses_rollouts:
+        logger.info("the run switched its reward to %r before the checkpoint: re-applying it", restore)
+        runner.set_reward_fn(restore)
     logger.info("resumed from %s at step %d (weight version %d)", path, runner.global_step, version)
+
+
+def reward_to_restore(state: dict[str, Any], this_run: Any) -> Any:
+    """The reward spec to switch to on resume, or None to keep ``this_run``'s.
+
+    A checkpoint records the spec the run started with and the one in force (``set_reward_fn``
+    may have switched it). Resuming with the starting spec (the same script or job file) re-applies
+    the one in force; resuming with any other spec is a deliberate change and keeps it.
+    """
+    saved = state.get("reward_spec")
+    initial = state.get("initial_reward_spec", saved)
+    if saved == this_run:
+        return None
+    if this_run == initial:
+        return saved
+    logger.warning("this run's reward spec %r differs from the checkpoint's (%r, started as %r); keeping "
+                   "this run's", this_run, saved, initial)  # fmt: skip
+    return None
 
 
 async def _restore_tiers(runner: FleetRunner, path: Path, version: int, publish: bool) -> None:

@@ -52,6 +52,7 @@ class FleetRunner(RewardControls):
         self.config = config
         self.kl_controller = build_kl_controller(config.kl_control(config.kl_coef))
         self.reward_spec = reward
+        self.initial_reward_spec = reward  # reward_spec follows set_reward_fn; a resume compares the two
         self.global_step = 0
         self.weight_version = 0
         self._epoch = 0
