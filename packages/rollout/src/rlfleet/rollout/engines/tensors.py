@@ -19,42 +19,10 @@ from typing import Any
 
 import torch
 
-from rlfleet.common.batch import pack_texts
+from rlfleet.common.batch import pack_texts, pad_left, pad_right
 from rlfleet.rollout.engines.base import Completion
 
 logger = logging.getLogger(__name__)
-
-
-def pad_left(rows: Sequence[Sequence[int]], pad_value: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token rows to their longest length.
-
-    Returns ``(ids, mask)``, both (len(rows), max_len) int64; mask is 1 on real tokens.
-    """
-    width = max((len(r) for r in rows), default=0)
-    ids = torch.full((len(rows), width), pad_value, dtype=torch.int64)
-    mask = torch.zeros((len(rows), width), dtype=torch.int64)
-    for i, row in enumerate(rows):
-        if row:
-            ids[i, width - len(row) :] = torch.as_tensor(row, dtype=torch.int64)
-            mask[i, width - len(row) :] = 1
-    return ids, mask
-
-
-def pad_right(
-    rows: Sequence[Sequence[float | int]], pad_value: float | int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad rows to their longest length.
-
-    Returns ``(values, mask)``: values (len(rows), max_len) of ``dtype``, mask int64, 1 on real entries.
-    """
-    width = max((len(r) for r in rows), default=0)
-    values = torch.full((len(rows), width), pad_value, dtype=dtype)
-    mask = torch.zeros((len(rows), width), dtype=torch.int64)
-    for i, row in enumerate(rows):
-        if row:
-            values[i, : len(row)] = torch.as_tensor(row, dtype=dtype)
-            mask[i, : len(row)] = 1
-    return values, mask
 
 
 def to_rollout_tensors(
