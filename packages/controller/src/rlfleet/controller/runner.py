@@ -154,7 +154,8 @@ class FleetRunner(RewardControls):
         except TimeoutError as exc:
             raise self._not_ready(fleet, str(exc)) from None
         await attach_reward(fleet, self.config, url)  # the run's own reward tier, or reward_url's
-        logger.info("fleet ready: %s", self.tier_counts())
+        logger.info("fleet ready: %s; rollout workers join with: rlfleet-rollout serve --model PATH "
+                    "--nats %s --cluster %s --pool NAME", self.tier_counts(), url, self.cluster)  # fmt: skip
 
     def _not_ready(self, fleet: Fleet, detail: str) -> TierNotReady:
         """Name the started workers that never announced (or just the tiers, when joining a cluster)."""
