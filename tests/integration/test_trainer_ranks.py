@@ -63,48 +63,70 @@ async def _ask(transport: NatsTransport, verb: str, message: object, deadline: f
             await asyncio.sleep(0.5)
 
 
+class TwoRanks:
+    """A nats-server, two trainer ranks of ``settings`` and a store holding ``batch``; ``ask`` a verb.
+
+    ``async with TwoRanks(...) as ranks``: on leaving, everything is stopped; ``ranks.pids`` were its
+    rank processes.
+    """
+
+    def __init__(self, run_dir: Path, settings: dict, batch: dict[str, torch.Tensor]) -> None:
+        self.settings, self.batch = settings, batch
+        self.store = TensorStoreServer(capacity_bytes=1 << 28, ttl_s=600)
+        self.fleet = EmbeddedFleet(run_dir, jetstream=False)
+        self.transport: NatsTransport | None = None
+        self.pids: list[int] = []
+
+    async def __aenter__(self) -> TwoRanks:
+        await self.store.start()
+        self.ref = self.store.put_local("rollouts/0", self.batch)
+        try:
+            url = self.fleet.start_nats()
+            specs = trainer_rank_specs(self.settings, 2)
+            assert [s.env["RANK"] for s in specs] == ["0", "1"] and specs[0].env["MASTER_PORT"]
+            for spec in specs:
+                self.fleet.spawn(spec)
+            self.pids = [w.pid for w in self.fleet.workers]
+            self.transport = await NatsTransport.connect(url, name="test", tier="controller")
+        except BaseException:
+            await self.__aexit__()
+            raise
+        self.deadline = time.monotonic() + 150
+        return self
+
+    async def ask(self, verb: str, message: object) -> object:
+        assert self.transport is not None
+        return await _ask(self.transport, verb, message, self.deadline)
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.transport is not None:
+            await self.transport.close()
+        self.fleet.stop()
+        await self.store.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 async def test_two_trainer_ranks_serve_like_one_process(tmp_path: Path, tiny_model_dir: Path, procs) -> None:
     vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
     settings = {"cluster": CLUSTER, "model_path": str(tiny_model_dir), "device": "cpu", "micro_batch_size": 2,
                 "learning_rate": 1e-3, "threads": 1, "seed": 0}  # fmt: skip
-    store = TensorStoreServer(capacity_bytes=1 << 28, ttl_s=600)
-    await store.start()
     batch = _rollouts(vocab)
-    ref = store.put_local("rollouts/0", batch)
-    request = TrainStepRequest(step=1, rollouts=[ref], scores=[1.0, 0.0, 0.0, 1.0, 1.0, 0.5])
-    fleet = EmbeddedFleet(tmp_path / "fleet", jetstream=False)
-    transport = None
-    try:
-        url = fleet.start_nats()
-        specs = trainer_rank_specs(settings, 2)
-        assert [s.env["RANK"] for s in specs] == ["0", "1"] and specs[0].env["MASTER_PORT"]
-        for spec in specs:
-            fleet.spawn(spec)
-        transport = await NatsTransport.connect(url, name="test", tier="controller")
-        deadline = time.monotonic() + 150
-        result = await _ask(transport, "step", request, deadline)
+    async with TwoRanks(tmp_path / "fleet", settings, batch) as ranks:
+        request = TrainStepRequest(step=1, rollouts=[ranks.ref], scores=[1.0, 0.0, 0.0, 1.0, 1.0, 0.5])
+        result = await ranks.ask("step", request)
         assert isinstance(result, TrainStepResult), result
-        published = await _ask(
-            transport, "publish", PublishWeights(weight_version=1, bucket_mb=0.01), deadline
-        )
+        published = await ranks.ask("publish", PublishWeights(weight_version=1, bucket_mb=0.01))
         assert isinstance(published, WeightsPublished) and len(published.buckets) > 2
-        saved = await _ask(transport, "save", SaveCheckpoint(path=str(tmp_path / "saved")), deadline)
+        saved = await ranks.ask("save", SaveCheckpoint(path=str(tmp_path / "saved")))
         assert isinstance(saved, Saved)
         client = TensorStoreClient(published.buckets[0].address)
         weights: dict[str, torch.Tensor] = {}
         for bucket in published.buckets:
             weights.update(await client.fetch(bucket))
         await client.close()
-        fleet.check()  # both ranks still run
-        pids = [w.pid for w in fleet.workers]
-    finally:
-        if transport is not None:
-            await transport.close()
-        fleet.stop()
-        await store.stop()
-    assert procs.survivors(pids) == []
+        ranks.fleet.check()  # both ranks still run
+    assert procs.survivors(ranks.pids) == []
 
     # the same step in this process (one rank, no FSDP)
     cfg = TrainerServiceConfig(**settings)
@@ -119,3 +141,44 @@ async def test_two_trainer_ranks_serve_like_one_process(tmp_path: Path, tiny_mod
     reloaded = load_causal_lm(tmp_path / "saved").state_dict()
     for name, value in weights.items():
         torch.testing.assert_close(reloaded[name], value, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_two_ranks_shard_the_ppo_critic_and_step_like_one_process(
+    tmp_path: Path, tiny_model_dir: Path, procs
+) -> None:
+    """PPO over two gloo ranks: actor, reference and critic are all FSDP-sharded (each rank writes its
+    own critic shards in a full checkpoint), and the step's actor and critic metrics equal one process's."""
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    settings = {"cluster": CLUSTER, "model_path": str(tiny_model_dir), "device": "cpu", "micro_batch_size": 2,
+                "learning_rate": 1e-3, "threads": 1, "seed": 0, "algorithm": "ppo",
+                "kl_coef": 0.05}  # fmt: skip
+    batch = _rollouts(vocab)
+    full = tmp_path / "full"
+    async with TwoRanks(tmp_path / "fleet", settings, batch) as ranks:
+        request = TrainStepRequest(step=1, rollouts=[ranks.ref], scores=[1.0, 0.0, 0.0, 1.0, 1.0, 0.5],
+                                   algorithm="ppo", hyperparams={"kl_coef": 0.05})  # fmt: skip
+        result = await ranks.ask("step", request)
+        assert isinstance(result, TrainStepResult), result
+        saved = await ranks.ask("save", SaveCheckpoint(path=str(full), mode="full"))
+        assert isinstance(saved, Saved)
+        ranks.fleet.check()
+    assert procs.survivors(ranks.pids) == []
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(str(full / "trainer" / "critic")).read_metadata().state_dict_metadata
+    weights = {key: meta for key, meta in stored.items() if key.startswith("model.") and "weight" in key}
+    assert weights and all(len(meta.chunks) == 2 for meta in weights.values()), (
+        "every critic weight is stored as two shards, one per rank"
+    )
+
+    cfg = TrainerServiceConfig(**settings)
+    _, actor, critic = build_models(cfg)
+    assert critic is not None
+    expected = run_update(actor, critic, cfg, merge_batch("ppo", [batch]), request)
+    keys = ("loss", "pg_loss", "grad_norm", "critic/vf_loss", "critic/grad_norm", "critic/vpred_mean",
+            "critic/values_mean", "critic/explained_variance", "kl_reward")  # fmt: skip
+    for key in keys:
+        assert result.metrics[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key

@@ -12,8 +12,10 @@ LM head is dropped, the value head (H -> 1) is new, initialised from ``seed`` wi
 accumulates micro-batches with the divisors of the whole mini-batch (as the actor does), under the
 clipped value loss of :func:`~rlfleet.trainer.algorithms.value.clipped_value_loss`.
 
-Under several trainer ranks the critic is not sharded: every rank holds it whole and runs the
-same update on the same batch (the ranks stay identical).
+Under several trainer ranks the critic is sharded with FSDP2 like the actor (each decoder block a
+unit, the root holding embeddings, final norm and value head): every rank holds the whole batch,
+computes the values and gradients of its share of the rows (:func:`~rlfleet.trainer.fsdp.local_rows`),
+and the results are summed over ranks, so W ranks produce what one process would.
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from transformers import AutoModel, PreTrainedModel
 
 from rlfleet.trainer.algorithms.aggregation import LossAgg, aggregate, masked_sum
 from rlfleet.trainer.algorithms.value import clipped_value_loss
 from rlfleet.trainer.config import OptimizerConfig
+from rlfleet.trainer.distributed import DistContext, all_reduce_sum
 from rlfleet.trainer.errors import ModelLoadError
+from rlfleet.trainer.fsdp import local_rows, shard_model
 from rlfleet.trainer.inputs import PolicyInputs
 from rlfleet.trainer.model_io import disable_dropout
 
@@ -114,16 +119,18 @@ def load_value_model(
 class Critic:
     """A value model with its own AdamW, warmup schedule, value clipping and micro-batches."""
 
-    def __init__(self, config: CriticConfig) -> None:
+    def __init__(self, config: CriticConfig, dist: DistContext | None = None) -> None:
         self.config = config
+        self.dist = dist if dist is not None else DistContext(device=torch.device(config.device))
         self.model = load_value_model(
             config.model_path,
             dtype=getattr(torch, config.dtype),
-            device=config.device,
+            device="cpu" if self.dist.distributed else config.device,  # FSDP moves the shards over
             attn_implementation=config.attn_implementation,
             seed=config.seed,
         )
         disable_dropout(self.model)
+        shard_model(self.model, self.dist, bf16=config.mixed_precision == "bf16")
         optim = config.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -140,8 +147,13 @@ class Critic:
 
     @property
     def device(self) -> torch.device:
-        """Where the value model's parameters live."""
-        return next(self.model.parameters()).device
+        """Where the value model's parameters (or this rank's shards of them) live."""
+        return self.dist.device if self.dist.distributed else next(self.model.parameters()).device
+
+    def _rank_rows(self, rows: Tensor, inputs: PolicyInputs) -> tuple[Tensor, Tensor]:
+        """This rank's share of ``rows`` and their weights (1 own, 0 padding), as the actor splits them."""
+        share = local_rows(rows, inputs.attention_mask.sum(dim=-1), self.dist.rank, self.dist.world_size)
+        return share.rows, share.weights
 
     def _autocast(self) -> torch.autocast:
         enabled = self.config.mixed_precision == "bf16"
@@ -153,13 +165,20 @@ class Critic:
 
     @torch.no_grad()
     def compute_values(self, inputs: PolicyInputs, *, micro_batch_size: int) -> Tensor:
-        """Values of the response tokens without grad: inputs (N, P+R) -> (N, R) float32, 0 at padding."""
+        """Values of the response tokens without grad: inputs (N, P+R) -> (N, R) float32, 0 at padding.
+
+        Under FSDP each rank computes its rows and the results are summed over ranks.
+        """
         self.model.eval()
-        parts = []
-        for rows in torch.arange(inputs.num_samples, device=inputs.input_ids.device).split(micro_batch_size):
-            mb = inputs.select(rows)
-            parts.append(self._values(mb) * mb.response_mask)
-        return torch.cat(parts)
+        rows, weights = self._rank_rows(
+            torch.arange(inputs.num_samples, device=inputs.input_ids.device), inputs
+        )
+        out = torch.zeros(inputs.response_mask.shape, dtype=torch.float32, device=inputs.input_ids.device)
+        for chunk, weight in zip(rows.split(micro_batch_size), weights.split(micro_batch_size), strict=True):
+            mb = inputs.select(chunk)
+            real = weight > 0
+            out[chunk[real]] = (self._values(mb) * mb.response_mask)[real]
+        return all_reduce_sum(out, self.dist)
 
     def forward_backward(
         self,
@@ -183,23 +202,27 @@ class Critic:
             ``critic/vf_loss`` (the mini-batch loss), ``critic/vf_clip_frac`` and ``critic/vpred_mean``
             (token means over the mini-batch).
         """
-        mask_all = inputs.response_mask[rows]
-        num_tokens = float(mask_all.sum().clamp(min=1).item())
+        # every rank holds the whole batch: these divisors are the global ones without a collective
+        num_tokens = float(inputs.response_mask[rows].sum().clamp(min=1).item())
         divisors = {"num_tokens": num_tokens, "num_seqs": float(len(rows))}
+        grad_scale = float(self.dist.world_size)  # FSDP averages gradients over ranks; the shares must add
+        mine, weights = self._rank_rows(rows, inputs)
         self.model.train()
-        sums = dict.fromkeys(CRITIC_METRIC_KEYS, 0.0)
-        for chunk in rows.split(micro_batch_size):
+        sums = torch.zeros(len(CRITIC_METRIC_KEYS), dtype=torch.float64, device=self.device)
+        for chunk, weight in zip(mine.split(micro_batch_size), weights.split(micro_batch_size), strict=True):
             mb = inputs.select(chunk)
+            mask = mb.response_mask * weight[:, None].to(mb.response_mask.device)
             values = self._values(mb)
             per_token, clipped = clipped_value_loss(
                 values, old_values[chunk], returns[chunk], clip_eps=self.config.value_clip
             )
-            loss = aggregate(per_token, mb.response_mask, self.config.loss_agg, **divisors)
-            loss.backward()
-            sums["vf_loss"] += float(loss.item())
-            sums["vf_clip_frac"] += float(masked_sum(clipped, mb.response_mask).item()) / num_tokens
-            sums["vpred_mean"] += float(masked_sum(values.detach(), mb.response_mask).item()) / num_tokens
-        return {f"critic/{key}": value for key, value in sums.items()}
+            loss = aggregate(per_token, mask, self.config.loss_agg, **divisors)
+            (loss * grad_scale if grad_scale != 1.0 else loss).backward()
+            shares = (loss.detach(), masked_sum(clipped.float(), mask) / num_tokens,
+                      masked_sum(values.detach(), mask) / num_tokens)  # fmt: skip
+            sums += torch.stack([share.double().to(sums.device) for share in shares])
+        totals = all_reduce_sum(sums, self.dist).tolist()
+        return {f"critic/{key}": value for key, value in zip(CRITIC_METRIC_KEYS, totals, strict=True)}
 
     def optimizer_step(self, max_grad_norm: float | None = 1.0) -> dict[str, float]:
         """Clip, step AdamW and the schedule, zero the gradient; a non-finite norm skips the update.
@@ -210,6 +233,8 @@ class Critic:
         params = list(self.model.parameters())
         limit = float("inf") if max_grad_norm is None else max_grad_norm
         grad_norm = torch.nn.utils.clip_grad_norm_(params, limit)
+        if isinstance(grad_norm, DTensor):  # FSDP: the norm over all shards, as a replicated DTensor
+            grad_norm = grad_norm.full_tensor()
         lr = float(self.optimizer.param_groups[0]["lr"])
         if torch.isfinite(grad_norm):
             self.optimizer.step()

@@ -70,8 +70,15 @@ def freeze(model: nn.Module) -> nn.Module:
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The transformer blocks of an HF causal LM (``model.model.layers`` and the like)."""
-    for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers"):
+    """The transformer blocks of an HF causal LM (``model.model.layers`` and the like) or of the
+    critic's value model (``backbone.layers``)."""
+    for path in (
+        "model.layers",
+        "model.decoder.layers",
+        "transformer.h",
+        "gpt_neox.layers",
+        "backbone.layers",
+    ):
         module: object = model
         for part in path.split("."):
             module = getattr(module, part, None)

@@ -105,7 +105,7 @@ def build_models(cfg: TrainerServiceConfig) -> tuple[DistContext, Actor, Critic 
     ctx = init_distributed(cfg.device, cfg.sharding)
     device = str(ctx.device)
     actor = Actor(actor_config(cfg, device), ctx)
-    return ctx, actor, build_critic(cfg, device)
+    return ctx, actor, build_critic(cfg, device, ctx)
 
 
 class TrainerWorker(Worker[TrainerServiceConfig]):

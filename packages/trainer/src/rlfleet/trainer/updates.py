@@ -33,6 +33,7 @@ from rlfleet.trainer.algorithms import ALGORITHMS, KL_ESTIMATORS, explained_vari
 from rlfleet.trainer.batching import merge_rollouts
 from rlfleet.trainer.config import OptimizerConfig, PolicyLossConfig, UpdateConfig
 from rlfleet.trainer.critic import Critic, CriticConfig
+from rlfleet.trainer.distributed import DistContext
 from rlfleet.trainer.dpo_update import DPOSettings, dpo_update, merge_preference_batches
 from rlfleet.trainer.errors import InvalidBatch
 from rlfleet.trainer.inputs import build_policy_inputs
@@ -94,8 +95,9 @@ def check_algorithm(algorithm: str, critic: Critic | None) -> None:
         )  # fmt: skip
 
 
-def build_critic(cfg: TrainerServiceConfig, device: str) -> Critic | None:
-    """The critic a worker of ``cfg.algorithm`` needs (PPO), on ``device``; None for the others."""
+def build_critic(cfg: TrainerServiceConfig, device: str, dist: DistContext | None = None) -> Critic | None:
+    """The critic a worker of ``cfg.algorithm`` needs (PPO), on ``device`` (sharded over ``dist``'s
+    ranks); None for the others."""
     if not ALGORITHMS[cfg.algorithm].needs_critic:
         return None
     mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if device == "cuda" else "none")
@@ -111,7 +113,8 @@ def build_critic(cfg: TrainerServiceConfig, device: str) -> Critic | None:
             optim=OptimizerConfig(
                 lr=cfg.algo.critic_learning_rate or cfg.learning_rate, weight_decay=cfg.weight_decay
             ),
-        )
+        ),
+        dist,
     )
 
 
