@@ -182,3 +182,44 @@ async def test_two_ranks_shard_the_ppo_critic_and_step_like_one_process(
             "critic/values_mean", "critic/explained_variance", "kl_reward")  # fmt: skip
     for key in keys:
         assert result.metrics[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+
+
+def _pairs(vocab: int) -> dict[str, torch.Tensor]:
+    """A preference batch of 5 pairs (odd: one rank gets a padding copy) of uneven lengths."""
+    rollouts = _rollouts(vocab)
+    n = 5
+    flipped = {key: rollouts[key][1:].flip(0) for key in ("response_ids", "response_mask")}
+    return {"prompt_ids": rollouts["prompt_ids"][:n], "prompt_mask": rollouts["prompt_mask"][:n],
+            "chosen_ids": rollouts["response_ids"][:n], "chosen_mask": rollouts["response_mask"][:n],
+            "rejected_ids": flipped["response_ids"], "rejected_mask": flipped["response_mask"]}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_two_ranks_split_dpo_pairs_and_step_like_one_process(
+    tmp_path: Path, tiny_model_dir: Path, procs
+) -> None:
+    """DPO over two gloo ranks: each rank takes its share of the pairs; the step equals one process's."""
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    settings = {"cluster": CLUSTER, "model_path": str(tiny_model_dir), "device": "cpu", "micro_batch_size": 2,
+                "learning_rate": 1e-3, "threads": 1, "seed": 0, "algorithm": "dpo"}  # fmt: skip
+    batch = _pairs(vocab)
+    async with TwoRanks(tmp_path / "fleet", settings, batch) as ranks:
+        request = TrainStepRequest(step=1, rollouts=[ranks.ref], scores=[], algorithm="dpo")
+        result = await ranks.ask("step", request)
+        assert isinstance(result, TrainStepResult), result
+        ranks.fleet.check()
+    assert procs.survivors(ranks.pids) == []
+
+    cfg = TrainerServiceConfig(**settings)
+    _, actor, critic = build_models(cfg)
+    expected = run_update(actor, critic, cfg, merge_batch("dpo", [batch]), request)
+    for key in (
+        "loss",
+        "grad_norm",
+        "dpo/chosen_reward",
+        "dpo/rejected_reward",
+        "dpo/accuracy",
+        "dpo/margin",
+    ):
+        assert result.metrics[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key

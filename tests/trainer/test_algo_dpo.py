@@ -99,3 +99,16 @@ def test_registry_names_every_loss_type() -> None:
     for name, fn in DPO_LOSSES.items():
         out = fn(h, beta=0.1, label_smoothing=0.0)
         assert out.shape == (2,) and torch.isfinite(out).all(), name
+
+
+def test_zero_weights_leave_pairs_out_of_loss_and_metrics() -> None:
+    """A rank's padding copies weigh 0: loss and metrics are those of the real pairs alone."""
+    doubled = [torch.cat([t, t[:1]]) for t in (PI_C, PI_R, REF_C, REF_R)]
+    weights = torch.tensor([1.0, 1.0, 0.0])
+    loss, metrics = dpo_loss(*doubled, beta=0.5, weights=weights)
+    expected, expected_metrics = dpo_loss(PI_C, PI_R, REF_C, REF_R, beta=0.5)
+    torch.testing.assert_close(loss, expected)
+    for name, value in expected_metrics.items():
+        torch.testing.assert_close(metrics[name], value, msg=name)
+    nothing, empty = dpo_loss(*doubled, beta=0.5, weights=torch.zeros(3), num_pairs=3.0)
+    assert nothing.item() == 0.0 and all(v.item() == 0.0 for v in empty.values())

@@ -23,6 +23,10 @@ micro-batching and logprob code as rollouts::
       for micro-batch of pairs (its 2k sequences):    ── gradient accumulation
         pi_c, pi_r = sequence_logprobs(policy)
         loss = dpo_loss(pi_c, pi_r, ref_c, ref_r, num_pairs=mini-batch size); backward
+
+Under several ranks each mini-batch's pairs are split over the ranks by length
+(:func:`~rlfleet.trainer.fsdp.local_rows`; padding copies weigh 0), each rank backpropagates its
+share times W (FSDP averages gradients), and the metric sums are added over ranks.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ from torch import Tensor
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.algorithms import dpo_loss, sequence_logprobs
 from rlfleet.trainer.config import UpdateConfig
+from rlfleet.trainer.distributed import all_reduce_sum
 from rlfleet.trainer.errors import InvalidBatch
+from rlfleet.trainer.fsdp import local_rows
 from rlfleet.trainer.inputs import PolicyInputs, build_policy_inputs
 from rlfleet.trainer.logprobs import token_logprobs
 
@@ -167,25 +173,33 @@ def dpo_update(
     inputs = build_policy_inputs(pair_batch(batch)).to(actor.device)
     ref = reference_logps(actor, batch, inputs, plan.micro_batch_size)
     mini = plan.mini_batch_size or n
+    lengths = inputs.attention_mask.sum(dim=-1)
+    pair_lengths = lengths[:n] + lengths[n:]
+    ctx = actor.dist
     per_step: list[dict[str, float]] = []
     actor.model.train()
     for _ in range(plan.ppo_epochs):
         for pairs in torch.arange(n, device=actor.device).split(mini):
-            sums = dict.fromkeys(DPO_METRICS, 0.0)
-            for chunk in pairs.split(plan.micro_batch_size):
-                rows = torch.cat([chunk, chunk + n])
-                logps = _sequence_logps(actor, inputs, rows)
+            share = local_rows(pairs, pair_lengths, ctx.rank, ctx.world_size)
+            sums = torch.zeros(len(DPO_METRICS), dtype=torch.float64, device=actor.device)
+            for chunk, weight in zip(share.rows.split(plan.micro_batch_size),
+                                     share.weights.split(plan.micro_batch_size), strict=True):  # fmt: skip
+                logps = _sequence_logps(actor, inputs, torch.cat([chunk, chunk + n]))
                 k = len(chunk)
                 loss, metrics = dpo_loss(
                     logps[:k], logps[k:], ref[chunk], ref[chunk + n], beta=dpo.beta, loss_type=dpo.loss_type,
-                    label_smoothing=dpo.label_smoothing, num_pairs=float(len(pairs)),
+                    label_smoothing=dpo.label_smoothing, num_pairs=float(len(pairs)), weights=weight,
                 )  # fmt: skip
-                loss.backward()
-                sums["loss"] += float(loss.item())
-                for name, value in metrics.items():  # means over the chunk -> shares of the mini-batch
-                    sums[f"dpo/{name}"] += float(value.item()) * k / len(pairs)
-            sums.update(actor.optimizer_step(plan.max_grad_norm))
-            per_step.append(sums)
+                (loss * ctx.world_size if ctx.world_size > 1 else loss).backward()
+                share_of_mini = float(weight.sum().item()) / len(pairs)  # chunk means -> mini-batch shares
+                values = [
+                    loss.detach(),
+                    *(metrics[name.split("/", 1)[1]] * share_of_mini for name in DPO_METRICS[1:]),
+                ]
+                sums += torch.stack([v.double() for v in values])
+            step = dict(zip(DPO_METRICS, all_reduce_sum(sums, ctx).tolist(), strict=True))
+            step.update(actor.optimizer_step(plan.max_grad_norm))
+            per_step.append(step)
     averaged = {key: sum(s[key] for s in per_step) / len(per_step) for key in per_step[0]}
     averaged["num_optimizer_steps"] = float(len(per_step))
     averaged["response_length"] = float(inputs.response_mask.sum(dim=-1).float().mean().item())

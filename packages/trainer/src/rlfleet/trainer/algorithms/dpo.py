@@ -80,6 +80,7 @@ def dpo_loss(
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
     num_pairs: float | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The DPO loss over a batch of preference pairs, and its metrics.
 
@@ -91,6 +92,8 @@ def dpo_loss(
         label_smoothing: conservative-DPO flip probability in [0, 0.5) (sigmoid only).
         num_pairs: divisor of the summed per-pair losses; defaults to N. Pass the whole batch's
             count when these are one micro-batch of it, so micro-batch losses sum to the batch loss.
+        weights: (N,) per-pair weights (1 counts, 0 ignores: a rank's padding copies); metrics are
+            then weighted means. None: every pair counts.
 
     Returns:
         the scalar loss, and detached scalar metrics (means over these N pairs): ``chosen_reward``
@@ -112,7 +115,10 @@ def dpo_loss(
     rejected_logratio = policy_rejected - ref_rejected
     logits = chosen_logratio - rejected_logratio
     losses = DPO_LOSSES[loss_type](logits, beta=beta, label_smoothing=label_smoothing)
-    loss = losses.sum() / (max(n, 1) if num_pairs is None else num_pairs)
+    if weights is not None:
+        losses = losses * weights
+    counted = float(n) if weights is None else float(weights.sum().item())
+    loss = losses.sum() / (max(counted, 1.0) if num_pairs is None else num_pairs)
     with torch.no_grad():
         chosen_reward = beta * chosen_logratio
         rejected_reward = beta * rejected_logratio
@@ -122,5 +128,7 @@ def dpo_loss(
             "accuracy": (chosen_reward > rejected_reward).to(chosen_reward.dtype),
             "margin": chosen_reward - rejected_reward,
         }
-        metrics = {k: v.sum() / max(n, 1) for k, v in per_pair.items()}
+        if weights is not None:
+            per_pair = {k: v * weights for k, v in per_pair.items()}
+        metrics = {k: v.sum() / max(counted, 1.0) for k, v in per_pair.items()}
     return loss, metrics
