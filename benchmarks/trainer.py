@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import platform
 import statistics
 import sys
@@ -229,10 +230,10 @@ def link_ceilings(ctx: DistContext, nbytes: int = 512 << 20) -> dict[str, float]
         return statistics.median(times)
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather_s = median_s(lambda: gather(full, part))
+    gather_s = median_s(lambda: gather(full, part)) if ctx.distributed else math.nan
     copy_s = median_s(lambda: host.copy_(full, non_blocking=True))
     return {
-        "allgather_gb_s": round(nbytes / 1e9 / gather_s, 1),
+        "allgather_gb_s": round(nbytes / 1e9 / gather_s, 1) if ctx.distributed else None,
         "d2h_pinned_gb_s": round(nbytes / 1e9 / copy_s, 1),
     }
 
@@ -298,6 +299,7 @@ def publish_path(args: argparse.Namespace, ctx: DistContext, actor: Actor) -> di
                     refs.append(server.put_local(f"{name}/{i}", b))
                 sync(ctx)
                 out[f"stage_{name}_gb_s"] = round(nbytes / 1e9 / (time.perf_counter() - t0), 1)
+
             client = TensorStoreClient(address)
             t0 = time.perf_counter()
             for ref in refs:
@@ -312,6 +314,15 @@ def publish_path(args: argparse.Namespace, ctx: DistContext, actor: Actor) -> di
     else:
         for pin in (True, True, True, False):
             timed(lambda: follow_stage(pin))  # noqa: B023  (called at once)
+    # pinned buckets take the overlapped (side-stream) path on the GPU, pageable ones the plain one
+    staged = [
+        {k: v.clone() for b in actor.iter_weight_buckets(bucket, dtype=torch.bfloat16, pin_memory=pin)
+         for k, v in b.items()}
+        for pin in (True, False)
+    ]  # fmt: skip
+    out["pinned_equals_pageable"] = staged[0].keys() == staged[1].keys() and all(
+        torch.equal(staged[0][k], staged[1][k]) for k in staged[0]
+    )
     return out
 
 

@@ -6,7 +6,8 @@ converted to the target dtype (so the gather moves bf16, not float32) and all-ga
 collective for all parameters sharded alike (:mod:`rlfleet.trainer.gather`), and each full tensor
 is copied into the bucket's host buffer on the rank that keeps buckets (rank 0); the others drop
 them. The extra memory on a rank is thus about one bucket on the device (the gathered shards,
-plus one full parameter being cut out) and one bucket on the host.
+plus one full parameter being cut out) and one bucket on the host; with pinned buckets on the GPU,
+where the device-to-host copy of one bucket overlaps the gather of the next, two of each.
 
 Tied weights: when ``lm_head.weight`` shares its storage with ``model.embed_tokens.weight`` the
 state dict lists both names for one tensor. By default each storage is yielded once, under the
@@ -93,6 +94,54 @@ def _plan(
         yield bucket
 
 
+@dataclass
+class _InFlight:
+    """A bucket whose device-to-host copies run on the side stream until ``done``."""
+
+    bucket: dict[str, Tensor]
+    done: torch.cuda.Event | None
+
+    def wait(self) -> dict[str, Tensor]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.bucket
+
+
+def _launch_bucket(slots: list[_Slot], keep: bool, copy_stream: torch.cuda.Stream) -> _InFlight:
+    """Gather the bucket on the current stream, then copy it into pinned host memory on
+    ``copy_stream``: the copies overlap the next bucket's gather (see :func:`iter_weight_buckets`)."""
+    fulls = list(iter_full([s.tensor for s in slots], [s.dtype for s in slots], keep=keep))
+    if not keep:
+        return _InFlight({}, None)
+    end = slots[-1].offset + slots[-1].nbytes
+    buffer = torch.empty(end, dtype=torch.uint8, pin_memory=True)
+    copy_stream.wait_stream(torch.cuda.current_stream())  # the gathers of this bucket come first
+    bucket: dict[str, Tensor] = {}
+    with torch.cuda.stream(copy_stream):
+        for slot, full in zip(slots, fulls, strict=True):
+            view = buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(full.shape)
+            view.copy_(full, non_blocking=True)
+            if full.is_cuda:
+                full.record_stream(copy_stream)  # its memory is not reused before the copy is done
+            bucket[slot.name] = view
+    done = torch.cuda.Event()
+    done.record(copy_stream)
+    return _InFlight(bucket, done)
+
+
+def _pipelined(plan: Iterator[list[_Slot]], keep: bool) -> Iterator[dict[str, Tensor]]:
+    """Buckets with bucket i's device-to-host copy overlapping bucket i+1's gather (two in flight)."""
+    copy_stream = torch.cuda.Stream()
+    pending: _InFlight | None = None
+    for slots in plan:
+        current = _launch_bucket(slots, keep, copy_stream)
+        if pending is not None:
+            yield pending.wait()
+        pending = current
+    if pending is not None:
+        yield pending.wait()
+
+
 def _gather_bucket(slots: list[_Slot], keep: bool, pin_memory: bool) -> dict[str, Tensor]:
     """Gather the bucket's tensors and (when ``keep``) copy them into one fresh host buffer."""
     end = slots[-1].offset + slots[-1].nbytes
@@ -139,12 +188,18 @@ def iter_weight_buckets(
         keep: False on ranks that take part in the gathers but keep nothing: they yield ``{}``
             for each bucket, in step with the keeping rank.
         pin_memory: put buckets in page-locked host memory (faster device-to-host copies; ignored
-            without CUDA).
+            without CUDA). For a model on the GPU the copies then run on a side stream, bucket i's
+            overlapping bucket i+1's gather: two buckets are in flight, on the device and the host.
 
     Yields:
         ``{name: tensor}`` dicts, never empty on a keeping rank.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0; got {bucket_bytes}")
-    for slots in _plan(model, bucket_bytes, dtype, include_tied, only):
+    plan = _plan(model, bucket_bytes, dtype, include_tied, only)
+    on_gpu = any(p.is_cuda for p in model.parameters())
+    if pin_memory and on_gpu and torch.cuda.is_available():
+        yield from _pipelined(plan, keep)
+        return
+    for slots in plan:
         yield _gather_bucket(slots, keep, pin_memory)
