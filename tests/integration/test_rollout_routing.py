@@ -102,6 +102,12 @@ def by_length(item):
     if "7" in item.text:
         return "7777"
     return "small" if len(item.token_ids) <= 14 else "big"
+
+
+def strict(item):
+    from rlfleet.controller import Pool
+
+    return Pool("huge")
 '''
 
 
@@ -135,3 +141,12 @@ def test_a_job_file_names_pools_and_a_rollout_fn(tmp_path: Path, venv_script, cl
     typo = [arg.replace("by_length", "nope") for arg in command]
     bad = subprocess.run(typo, cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "config field 'rollout_fn'" in bad.stderr and "cannot import" in bad.stderr
+
+    wrong_pool = [arg.replace("by_length", "strict") for arg in command]
+    out_of_pools = subprocess.run(wrong_pool, cwd=tmp_path, env=cli_env, capture_output=True, text=True,
+                                  timeout=120)  # fmt: skip
+    assert out_of_pools.returncode == 2, out_of_pools.stderr[-2000:]
+    last = out_of_pools.stderr.strip().splitlines()[-1]
+    assert last.startswith("rlfleet: rollout fn, prompt row") and "no rollout pool 'huge'" in last, last
+    assert "['big', 'small']" in last
+    assert procs.survivors(procs.launched(out)) == [], "the failed run stopped what it started"

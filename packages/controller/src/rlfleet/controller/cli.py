@@ -110,7 +110,13 @@ def _main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper(),
                         format="%(asctime)s controller %(levelname)s %(name)s: %(message)s")  # fmt: skip
     from rlfleet.common.errors import ConfigError, RlfleetError
-    from rlfleet.controller.errors import DatasetError, LoggerUnavailable, ModelNotFound, Terminated
+    from rlfleet.controller.errors import (
+        DatasetError,
+        LoggerUnavailable,
+        ModelNotFound,
+        RouteError,
+        Terminated,
+    )
 
     try:
         job = _load_job(args.config, args.overrides)
@@ -118,7 +124,7 @@ def _main(args: argparse.Namespace) -> int:
             print(job.model_dump_json(indent=2))
             return 0
         return train(job)
-    except (ConfigError, DatasetError, ModelNotFound, LoggerUnavailable) as exc:  # the user's to fix
+    except (ConfigError, DatasetError, ModelNotFound, LoggerUnavailable, RouteError) as exc:  # user's to fix
         print(f"rlfleet: {exc}", file=sys.stderr)
         return 2
     except RlfleetError as exc:  # a tier died or never came up, a request failed or timed out

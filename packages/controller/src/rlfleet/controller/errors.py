@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
+from typing import Any
 
 from rlfleet.common.errors import RlfleetError
 
@@ -154,3 +155,11 @@ class CheckpointNotFound(RlfleetError, FileNotFoundError):
         self.path = path
         self.reason = reason
         super().__init__(f"cannot resume from {path!r}: {reason} (expected an output_dir/checkpoint-<step>)")
+
+
+class RouteError(RlfleetError, ValueError):
+    """What a rollout fn returned for a prompt cannot be used, or the fn raised (``item``: a PromptItem)."""
+
+    def __init__(self, item: Any, problem: str) -> None:
+        self.row = item.index
+        super().__init__(f"rollout fn, prompt row {item.index} ({item.text[:40]!r}): {problem}")

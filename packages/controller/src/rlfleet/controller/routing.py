@@ -33,6 +33,7 @@ from rlfleet.common.batch import RolloutBatch, pad_left, pad_right
 from rlfleet.common.messages import GenerateResult, SamplingParams
 from rlfleet.common.tensor_server import TensorStoreServer
 from rlfleet.controller.dataset import PromptItem
+from rlfleet.controller.errors import RouteError
 
 logger = logging.getLogger(__name__)
 
@@ -79,14 +80,6 @@ def import_rollout_fn(name: str) -> RolloutFn:
     if not callable(fn):
         raise ConfigError("rollout_fn", name, f"{type(fn).__name__} is not callable")
     return fn
-
-
-class RouteError(ValueError):
-    """What a rollout fn returned for a prompt cannot be used."""
-
-    def __init__(self, item: PromptItem, problem: str) -> None:
-        self.row = item.index
-        super().__init__(f"rollout fn, prompt row {item.index} ({item.text[:40]!r}): {problem}")
 
 
 @dataclass
