@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from rlfleet.trainer.algorithms.advantages import broadcast_to_tokens
@@ -52,6 +51,7 @@ from rlfleet.trainer.model_io import (
     set_seed,
     train_top_layers,
 )
+from rlfleet.trainer.optim import build_optimizer, clipped_step
 from rlfleet.trainer.prepared import METRIC_KEYS, PreparedBatch, batch_metrics, micro_batch_loss
 from rlfleet.trainer.weights import iter_weight_buckets
 
@@ -83,15 +83,8 @@ class Actor:
         if config.trainable_layers is not None:
             self.trainable = set(train_top_layers(self.model, config.trainable_layers))
         self._shard(self.model)
-        optim = config.optim
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=optim.lr, betas=optim.betas,
-            eps=optim.eps, weight_decay=optim.weight_decay,
-        )  # fmt: skip
-        warmup = optim.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-        )
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = build_optimizer(trainable, config.optim)
         self._generator = torch.Generator()
         self._generator.manual_seed(shared_seed(config.seed, self.dist))
         self.ref_model: PreTrainedModel | None = None
@@ -272,19 +265,10 @@ class Actor:
             ``grad_norm`` (before clipping) and ``lr`` (the rate this step used).
         """
         params = [p for p in self.model.parameters() if p.requires_grad]
-        limit = float("inf") if max_grad_norm is None else max_grad_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, limit)
-        if isinstance(grad_norm, DTensor):  # FSDP: the norm over all shards, as a replicated DTensor
-            grad_norm = grad_norm.full_tensor()
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            logger.warning("step %d: gradient norm is %s; parameter update skipped", self.steps, grad_norm)
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm, lr = clipped_step(params, self.optimizer, self.scheduler, max_grad_norm,
+                                     what=f"actor step {self.steps}")  # fmt: skip
         self.steps += 1
-        return {"grad_norm": float(grad_norm.item()), "lr": lr}
+        return {"grad_norm": grad_norm, "lr": lr}
 
     def update(
         self,

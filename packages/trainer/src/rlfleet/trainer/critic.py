@@ -27,7 +27,6 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from transformers import AutoModel, PreTrainedModel
 
 from rlfleet.trainer.algorithms.aggregation import LossAgg, aggregate, masked_sum
@@ -38,6 +37,7 @@ from rlfleet.trainer.errors import ModelLoadError
 from rlfleet.trainer.fsdp import local_rows, shard_model
 from rlfleet.trainer.inputs import PolicyInputs
 from rlfleet.trainer.model_io import disable_dropout
+from rlfleet.trainer.optim import build_optimizer, clipped_step
 
 logger = logging.getLogger(__name__)
 
@@ -131,18 +131,7 @@ class Critic:
         )
         disable_dropout(self.model)
         shard_model(self.model, self.dist, bf16=config.mixed_precision == "bf16")
-        optim = config.optim
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=optim.lr,
-            betas=optim.betas,
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
-        )
-        warmup = optim.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-        )
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), config.optim)
         self.steps = 0
 
     @property
@@ -230,17 +219,7 @@ class Critic:
         Returns:
             ``critic/grad_norm`` (before clipping) and ``critic/lr``.
         """
-        params = list(self.model.parameters())
-        limit = float("inf") if max_grad_norm is None else max_grad_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, limit)
-        if isinstance(grad_norm, DTensor):  # FSDP: the norm over all shards, as a replicated DTensor
-            grad_norm = grad_norm.full_tensor()
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            logger.warning("critic step %d: gradient norm is %s; update skipped", self.steps, grad_norm)
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm, lr = clipped_step(list(self.model.parameters()), self.optimizer, self.scheduler,
+                                     max_grad_norm, what=f"critic step {self.steps}")  # fmt: skip
         self.steps += 1
-        return {"critic/grad_norm": float(grad_norm.item()), "critic/lr": lr}
+        return {"critic/grad_norm": grad_norm, "critic/lr": lr}
