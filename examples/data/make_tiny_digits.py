@@ -11,27 +11,31 @@ random-init model can learn the task in a few steps. The output is deterministic
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 DEFAULT_OUT = Path(__file__).with_name("tiny_digits.jsonl")
 PREFIXES = ("q:", "digits:", "n:", "in:")
 
 
-def make_prompts(count: int = 200, seed: int = 0) -> list[dict[str, str]]:
-    """``count`` distinct rows ``{"prompt": "q: 4 7 1 ->", "digits": "471"}`` drawn from ``seed``."""
-    rng = random.Random(seed)
-    rows: list[dict[str, str]] = []
+def digit_prompts(rng: random.Random) -> Iterator[tuple[str, str]]:
+    """Endless distinct ``("q: 4 7 1 ->", "471")`` pairs of 1-5 digits, drawn from ``rng``."""
     seen: set[str] = set()
-    while len(rows) < count:
+    while True:
         digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 5)))
         prompt = f"{rng.choice(PREFIXES)} {' '.join(digits)} ->"
-        if prompt in seen:
-            continue
-        seen.add(prompt)
-        rows.append({"prompt": prompt, "digits": digits})
-    return rows
+        if prompt not in seen:
+            seen.add(prompt)
+            yield prompt, digits
+
+
+def make_prompts(count: int = 200, seed: int = 0) -> list[dict[str, str]]:
+    """``count`` distinct rows ``{"prompt": "q: 4 7 1 ->", "digits": "471"}`` drawn from ``seed``."""
+    prompts = digit_prompts(random.Random(seed))
+    return [{"prompt": prompt, "digits": digits} for prompt, digits in itertools.islice(prompts, count)]
 
 
 def write_jsonl(rows: list[dict[str, str]], out: Path) -> None:

@@ -12,34 +12,27 @@ deterministic in ``--seed``.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import string
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from make_tiny_digits import digit_prompts, write_jsonl  # noqa: E402  (the script next to this one)
+
 DEFAULT_OUT = Path(__file__).with_name("tiny_prefs.jsonl")
-PREFIXES = ("q:", "digits:", "n:", "in:")
 
 
 def make_pairs(count: int = 256, seed: int = 0) -> list[dict[str, str]]:
     """``count`` rows ``{"prompt": "q: 4 7 1 ->", "chosen": "471", "rejected": "kqe"}`` from ``seed``."""
     rng = random.Random(seed)
     rows: list[dict[str, str]] = []
-    seen: set[str] = set()
-    while len(rows) < count:
-        digits = "".join(rng.choice(string.digits) for _ in range(rng.randint(1, 5)))
-        prompt = f"{rng.choice(PREFIXES)} {' '.join(digits)} ->"
-        if prompt in seen:
-            continue
-        seen.add(prompt)
+    for prompt, digits in digit_prompts(rng):  # the rejected letters are drawn between prompts
+        if len(rows) == count:
+            break
         letters = "".join(rng.choice(string.ascii_lowercase) for _ in digits)
         rows.append({"prompt": prompt, "chosen": digits, "rejected": letters})
     return rows
-
-
-def write_jsonl(rows: list[dict[str, str]], out: Path) -> None:
-    """One JSON object per line, keys in a fixed order, so reruns give identical bytes."""
-    out.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
 
 
 def main() -> None:

@@ -13,8 +13,8 @@ from rlfleet.controller.dataset import PromptDataset
 DATA = Path(__file__).resolve().parents[2] / "examples" / "data"
 
 
-def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("make_tiny_digits", DATA / "make_tiny_digits.py")
+def _load_script(name: str = "make_tiny_digits") -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, DATA / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -52,3 +52,13 @@ def test_tiny_digits_script_depends_only_on_seed() -> None:
     script = _load_script()
     assert script.make_prompts(20, 1) == script.make_prompts(20, 1)
     assert script.make_prompts(20, 0) != script.make_prompts(20, 1)
+
+
+def test_tiny_prefs_file_matches_its_script(tmp_path: Path) -> None:
+    script = _load_script("make_tiny_prefs")
+    out = tmp_path / "tiny_prefs.jsonl"
+    script.write_jsonl(script.make_pairs(256, 0), out)
+    assert out.read_bytes() == (DATA / "tiny_prefs.jsonl").read_bytes()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(row["chosen"].isdigit() and row["rejected"].isalpha() for row in rows)
+    assert all(len(row["chosen"]) == len(row["rejected"]) for row in rows)
