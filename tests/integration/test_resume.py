@@ -57,9 +57,11 @@ def test_resumed_steps_equal_the_uninterrupted_run(tmp_path: Path, tiny_model_di
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_reward_switched_mid_run_is_in_force_after_resume(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """set_reward_fn at step 1, checkpoint at step 2; the same script resumed scores with the switched
-    spec (the reward tier is told again), a script with another spec keeps its own."""
+    """set_reward_fn at step 1 (a spec with a normalizing RewardScaler), checkpoint at step 2; the same
+    script resumed scores with the switched spec and the scaler's running statistics of the checkpoint
+    (the reward tier is told again). A script with another spec keeps its own (unit-tested)."""
     from rlfleet.controller import GRPOTrainer, TrainerConfig
+    from rlfleet.reward import RewardScaler, build_reward
 
     def trainer(out: Path, spec: str, resume_from: str | None = None) -> GRPOTrainer:
         config = TrainerConfig(
@@ -73,18 +75,23 @@ def test_a_reward_switched_mid_run_is_in_force_after_resume(tmp_path: Path, tiny
     try:
         for result in first.steps(num_epochs=1, max_steps=2):
             if result.step == 1:
-                first.set_reward_fn("charset:allowed=0")
+                first.set_reward_fn(RewardScaler(fn=build_reward("charset:allowed=0"), normalize=True))
+                switched = first.reward_spec
     finally:
         first.close()
     state = json.loads((tmp_path / "run" / "checkpoint-2" / "controller_state.json").read_text())
-    assert state["reward_spec"] == "charset:allowed=0"
+    assert state["reward_spec"] == switched and switched["components"][0]["args"]["allowed"] == "0"
     assert state["initial_reward_spec"] == "charset:allowed=0123456789"
+    saved = state["reward_scaler"]
+    assert saved["scaler"]["normalize"] is True and saved["scaler_state"]["count"] == 32, saved
 
     again = trainer(tmp_path / "run", "charset:allowed=0123456789", resume_from="auto")
     try:
         again.start()
-        assert again.global_step == 2 and again.reward_spec == "charset:allowed=0"
-        served = again.reward_stats().endpoints["default"].spec
-        assert served == "charset:allowed='0',case_sensitive=true", served
+        assert again.global_step == 2 and again.reward_spec == switched
+        served = again.reward_stats().endpoints["default"]
+        assert served.spec == "charset:allowed='0',case_sensitive=true", served.spec
+        assert served.scaler is not None and served.scaler["normalize"] is True
+        assert served.scaler_state == saved["scaler_state"], "the running statistics continue"
     finally:
         again.close()

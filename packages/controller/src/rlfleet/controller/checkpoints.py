@@ -5,7 +5,8 @@ A checkpoint directory ``output_dir/checkpoint-<step>/`` holds::
     hf/                      HF export of the actor (AutoModelForCausalLM.from_pretrained)
     trainer/                 the trainer's state: sharded model + optimizer (DCP), schedulers, RNG
     controller_state.json    step, epoch, dataset position, KL controller, weight version, reward
-                             spec (the one in force and the one the run started with)
+                             spec (the one in force and the one the run started with), and the
+                             reward scaler's options and running statistics when one is set
 
 The trainer writes the first two (``trainer.save`` with ``mode="full"``), the controller the
 last, once the trainer has replied, so a checkpoint with ``controller_state.json`` is complete.
@@ -70,7 +71,18 @@ def controller_state(runner: FleetRunner) -> dict[str, Any]:
         "weight_version": runner.weight_version,
         "reward_spec": runner.reward_spec,
         "initial_reward_spec": runner.initial_reward_spec,
+        "reward_scaler": _scaler_in_force(runner),
     }
+
+
+def _scaler_in_force(runner: FleetRunner) -> dict[str, Any] | None:
+    """The reward endpoint's ``RewardScaler`` options and running statistics, if one is set."""
+    if not runner.uses_rollouts:
+        return None
+    stats = runner.reward_stats().endpoints.get(runner.config.reward_endpoint)
+    if stats is None or stats.scaler is None:
+        return None
+    return {"scaler": stats.scaler, "scaler_state": stats.scaler_state}
 
 
 def save_run_checkpoint(runner: FleetRunner, path: str | Path) -> Path:
@@ -92,11 +104,21 @@ def resume_run(runner: FleetRunner, path: Path) -> None:
     runner.global_step = int(state["global_step"])
     runner.weight_version = version
     runner._epoch = int(state["epoch"])
-    restore = reward_to_restore(state, runner.reward_spec)
-    if restore is not None and runner.uses_rollouts:
-        logger.info("the run switched its reward to %r before the checkpoint: re-applying it", restore)
-        runner.set_reward_fn(restore)
+    if runner.uses_rollouts:
+        _restore_reward(runner, state)
     logger.info("resumed from %s at step %d (weight version %d)", path, runner.global_step, version)
+
+
+def _restore_reward(runner: FleetRunner, state: dict[str, Any]) -> None:
+    """Re-apply the checkpoint's reward where the resumed run should continue with it: a spec switched
+    mid-run (:func:`reward_to_restore`), and a ``RewardScaler``'s options and running statistics."""
+    restore = reward_to_restore(state, runner.reward_spec)
+    scaler = state.get("reward_scaler")
+    in_force = state.get("reward_spec")
+    if restore is None and (scaler is None or runner.reward_spec != in_force):
+        return
+    logger.info("re-applying the checkpoint's reward %r%s", in_force, " with its scaler" if scaler else "")
+    runner.set_reward_fn({"spec": in_force, **(scaler or {})})
 
 
 def reward_to_restore(state: dict[str, Any], this_run: Any) -> Any:
