@@ -96,37 +96,26 @@ def test_set_rollout_fn_takes_a_function(tiny_model_dir: Path, tmp_path: Path) -
         trainer.set_rollout_fn("short")
 
 
-ROUTES_MODULE = '''
-def by_length(item):
-    """Short prompts to the small pool, long ones to the big one; prompts with a 7 answered here."""
-    if "7" in item.text:
-        return "7777"
-    return "small" if len(item.token_ids) <= 14 else "big"
-
-
+BROKEN_ROUTES = """
 def strict(item):
     from rlfleet.controller import Pool
 
     return Pool("huge")
-'''
+"""
 
 
 @pytest.mark.timeout(300)
-def test_a_job_file_names_pools_and_a_rollout_fn(tmp_path: Path, venv_script, cli_env, procs) -> None:
-    """``rlfleet train job.yaml`` with ``rollout_pools`` and ``rollout_fn: my_routes:by_length``
-    (a module in the working directory)."""
+def test_the_routed_example_runs_from_its_job_file(tmp_path: Path, venv_script, cli_env, procs) -> None:
+    """``rlfleet train examples/tiny_routed.yaml`` from the repository root: two pools from the job
+    file and ``rollout_fn: examples.routes:by_length``; then a fn that cannot be imported, and one
+    that names an unknown pool, each end the run with exit 2 and a one-line reason."""
     import json
     import subprocess
 
-    (tmp_path / "my_routes.py").write_text(ROUTES_MODULE)
     out = tmp_path / "run"
-    overrides = [
-        "max_steps=2", f"output_dir={out}", "sample_table_size=0", f"data.path={DATA}",
-        "rollout_fn=my_routes:by_length",
-        "rollout_pools.small.workers=1", "rollout_pools.big.workers=1", "rollout_pools.big.max_batch_size=8",
-    ]  # fmt: skip
-    command = [venv_script("rlfleet"), "train", str(REPO / "examples" / "tiny_grpo.yaml"), *overrides]
-    run = subprocess.run(command, cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=280)
+    example = str(REPO / "examples" / "tiny_routed.yaml")
+    command = [venv_script("rlfleet"), "train", example, "max_steps=2", f"output_dir={out}"]
+    run = subprocess.run(command, cwd=REPO, env=cli_env, capture_output=True, text=True, timeout=280)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
@@ -138,13 +127,16 @@ def test_a_job_file_names_pools_and_a_rollout_fn(tmp_path: Path, venv_script, cl
     assert {"rollout-small-0", "rollout-big-0"} <= workers.keys()
     assert procs.survivors(workers) == []
 
-    typo = [arg.replace("by_length", "nope") for arg in command]
-    bad = subprocess.run(typo, cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "config field 'rollout_fn'" in bad.stderr and "cannot import" in bad.stderr
+    (tmp_path / "my_routes.py").write_text(BROKEN_ROUTES)
+    elsewhere = [*command, f"data.path={DATA}"]  # run from tmp_path, where my_routes.py is
+    typo = subprocess.run([*elsewhere, "rollout_fn=my_routes:nope"], cwd=tmp_path, env=cli_env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert (
+        typo.returncode == 2 and "config field 'rollout_fn'" in typo.stderr and "cannot import" in typo.stderr
+    )
 
-    wrong_pool = [arg.replace("by_length", "strict") for arg in command]
-    out_of_pools = subprocess.run(wrong_pool, cwd=tmp_path, env=cli_env, capture_output=True, text=True,
-                                  timeout=120)  # fmt: skip
+    out_of_pools = subprocess.run([*elsewhere, "rollout_fn=my_routes:strict"], cwd=tmp_path, env=cli_env,
+                                  capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out_of_pools.returncode == 2, out_of_pools.stderr[-2000:]
     last = out_of_pools.stderr.strip().splitlines()[-1]
     assert last.startswith("rlfleet: rollout fn, prompt row") and "no rollout pool 'huge'" in last, last
