@@ -21,6 +21,7 @@ from rlfleet.common.messages import (
     SetRewardSpec,
 )
 from rlfleet.common.subjects import subject
+from rlfleet.common.transport import TOKEN_HEADER
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -87,6 +88,24 @@ async def test_tokens_and_endpoints_are_enforced_each_with_its_code(reward_serve
     await refused(client, swap, "forbidden_endpoint", OWN)
     stats = RewardStatsRequest(token=TOKEN_B, endpoint="a/digits")
     await refused(client, stats, "forbidden_endpoint", OWN)
+
+
+async def test_the_token_travels_in_its_header(reward_server, rollout_store) -> None:
+    """Protocol 1.2: ``Rlfleet-Token`` header; the body's ``token`` (1.1 clients) only without one."""
+    client, _ = await reward_server(CONFIG)
+    ref = rollout_store.put(["p"], ["12"], [0])
+    request = ScoreRequest(job_id="j", endpoint="a/digits", rollout=ref)
+    reply = await client.request(SCORE, request, timeout=10, headers={TOKEN_HEADER: TOKEN_A})
+    assert isinstance(reply, ScoreResult) and reply.raw_scores == [1.0]
+    with pytest.raises(RemoteError) as info:  # the header wins over a body token
+        await client.request(SCORE, request.model_copy(update={"token": TOKEN_A}), timeout=10,
+                             headers={TOKEN_HEADER: TOKEN_B})  # fmt: skip
+    assert info.value.code == "forbidden_endpoint"
+    with pytest.raises(RemoteError) as info:
+        await client.request(SCORE, request, timeout=10, headers={TOKEN_HEADER: "token-of-nobody"})
+    assert info.value.code == "invalid_token"
+    stats = await client.request(OWN, RewardStatsRequest(), timeout=10, headers={TOKEN_HEADER: TOKEN_B})
+    assert isinstance(stats, RewardStats) and set(stats.endpoints) == {"b/short"}
 
 
 async def test_quotas_per_tenant(reward_server, rollout_store) -> None:

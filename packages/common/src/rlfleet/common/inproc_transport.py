@@ -14,10 +14,19 @@ import asyncio
 import itertools
 import logging
 from collections import defaultdict
+from collections.abc import Mapping
 
 from rlfleet.common.errors import NoResponders, RequestTimeout, TransportClosed
 from rlfleet.common.messages import MAX_MESSAGE_BYTES, AnyMessage, Message, decode, encode
-from rlfleet.common.transport import Dispatcher, Handler, ReplyFn, check_subject, raise_for_reply, tier_of
+from rlfleet.common.transport import (
+    Dispatcher,
+    Handler,
+    ReplyFn,
+    check_headers,
+    check_subject,
+    raise_for_reply,
+    tier_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,18 +55,18 @@ class InProcessSubscription:
         self.queue = queue
         self._broker = broker
         self._dispatcher = dispatcher
-        self._inbox: asyncio.Queue[tuple[bytes, str | None]] = asyncio.Queue()
+        self._inbox: asyncio.Queue[tuple[bytes, str | None, dict[str, str] | None]] = asyncio.Queue()
         self._reader = asyncio.create_task(self._read(), name=f"inproc-sub:{subject}")
         self.active = True
 
-    def put(self, data: bytes, reply: str | None) -> None:
+    def put(self, data: bytes, reply: str | None, headers: dict[str, str] | None = None) -> None:
         """Queue a message for the handler (called by the broker)."""
-        self._inbox.put_nowait((data, reply))
+        self._inbox.put_nowait((data, reply, headers))
 
     async def _read(self) -> None:
         while True:
-            data, reply = await self._inbox.get()
-            await self._dispatcher.deliver(data, self._reply_fn(reply))
+            data, reply, headers = await self._inbox.get()
+            await self._dispatcher.deliver(data, self._reply_fn(reply), headers)
 
     def _reply_fn(self, reply: str | None) -> ReplyFn | None:
         if reply is None:
@@ -110,7 +119,9 @@ class InProcessBroker:
         """Forget a reply subject; a late reply to it is dropped."""
         self._replies.pop(inbox, None)
 
-    def route(self, subject: str, data: bytes, reply: str | None) -> int:
+    def route(
+        self, subject: str, data: bytes, reply: str | None, headers: dict[str, str] | None = None
+    ) -> int:
         """Deliver ``data`` to every plain subscriber and one member per queue group; return how many."""
         waiting = self._replies.get(subject)
         if waiting is not None:
@@ -125,12 +136,12 @@ class InProcessBroker:
             if sub.queue:
                 groups[sub.queue].append(sub)
             else:
-                sub.put(data, reply)
+                sub.put(data, reply, headers)
                 delivered += 1
         for queue, members in groups.items():
             turn = self._turn[(subject, queue)]
             self._turn[(subject, queue)] = turn + 1
-            members[turn % len(members)].put(data, reply)
+            members[turn % len(members)].put(data, reply, headers)
             delivered += 1
         return delivered
 
@@ -149,15 +160,19 @@ class InProcessTransport:
         if self._closed:
             raise TransportClosed(f"in-process transport {self.name!r}")
 
-    async def request(self, subject: str, message: Message, *, timeout: float, tier: str = "") -> AnyMessage:
+    async def request(
+        self, subject: str, message: Message, *, timeout: float, tier: str = "",
+        headers: Mapping[str, str] | None = None,
+    ) -> AnyMessage:  # fmt: skip
         """See :meth:`Transport.request`."""
         self._check_open()
         check_subject(subject, wildcards=False)
+        sent_headers = check_headers(headers)
         tier = tier or tier_of(subject) or "unknown"
         payload = encode(message, limit=self.broker.max_payload)
         inbox, future = self.broker.open_inbox()
         try:
-            if self.broker.route(subject, payload, inbox) == 0:
+            if self.broker.route(subject, payload, inbox, sent_headers) == 0:
                 raise NoResponders(subject, tier)
             try:
                 data = await asyncio.wait_for(future, timeout)

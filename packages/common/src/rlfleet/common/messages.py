@@ -142,7 +142,9 @@ class ScoreRequest(Message):
     metadata: list[dict[str, Any]] = Field(
         default_factory=list, description="per prompt (group), e.g. answers"
     )
-    token: str = Field(default="", description="tenant API token")
+    token: str = Field(
+        default="", description="protocol 1.1: the tenant token; now sent in the Rlfleet-Token header"
+    )
 
 
 class ScoreResult(Message):
@@ -172,7 +174,7 @@ class SetRewardSpec(Message):
     kind: Literal["reward.set_spec"] = "reward.set_spec"
     endpoint: str = "default"
     spec: str | dict[str, Any] | None = None
-    token: str = ""
+    token: str = Field(default="", description="protocol 1.1 only; now the Rlfleet-Token header")
     model_path: str | None = Field(default=None, description="new directory for the endpoint's rm component")
     component: str | None = Field(default=None, description="label of the rm component model_path replaces")
     scaler: dict[str, Any] | None = Field(default=None, description="RewardScaler options; {} = no scaling")
@@ -194,7 +196,7 @@ class RewardStatsRequest(Message):
     """Ask a reward worker for the statistics of the endpoints the token may see."""
 
     kind: Literal["reward.stats"] = "reward.stats"
-    token: str = ""
+    token: str = Field(default="", description="protocol 1.1 only; now the Rlfleet-Token header")
     endpoint: str = Field(default="", description="one endpoint; empty: every endpoint the token may see")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import nats
@@ -22,7 +22,15 @@ from nats.aio.subscription import Subscription as NatsSubscription
 
 from rlfleet.common.errors import NatsServerError, NoResponders, RequestTimeout, TransportClosed
 from rlfleet.common.messages import MAX_MESSAGE_BYTES, AnyMessage, Message, decode, encode
-from rlfleet.common.transport import Dispatcher, Handler, ReplyFn, check_subject, raise_for_reply, tier_of
+from rlfleet.common.transport import (
+    Dispatcher,
+    Handler,
+    ReplyFn,
+    check_headers,
+    check_subject,
+    raise_for_reply,
+    tier_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +64,7 @@ class NatsSubscriptionHandle:
     async def _on_msg(self, msg: Msg) -> None:
         # nats-py awaits this callback before the next message of the subscription, so waiting
         # for a free handler slot here holds later messages back in arrival order.
-        await self._dispatcher.deliver(msg.data, self._reply_fn(msg.reply))
+        await self._dispatcher.deliver(msg.data, self._reply_fn(msg.reply), msg.headers)
 
     def _reply_fn(self, reply: str) -> ReplyFn | None:
         if not reply:
@@ -183,14 +191,18 @@ class NatsTransport:
         if self._closed or self.client.is_closed:
             raise TransportClosed(f"NATS transport {self.name!r}")
 
-    async def request(self, subject: str, message: Message, *, timeout: float, tier: str = "") -> AnyMessage:
+    async def request(
+        self, subject: str, message: Message, *, timeout: float, tier: str = "",
+        headers: Mapping[str, str] | None = None,
+    ) -> AnyMessage:  # fmt: skip
         """See :meth:`Transport.request`."""
         self._check_open()
         check_subject(subject, wildcards=False)
+        sent_headers = check_headers(headers)
         tier = tier or tier_of(subject) or "unknown"
         payload = encode(message, limit=self.max_payload)
         try:
-            msg = await self.client.request(subject, payload, timeout=timeout)
+            msg = await self.client.request(subject, payload, timeout=timeout, headers=sent_headers)
         except nats.errors.NoRespondersError:
             raise NoResponders(subject, tier) from None
         except nats.errors.TimeoutError:

@@ -7,14 +7,19 @@ log line); :func:`error_reply` is the one place where exceptions map to wire err
 :func:`raise_for_reply` the one place where an ``ErrorReply`` turns back into a :class:`RemoteError`.
 Handlers run as tasks of their own, at most ``max_concurrency`` at once per subscription; past
 that, messages wait in arrival order.
+
+Headers: a request may carry string headers beside its body (NATS headers; credentials such as
+the reward tier's :data:`TOKEN_HEADER` travel there, not in the message). A handler reads the
+headers of the message it is answering with :func:`request_headers`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol, runtime_checkable
 
 from rlfleet.common.errors import (
@@ -45,6 +50,31 @@ ERROR_CODES: tuple[tuple[type[BaseException], str, bool], ...] = (
 INTERNAL = "internal"
 
 _TOKEN = re.compile(r"^[^\s.*>]+$")
+_HEADER_NAME = re.compile(r"^[!-9;-~]+$")  # printable ASCII without ':' or spaces (RFC 7230 field names)
+
+TOKEN_HEADER = "Rlfleet-Token"
+"""The header a request's credential travels in (the reward tier's tenant and admin tokens)."""
+
+_HEADERS: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
+    "rlfleet_headers", default=None
+)
+
+
+def request_headers() -> Mapping[str, str]:
+    """The headers of the message the running handler answers (empty outside a handler)."""
+    return _HEADERS.get() or {}
+
+
+def check_headers(headers: Mapping[str, str] | None) -> dict[str, str] | None:
+    """``headers`` as a plain dict, or ``ValueError`` naming a bad name or value (None/empty: None)."""
+    if not headers:
+        return None
+    for name, value in headers.items():
+        if not isinstance(name, str) or not _HEADER_NAME.match(name):
+            raise ValueError(f"bad header name {name!r}: printable ASCII without ':' or spaces")
+        if not isinstance(value, str) or any(c in value for c in "\r\n\0"):
+            raise ValueError(f"bad value for header {name!r}: a string without line breaks")
+    return dict(headers)
 
 
 @runtime_checkable
@@ -65,8 +95,11 @@ class Transport(Protocol):
 
     tier: str
 
-    async def request(self, subject: str, message: Message, *, timeout: float, tier: str = "") -> AnyMessage:
-        """Send ``message`` and wait for one reply.
+    async def request(
+        self, subject: str, message: Message, *, timeout: float, tier: str = "",
+        headers: Mapping[str, str] | None = None,
+    ) -> AnyMessage:  # fmt: skip
+        """Send ``message`` (with ``headers``) and wait for one reply.
 
         Raises :class:`RequestTimeout` (naming ``subject`` and ``tier``) when none comes in
         ``timeout`` s, :class:`NoResponders` when nobody listens on ``subject``,
@@ -175,11 +208,15 @@ class Dispatcher:
         """Handler tasks in flight."""
         return len(self._tasks)
 
-    async def deliver(self, data: bytes, reply: ReplyFn | None) -> None:
+    async def deliver(
+        self, data: bytes, reply: ReplyFn | None, headers: Mapping[str, str] | None = None
+    ) -> None:
         """Start the handler on ``data``; waits first while ``max_concurrency`` tasks are running."""
         if self._slots is not None:
             await self._slots.acquire()
-        task = asyncio.create_task(self._run(data, reply), name=f"handler:{self.subject}")
+        context = contextvars.copy_context()
+        context.run(_HEADERS.set, dict(headers or {}))  # what request_headers() returns in the task
+        task = asyncio.create_task(self._run(data, reply), name=f"handler:{self.subject}", context=context)
         self._tasks.add(task)
         task.add_done_callback(self._finished)
 

@@ -3,11 +3,11 @@
 By default a run starts its own reward worker on its own NATS server and cluster. With
 ``reward_url`` set, the run starts none: it scores on a shared server (``rlfleet-reward serve``)
 at that NATS URL and ``reward_cluster``, connecting a second transport when the URL is not the
-run's own, and sends ``reward_token`` with every request.
+run's own, and sends ``reward_token`` with every request, in the ``Rlfleet-Token`` header.
 
 ::
 
-    fleet.score ──► RewardControl.score ──(ScoreRequest + token)──► reward.score queue group
+    fleet.score ──► RewardControl.score ──(ScoreRequest, token header)──► reward.score queue group
     set_reward_fn / update_reward_model ──(SetRewardSpec)──► every reward worker's own subject
 
 Reward functions travel as specs, never as code (:func:`describe_reward_fn`). Every score carries
@@ -36,7 +36,7 @@ from rlfleet.common.messages import (
     SetRewardSpec,
 )
 from rlfleet.common.subjects import subject
-from rlfleet.common.transport import Transport
+from rlfleet.common.transport import TOKEN_HEADER, Transport
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.errors import RewardFnNotPortable, TierNotReady
 
@@ -162,6 +162,11 @@ class RewardControl:
                 await thing.close()
         self._owned.clear()
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """The credential header every request carries (none without a token)."""
+        return {TOKEN_HEADER: self.token} if self.token else {}
+
     # --- scoring ----------------------------------------------------------------------------
 
     async def score(
@@ -171,12 +176,14 @@ class RewardControl:
         """Score each rollout chunk; ``metadata[i]`` is chunk i's per-prompt metadata."""
         verb = subject(self.cluster, "reward", "score")
         requests = [
-            ScoreRequest(job_id=job, endpoint=endpoint, rollout=r.ref, metadata=list(meta), token=self.token)
+            ScoreRequest(job_id=job, endpoint=endpoint, rollout=r.ref, metadata=list(meta))
             for r, meta, job in zip(results, metadata, job_ids, strict=True)
         ]
         replies = await asyncio.gather(
             *(
-                self.transport.request(verb, req, timeout=self.request_timeout, tier="reward")
+                self.transport.request(
+                    verb, req, timeout=self.request_timeout, tier="reward", headers=self.headers
+                )  # fmt: skip
                 for req in requests
             )
         )
@@ -218,9 +225,10 @@ class RewardControl:
 
     async def set_reward(self, wire: Mapping[str, Any], endpoint: str) -> RewardSpecSet:
         """Send a hot swap to every reward worker; returns the last reply (all switch to one version)."""
-        message = SetRewardSpec(endpoint=endpoint, token=self.token, **dict(wire))
+        message = SetRewardSpec(endpoint=endpoint, **dict(wire))
         replies = await asyncio.gather(
-            *(self.transport.request(s, message, timeout=self.request_timeout, tier="reward")
+            *(self.transport.request(s, message, timeout=self.request_timeout, tier="reward",
+                                     headers=self.headers)
               for s in self._subjects())
         )  # fmt: skip
         for reply in replies:
@@ -232,9 +240,9 @@ class RewardControl:
 
     async def stats(self, endpoint: str = "") -> RewardStats:
         """Statistics of this run's token on one reward worker."""
-        message = RewardStatsRequest(token=self.token, endpoint=endpoint)
+        message = RewardStatsRequest(endpoint=endpoint)
         reply = await self.transport.request(self._subjects()[0], message, timeout=self.request_timeout,
-                                             tier="reward")  # fmt: skip
+                                             tier="reward", headers=self.headers)  # fmt: skip
         assert isinstance(reply, RewardStats), reply
         return reply
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from rlfleet.common.errors import RemoteError, RequestTimeout
 from rlfleet.common.messages import Message, RewardStatsRequest, SetRewardSpec
+from rlfleet.common.transport import TOKEN_HEADER
 
 TOKEN_ENV = "RLFLEET_REWARD_TOKEN"
 
@@ -49,20 +50,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def message_for(args: argparse.Namespace, token: str) -> Message:
+def message_for(args: argparse.Namespace) -> Message:
     """The control message an admin command sends."""
     if args.action == "stats":
-        return RewardStatsRequest(token=token, endpoint=args.endpoint)
+        return RewardStatsRequest(endpoint=args.endpoint)
     if args.action == "set-spec":
         spec = json.loads(args.spec) if args.spec.lstrip().startswith("{") else args.spec
         scaler = json.loads(args.scaler) if args.scaler else None
-        return SetRewardSpec(endpoint=args.endpoint, spec=spec, scaler=scaler, token=token)
+        return SetRewardSpec(endpoint=args.endpoint, spec=spec, scaler=scaler)
     return SetRewardSpec(endpoint=args.endpoint, model_path=os.path.abspath(args.path),
-                         component=args.component, token=token)  # fmt: skip
+                         component=args.component)  # fmt: skip
 
 
-async def send_to_all(url: str, cluster: str, message: Message, timeout: float) -> int:
-    """Send ``message`` to every reward worker of ``cluster``; print replies; return the exit code."""
+async def send_to_all(url: str, cluster: str, message: Message, timeout: float, token: str = "") -> int:
+    """Send ``message`` (``token`` in its ``Rlfleet-Token`` header) to every reward worker of ``cluster``;
+    print the replies; return the exit code."""
     from rlfleet.common.membership import WorkerRegistry
     from rlfleet.common.nats_transport import NatsTransport
 
@@ -79,7 +81,9 @@ async def send_to_all(url: str, cluster: str, message: Message, timeout: float) 
         await asyncio.sleep(0.2)  # let the other replicas' announces in
         for worker in registry.workers("reward") or workers:
             try:
-                reply = await transport.request(worker.subject, message, timeout=timeout, tier="reward")
+                headers = {TOKEN_HEADER: token} if token else None
+                reply = await transport.request(worker.subject, message, timeout=timeout, tier="reward",
+                                                headers=headers)  # fmt: skip
                 print(json.dumps({"worker": worker.worker_id, **reply.model_dump(mode="json")}))
             except (RemoteError, RequestTimeout, ConnectionError) as exc:
                 print(json.dumps({"worker": worker.worker_id, "error": str(exc)}))
@@ -94,8 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV, "")
     try:
-        message = message_for(args, token)
+        message = message_for(args)
     except (ValueError, json.JSONDecodeError) as exc:
         print(f"rlfleet-reward admin: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(send_to_all(args.nats, args.cluster, message, args.timeout))
+    return asyncio.run(send_to_all(args.nats, args.cluster, message, args.timeout, token))

@@ -6,7 +6,9 @@ Subjects (``rlfleet.<cluster>.reward.*``)::
     reward.worker.<id>      this worker alone: SetRewardSpec -> RewardSpecSet (hot swap),
                             RewardStatsRequest -> RewardStats, ScoreRequest, Shutdown
 
-Every request names an endpoint and carries a token (``ScoreRequest.token``). With tenants in the
+Every request names an endpoint and carries a token in its ``Rlfleet-Token`` header
+(:data:`rlfleet.common.transport.TOKEN_HEADER`; a message's own ``token`` field, which clients of
+protocol 1.1 filled, is read when the header is absent). With tenants in the
 config, the token says who is asking (:mod:`rlfleet.reward.tenants`): a tenant scores and reads
 statistics only on its own endpoints, within its quota, and hot-swaps only its own endpoints; the
 admin token may do anything, including creating endpoints. Without tenants the server is open.
@@ -33,12 +35,18 @@ from rlfleet.common.messages import (
 )
 from rlfleet.common.service import ServiceConfig, Worker
 from rlfleet.common.subjects import subject
+from rlfleet.common.transport import TOKEN_HEADER, request_headers
 from rlfleet.reward.endpoints import EndpointConfig, Endpoints
 from rlfleet.reward.tenants import TenantConfig, TenantTable, TokenSource
 
 logger = logging.getLogger(__name__)
 
 TEXT_TENSORS = ["prompt_text", "prompt_text_offsets", "response_text", "response_text_offsets", "group_index"]
+
+
+def credential(message: SetRewardSpec | ScoreRequest | RewardStatsRequest) -> str:
+    """The token a request carries: its ``Rlfleet-Token`` header, else its body's ``token`` (protocol 1.1)."""
+    return request_headers().get(TOKEN_HEADER) or message.token
 
 
 class RewardServiceConfig(ServiceConfig):
@@ -130,7 +138,7 @@ class RewardWorker(Worker[RewardServiceConfig]):
     async def set_spec(self, message: SetRewardSpec) -> RewardSpecSet:
         """Hot swap: build the endpoint's next version in the background, then switch to it."""
         name = message.endpoint
-        tenant = self.tenants.identify(message.token, f"set the reward of {name!r}")
+        tenant = self.tenants.identify(credential(message), f"set the reward of {name!r}")
         self.tenants.check_update(tenant, name)
         old, new, seconds = await self.endpoints.swap(
             name, spec=message.spec, model_path=message.model_path, component=message.component,
@@ -144,7 +152,7 @@ class RewardWorker(Worker[RewardServiceConfig]):
     async def score(self, request: ScoreRequest) -> ScoreResult:
         """Score one rollout batch on the version the endpoint serves when the request starts."""
         name = request.endpoint
-        tenant = self.tenants.identify(request.token, f"score on {name!r}")
+        tenant = self.tenants.identify(credential(request), f"score on {name!r}")
         self.tenants.check_endpoint(tenant, name)
         live = self.endpoints.get(name, self.tenants.visible(tenant, self.endpoints.names()))
         self.tenants.take_request(tenant)
@@ -168,7 +176,7 @@ class RewardWorker(Worker[RewardServiceConfig]):
 
     def stats(self, request: RewardStatsRequest) -> RewardStats:
         """Statistics of the endpoints the token may see (one, when the request names it)."""
-        tenant = self.tenants.identify(request.token, "read reward statistics")
+        tenant = self.tenants.identify(credential(request), "read reward statistics")
         names = self.tenants.visible(tenant, self.endpoints.names())
         if request.endpoint:
             self.tenants.check_endpoint(tenant, request.endpoint)
