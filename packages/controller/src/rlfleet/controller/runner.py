@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 import yaml
 
 from rlfleet.common.kl_control import build_kl_controller
-from rlfleet.common.tensor_store import TensorStoreClient, TensorStoreServer
 from rlfleet.controller.checkpoints import resolve_resume, resume_run, save_run_checkpoint
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptDataset
@@ -28,17 +27,16 @@ from rlfleet.controller.fleet import Fleet
 from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec, trainer_rank_specs
 from rlfleet.controller.loggers import ConsoleProgress, MetricSink, check_loggers, make_sinks
 from rlfleet.controller.models import resolve_model
+from rlfleet.controller.own_store import OwnStore
 from rlfleet.controller.reward_control import RewardControls, attach_reward
 from rlfleet.controller.samples import SampleTable
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-STORE_CAPACITY_BYTES = 1 << 30
-"""Capacity of the controller's own store; it holds one step's batch at a time."""
 
 
-class FleetRunner(RewardControls):
+class FleetRunner(RewardControls, OwnStore):
     """Base of the RL trainers: fleet lifecycle, event loop, metrics and checkpoints."""
 
     uses_rollouts: bool = True
@@ -76,7 +74,7 @@ class FleetRunner(RewardControls):
         self._sinks: list[MetricSink] = []
         self._progress: ConsoleProgress | None = None
         self._table: SampleTable | None = None
-        self._store: TensorStoreServer | None = None
+        self._store = None  # the controller's own TensorStore (OwnStore), started on first use
 
     @property
     def kl_coef(self) -> float:
@@ -340,11 +338,6 @@ class FleetRunner(RewardControls):
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.close()
 
-    def _stop_store(self) -> None:
-        store, self._store = self._store, None
-        if store is not None and self._loop is not None and not self._loop.is_closed():
-            self._loop.run_until_complete(store.stop())
-
     def _disconnect(self) -> None:
         """Cancel what a Ctrl-C left running, leave the control plane, cancel what is left."""
         loop = self._loop
@@ -373,28 +366,6 @@ class FleetRunner(RewardControls):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    async def own_store(self) -> TensorStoreServer:
-        """The controller's own TensorStore, started on first use, for batches the controller itself
-        makes (DPO pairs, responses a rollout fn wrote); the tiers fetch from it like any other."""
-        if self._store is None:
-            store = TensorStoreServer(capacity_bytes=STORE_CAPACITY_BYTES, ttl_s=3600.0)
-            # workers of a joined cluster may run on other machines: listen on every interface then
-            await store.start(host="127.0.0.1" if self.config.nats_url is None else "0.0.0.0")
-            self._store = store
-        return self._store
-
-    async def _release(self, results: list[Any]) -> None:
-        """Free consumed rollout batches in their workers' stores (or the controller's own)."""
-        for result in results:
-            if self._store is not None and result.ref.address == self._store.address:
-                self._store.delete(result.ref.key)
-                continue
-            client = TensorStoreClient(result.ref.address)
-            try:
-                await client.delete(result.ref.key)
-            finally:
-                await client.close()
 
 
 async def _leave(fleet: Fleet | None, transport: Any) -> None:
