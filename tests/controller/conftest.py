@@ -1,4 +1,5 @@
-"""Fixtures for controller tests: character tokenizers (with and without a chat template), data files."""
+"""Fixtures for controller tests: character tokenizers (with and without a chat template), data files,
+and ``fake_fleet``: the tiers answered in memory, for the unit tests of the trainers' step loops."""
 
 from __future__ import annotations
 
@@ -9,6 +10,17 @@ from typing import Any
 
 import pytest
 
+from rlfleet.common.messages import (
+    GenerateResult,
+    SamplingParams,
+    ScoreResult,
+    TrainStepResult,
+    WeightsLoaded,
+    WeightsPublished,
+)
+from rlfleet.common.refs import TensorRef
+from rlfleet.common.tensor_store import TensorStoreClient
+from rlfleet.controller.errors import TierDied
 from rlfleet.controller.tokenizers import build_char_tokenizer
 
 # A tiny ChatML-like template: each message as "<role>content\n", then "<assistant>" to answer.
@@ -39,3 +51,70 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
 def jsonl_file(tmp_path: Path) -> Callable[[list[dict[str, Any]]], Path]:
     """Write rows to ``tmp_path/data.jsonl`` and return the path."""
     return lambda rows: write_jsonl(tmp_path / "data.jsonl", rows)
+
+
+class FakeFleet:
+    """Answers the calls a GRPO/PPO/DPO step makes of the fleet (unit layer: no NATS, no workers).
+
+    Records each train-step request, fetches DPO batches from the controller's own store (a real
+    TensorStore), reports ``kl`` in the step metrics when given, and reports the trainer dead at
+    step ``fail_train_at``.
+    """
+
+    reward = None
+
+    def __init__(self, *, kl: float | None = None, fail_train_at: int | None = None) -> None:
+        self.version = 0
+        self.kl = kl
+        self.fail_train_at = fail_train_at
+        self.train_requests: list[dict[str, Any]] = []
+        self.fetched: list[dict[str, Any]] = []
+
+    async def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        weight_version: int,
+        *,
+        pool: str | None = None,
+    ) -> list[Any]:
+        assert weight_version == self.version, "generation must be pinned to the latest weights"
+        ref = TensorRef(address="fake:1", key=f"rollout/{self.version}")
+        return [GenerateResult(job_id="g", worker_id="rollout-0", weight_version=self.version, ref=ref,
+                               num_prompts=len(prompts), num_samples=len(prompts) * sampling.n)]  # fmt: skip
+
+    async def score(self, results: list[Any], metadata: list[Any], endpoint: str) -> list[ScoreResult]:
+        return [ScoreResult(job_id="s", endpoint=endpoint, spec_version="v0", scores=[0.5] * r.num_samples)
+                for r in results]  # fmt: skip
+
+    async def train_step(
+        self, step: int, rollouts: list[TensorRef], scores: list[float], hyper: dict[str, Any], *,
+        algorithm: str = "grpo",
+    ) -> TrainStepResult:  # fmt: skip
+        if step == self.fail_train_at:
+            raise TierDied("trainer", "trainer-0", 1, error="RuntimeError: out of memory")
+        self.train_requests.append({"step": step, "algorithm": algorithm, "num_scores": len(scores), **hyper})
+        if algorithm == "dpo":
+            client = TensorStoreClient(rollouts[0].address)
+            try:
+                self.fetched.append(await client.fetch(rollouts[0]))
+            finally:
+                await client.close()
+        metrics = {"loss": 0.1} if self.kl is None else {"loss": 0.1, "kl": self.kl}
+        return TrainStepResult(step=step, metrics=metrics, weight_version=self.version)
+
+    async def publish_weights(self, bucket_mb: float) -> WeightsPublished:
+        self.version += 1
+        return WeightsPublished(weight_version=self.version, buckets=[], nbytes=0, seconds=0.01)
+
+    async def load_weights(self, published: WeightsPublished) -> list[WeightsLoaded]:
+        return [WeightsLoaded(worker_id="rollout-0", weight_version=published.weight_version)]
+
+    async def close(self) -> None:
+        return None
+
+
+@pytest.fixture
+def fake_fleet() -> type[FakeFleet]:
+    """The :class:`FakeFleet` class: ``fake_fleet(kl=1.0)``, ``fake_fleet(fail_train_at=2)``."""
+    return FakeFleet

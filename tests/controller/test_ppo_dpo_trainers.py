@@ -8,16 +8,6 @@ from typing import Any
 
 import pytest
 
-from rlfleet.common.messages import (
-    GenerateResult,
-    SamplingParams,
-    ScoreResult,
-    TrainStepResult,
-    WeightsLoaded,
-    WeightsPublished,
-)
-from rlfleet.common.refs import TensorRef
-from rlfleet.common.tensor_store import TensorStoreClient
 from rlfleet.controller import DPOTrainer, GRPOTrainer, PPOTrainer, TrainerConfig
 from rlfleet.controller.cli import build_trainer
 from rlfleet.controller.config import JobConfig
@@ -28,61 +18,6 @@ pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = REPO / "examples" / "data" / "tiny_digits.jsonl"
 PAIRS = REPO / "examples" / "data" / "tiny_prefs.jsonl"
-
-
-class FakeFleet:
-    """Answers a step's calls; records train steps; reports a KL of 1.0; fetches DPO batches."""
-
-    reward = None
-
-    def __init__(self) -> None:
-        self.version = 0
-        self.train_requests: list[dict[str, Any]] = []
-        self.fetched: list[dict[str, Any]] = []
-
-    async def generate(
-        self,
-        prompts: list[list[int]],
-        sampling: SamplingParams,
-        weight_version: int,
-        *,
-        pool: str | None = None,
-    ) -> list[Any]:
-        ref = TensorRef(address="fake:1", key=f"rollout/{self.version}")
-        return [GenerateResult(job_id="g", worker_id="rollout-0", weight_version=self.version, ref=ref,
-                               num_prompts=len(prompts), num_samples=len(prompts) * sampling.n)]  # fmt: skip
-
-    async def score(self, results: list[Any], metadata: list[Any], endpoint: str) -> list[ScoreResult]:
-        return [ScoreResult(job_id="s", endpoint=endpoint, spec_version="v0", scores=[0.5] * r.num_samples)
-                for r in results]  # fmt: skip
-
-    async def train_step(
-        self,
-        step: int,
-        rollouts: list[TensorRef],
-        scores: list[float],
-        hyper: dict[str, Any],
-        *,
-        algorithm: str,
-    ) -> TrainStepResult:
-        self.train_requests.append({"step": step, "algorithm": algorithm, "num_scores": len(scores), **hyper})
-        if algorithm == "dpo":
-            client = TensorStoreClient(rollouts[0].address)
-            try:
-                self.fetched.append(await client.fetch(rollouts[0]))
-            finally:
-                await client.close()
-        return TrainStepResult(step=step, metrics={"loss": 0.1, "kl": 1.0}, weight_version=self.version)
-
-    async def publish_weights(self, bucket_mb: float) -> WeightsPublished:
-        self.version += 1
-        return WeightsPublished(weight_version=self.version, buckets=[], nbytes=0, seconds=0.01)
-
-    async def load_weights(self, published: WeightsPublished) -> list[WeightsLoaded]:
-        return [WeightsLoaded(worker_id="rollout-0", weight_version=published.weight_version)]
-
-    async def close(self) -> None:
-        return None
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +40,7 @@ def _no_release(trainer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_ppo_steps_send_ppo_and_an_adaptive_kl_coefficient(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_fleet
 ) -> None:
     config = _config(tmp_path, kl_coef=0.1, kl_ctrl="adaptive", kl_target=0.5, kl_horizon=80)
     trainer = PPOTrainer(actor_model_name=str(model_dir), reward_model_name=str(tmp_path),
@@ -114,7 +49,7 @@ def test_ppo_steps_send_ppo_and_an_adaptive_kl_coefficient(
     worker = trainer.trainer_worker_config()
     assert worker["algorithm"] == "ppo" and worker["algo"]["critic_model_path"] == str(model_dir)
     assert worker["algo"]["lam"] == 0.95 and worker["algo"]["kl_mode"] is None
-    fleet = FakeFleet()
+    fleet = fake_fleet(kl=1.0)
     trainer._fleet = fleet  # type: ignore[assignment]  # start() sees a fleet and starts nothing
     _no_release(trainer, monkeypatch)
     results = []
@@ -133,13 +68,13 @@ def test_ppo_steps_send_ppo_and_an_adaptive_kl_coefficient(
 
 
 def test_dpo_starts_only_a_trainer_and_ships_pairs_through_its_own_store(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_fleet
 ) -> None:
     trainer = DPOTrainer(str(model_dir), str(PAIRS), _config(tmp_path, beta=0.2))
     assert trainer.config.algorithm == "dpo" and trainer.tier_counts() == {"trainer": 1}
     specs = trainer.worker_specs()
     assert [s.tier for s in specs] == ["trainer"] and specs[0].config["algo"]["beta"] == 0.2
-    fleet = FakeFleet()
+    fleet = fake_fleet(kl=1.0)
     trainer._fleet = fleet  # type: ignore[assignment]
     results = list(trainer.steps(num_epochs=1, max_steps=2))
     store = trainer._store

@@ -11,70 +11,11 @@ from typing import Any
 
 import pytest
 
-from rlfleet.common.messages import (
-    GenerateResult,
-    SamplingParams,
-    ScoreResult,
-    TrainStepResult,
-    WeightsLoaded,
-    WeightsPublished,
-)
-from rlfleet.common.refs import TensorRef
 from rlfleet.controller import GRPOTrainer, PromptDataset, TrainerConfig
 from rlfleet.controller.errors import TierDied
 from rlfleet.controller.models import resolve_model
 
 DATA = Path(__file__).resolve().parents[2] / "examples" / "data" / "tiny_digits.jsonl"
-
-
-class FakeFleet:
-    """Answers the calls a GRPO step makes; records the train-step requests."""
-
-    def __init__(self, fail_train_at: int | None = None) -> None:
-        self.version = 0
-        self.train_requests: list[dict[str, Any]] = []
-        self.fail_train_at = fail_train_at
-
-    async def generate(
-        self,
-        prompts: list[list[int]],
-        sampling: SamplingParams,
-        weight_version: int,
-        *,
-        pool: str | None = None,
-    ) -> list[Any]:
-        assert weight_version == self.version, "generation must be pinned to the latest weights"
-        ref = TensorRef(address="fake:1", key=f"rollout/{self.version}")
-        return [GenerateResult(job_id="g", worker_id="rollout-0", weight_version=self.version, ref=ref,
-                               num_prompts=len(prompts), num_samples=len(prompts) * sampling.n)]  # fmt: skip
-
-    async def score(self, results: list[Any], metadata: list[Any], endpoint: str) -> list[ScoreResult]:
-        return [ScoreResult(job_id="s", endpoint=endpoint, spec_version="v0", scores=[0.5] * r.num_samples)
-                for r in results]  # fmt: skip
-
-    async def train_step(
-        self,
-        step: int,
-        rollouts: list[Any],
-        scores: list[float],
-        hyper: dict[str, Any],
-        *,
-        algorithm: str = "grpo",
-    ) -> Any:
-        if step == self.fail_train_at:
-            raise TierDied("trainer", "trainer-0", 1, error="RuntimeError: out of memory")
-        self.train_requests.append({"step": step, "num_scores": len(scores), "algorithm": algorithm, **hyper})
-        return TrainStepResult(step=step, metrics={"loss": 0.1}, weight_version=self.version)
-
-    async def publish_weights(self, bucket_mb: float) -> WeightsPublished:
-        self.version += 1
-        return WeightsPublished(weight_version=self.version, buckets=[], nbytes=0, seconds=0.01)
-
-    async def load_weights(self, published: WeightsPublished) -> list[WeightsLoaded]:
-        return [WeightsLoaded(worker_id="rollout-0", weight_version=published.weight_version)]
-
-    async def close(self) -> None:
-        return None
 
 
 class FakeLauncher:
@@ -100,9 +41,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return resolve_model("tiny:digits", cache_dir=tmp_path_factory.mktemp("models"))
 
 
-def _trainer(
-    model_dir: Path, tmp_path: Path, fleet: FakeFleet, monkeypatch: pytest.MonkeyPatch
-) -> GRPOTrainer:
+def _trainer(model_dir: Path, tmp_path: Path, fleet: Any, monkeypatch: pytest.MonkeyPatch) -> GRPOTrainer:
     config = TrainerConfig(rollout_batch_size=4, train_batch_size=4, group_size=2, kl_coef=0.05,
                            output_dir=str(tmp_path), loggers=["jsonl"], sample_table_size=0)  # fmt: skip
     trainer = GRPOTrainer(str(model_dir), "charset:allowed=0123456789", PromptDataset(str(DATA), 32), config)
@@ -116,9 +55,9 @@ def _trainer(
 
 
 def test_kl_coef_set_between_steps_reaches_the_next_train_step(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_fleet
 ) -> None:
-    fleet = FakeFleet()
+    fleet = fake_fleet()
     trainer = _trainer(model_dir, tmp_path, fleet, monkeypatch)
     results = []
     for result in trainer.steps(num_epochs=1, max_steps=3):
@@ -140,9 +79,9 @@ def test_kl_coef_set_between_steps_reaches_the_next_train_step(
 
 @pytest.mark.parametrize("bad", [-0.1, math.nan, math.inf])
 def test_kl_coef_rejects_values_a_loss_cannot_use(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: float
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: float, fake_fleet
 ) -> None:
-    trainer = _trainer(model_dir, tmp_path, FakeFleet(), monkeypatch)
+    trainer = _trainer(model_dir, tmp_path, fake_fleet(), monkeypatch)
     with pytest.raises(ValueError, match="kl_coef must be a finite number >= 0"):
         trainer.kl_coef = bad
     assert trainer.kl_coef == 0.05
@@ -150,9 +89,9 @@ def test_kl_coef_rejects_values_a_loss_cannot_use(
 
 
 def test_a_failed_step_stops_the_fleet(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_fleet
 ) -> None:
-    trainer = _trainer(model_dir, tmp_path, FakeFleet(fail_train_at=2), monkeypatch)
+    trainer = _trainer(model_dir, tmp_path, fake_fleet(fail_train_at=2), monkeypatch)
     launcher = FakeLauncher()
     trainer._launcher = launcher  # type: ignore[assignment]
     steps = trainer.steps(num_epochs=1, max_steps=5)
@@ -163,9 +102,9 @@ def test_a_failed_step_stops_the_fleet(
 
 
 def test_a_dead_process_ends_a_wait_at_once(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_fleet
 ) -> None:
-    trainer = _trainer(model_dir, tmp_path, FakeFleet(), monkeypatch)
+    trainer = _trainer(model_dir, tmp_path, fake_fleet(), monkeypatch)
     trainer._launcher = FakeLauncher(die_after=2)  # type: ignore[assignment]
     t0 = time.monotonic()
     with pytest.raises(TierDied, match="trainer worker trainer-0 was killed by signal SIGKILL"):
@@ -175,9 +114,9 @@ def test_a_dead_process_ends_a_wait_at_once(
 
 
 def test_a_request_failing_because_its_worker_died_reports_the_death(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_fleet
 ) -> None:
-    trainer = _trainer(model_dir, tmp_path, FakeFleet(), monkeypatch)
+    trainer = _trainer(model_dir, tmp_path, fake_fleet(), monkeypatch)
     trainer._launcher = FakeLauncher(die_after=2)  # type: ignore[assignment]
 
     async def lost_connection() -> None:
@@ -193,9 +132,9 @@ def test_a_request_failing_because_its_worker_died_reports_the_death(
 
 
 def test_close_stops_the_processes_even_when_leaving_the_control_plane_fails(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_fleet
 ) -> None:
-    trainer = _trainer(model_dir, tmp_path, FakeFleet(), monkeypatch)
+    trainer = _trainer(model_dir, tmp_path, fake_fleet(), monkeypatch)
     launcher = FakeLauncher()
     trainer._launcher = launcher  # type: ignore[assignment]
     trainer.run(asyncio.sleep(0))  # the loop exists

@@ -31,24 +31,30 @@ def _build_char_tokenizer(with_pad: bool = True) -> PreTrainedTokenizerFast:
     )
 
 
-def _build_tiny_model(seed: int, vocab_size: int, tie: bool = True) -> LlamaForCausalLM:
-    """A 2-layer Llama, hidden 32, with a wide init so its next-token distributions are not flat."""
+SHAPES: dict[str, dict[str, int]] = {
+    # hidden 32, 4 query heads, 2 KV heads: the HF engine's tests
+    "hf": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2},
+    # 2 query heads of dim 32 (vLLM's CPU attention needs >= 32), 1 KV head
+    "vllm": {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1},
+}
+
+
+def _build_tiny_model(seed: int, vocab_size: int, tie: bool = True, shape: str = "hf") -> LlamaForCausalLM:
+    """A 2-layer Llama of ``SHAPES[shape]`` with a wide init, so its next-token distributions are not flat."""
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=256,
         tie_word_embeddings=tie,
         initializer_range=0.2,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
+        **SHAPES[shape],
     )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="session")
@@ -81,27 +87,6 @@ def tiny_checkpoint(make_checkpoint: CheckpointBuilder) -> Path:
     return make_checkpoint()
 
 
-def _build_vllm_model(seed: int, vocab_size: int, tie: bool) -> LlamaForCausalLM:
-    """A 2-layer Llama, hidden 64, 2 query heads of dim 32 (vLLM's CPU attention needs >= 32), 1 KV head."""
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        tie_word_embeddings=tie,
-        initializer_range=0.2,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(config).eval()
-
-
 @pytest.fixture(scope="session")
 def make_vllm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> CheckpointBuilder:
     """Builder: ``make_vllm_checkpoint(seed=0, tie=True)`` -> dir with a tiny model vLLM can serve on CPU."""
@@ -111,7 +96,7 @@ def make_vllm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint
         if (seed, tie) not in made:
             path = tmp_path_factory.mktemp(f"vllm-llama-s{seed}-tie{int(tie)}")
             tokenizer = _build_char_tokenizer(True)
-            _build_vllm_model(seed, len(tokenizer), tie).save_pretrained(path)
+            _build_tiny_model(seed, len(tokenizer), tie, "vllm").save_pretrained(path)
             tokenizer.save_pretrained(path)
             made[(seed, tie)] = path
         return made[(seed, tie)]

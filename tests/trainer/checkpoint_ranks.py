@@ -21,24 +21,14 @@ from rlfleet.trainer.checkpoint import load_training_state, save_training_state
 from rlfleet.trainer.config import ActorConfig, OptimizerConfig
 from rlfleet.trainer.distributed import init_distributed
 
+sys.path.insert(0, str(Path(__file__).parent))
+from batches import contract_batch  # noqa: E402  (this folder's helper module)
+
 PROMPTS, RESPONSES = [3, 5, 2, 4, 5], [4, 2, 6, 1, 3]
 
 
 def _batch() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(3)
-    n, p, r = len(PROMPTS), max(PROMPTS), max(RESPONSES)
-    batch = {
-        "prompt_ids": torch.zeros((n, p), dtype=torch.int64),
-        "prompt_mask": torch.zeros((n, p), dtype=torch.int64),
-        "response_ids": torch.zeros((n, r), dtype=torch.int64),
-        "response_mask": torch.zeros((n, r), dtype=torch.int64),
-    }
-    for i, (pl, rl) in enumerate(zip(PROMPTS, RESPONSES, strict=True)):
-        batch["prompt_ids"][i, p - pl :] = torch.randint(3, 64, (pl,), generator=gen)
-        batch["prompt_mask"][i, p - pl :] = 1
-        batch["response_ids"][i, :rl] = torch.randint(3, 64, (rl,), generator=gen)
-        batch["response_mask"][i, :rl] = 1
-    return batch
+    return contract_batch(PROMPTS, RESPONSES, seed=3)
 
 
 def _update(actor: Actor, batch: dict[str, torch.Tensor], scale: float) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-VOCAB = 64
+sys.path.insert(0, str(Path(__file__).parent))
+from batches import VOCAB, contract_batch  # noqa: E402  (this folder's helper module)
 
 
 @pytest.fixture(scope="session")
@@ -34,31 +36,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _make_batch(
-    prompt_lens: list[int], response_lens: list[int], *, seed: int = 0, pad_id: int = 0
-) -> dict[str, torch.Tensor]:
-    """A contract batch: prompts left-padded to the longest, responses right-padded to the longest."""
-    gen = torch.Generator().manual_seed(seed)
-    n, p, r = len(prompt_lens), max(prompt_lens), max(response_lens)
-    batch = {
-        "prompt_ids": torch.full((n, p), pad_id, dtype=torch.int64),
-        "prompt_mask": torch.zeros((n, p), dtype=torch.int64),
-        "response_ids": torch.full((n, r), pad_id, dtype=torch.int64),
-        "response_mask": torch.zeros((n, r), dtype=torch.int64),
-    }
-    for i, (pl, rl) in enumerate(zip(prompt_lens, response_lens, strict=True)):
-        batch["prompt_ids"][i, p - pl :] = torch.randint(3, VOCAB, (pl,), generator=gen)
-        batch["prompt_mask"][i, p - pl :] = 1
-        batch["response_ids"][i, :rl] = torch.randint(3, VOCAB, (rl,), generator=gen)
-        batch["response_mask"][i, :rl] = 1
-    batch["group_index"] = torch.arange(n) // 2
-    return batch
-
-
 MakeBatch = Callable[..., dict[str, torch.Tensor]]
 
 
 @pytest.fixture
 def make_batch() -> MakeBatch:
-    """``make_batch(prompt_lens, response_lens, *, seed=0)`` -> a contract batch (see ``_make_batch``)."""
-    return _make_batch
+    """``make_batch(prompt_lens, response_lens, *, seed=0)`` -> a contract batch (``batches.py``)."""
+    return contract_batch

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from batches import contract_batch  # this folder's helper module (conftest puts it on sys.path)
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -40,19 +41,10 @@ def _free_port() -> int:
 
 def _inputs() -> dict[str, torch.Tensor]:
     """A contract batch (left-padded prompts, right-padded responses), advantages and perturbations."""
-    gen = torch.Generator().manual_seed(3)
-    n, p, r = len(PROMPTS), max(PROMPTS), max(RESPONSES)
-    data = {
-        "prompt_ids": torch.zeros((n, p), dtype=torch.int64),
-        "prompt_mask": torch.zeros((n, p), dtype=torch.int64),
-        "response_ids": torch.zeros((n, r), dtype=torch.int64),
-        "response_mask": torch.zeros((n, r), dtype=torch.int64),
-    }
-    for i, (pl, rl) in enumerate(zip(PROMPTS, RESPONSES, strict=True)):
-        data["prompt_ids"][i, p - pl :] = torch.randint(3, 64, (pl,), generator=gen)
-        data["prompt_mask"][i, p - pl :] = 1
-        data["response_ids"][i, :rl] = torch.randint(3, 64, (rl,), generator=gen)
-        data["response_mask"][i, :rl] = 1
+    data = contract_batch(PROMPTS, RESPONSES, seed=3)
+    del data["group_index"]
+    gen = torch.Generator().manual_seed(4)
+    n, r = data["response_ids"].shape
     data["advantages"] = torch.tensor([1.0, -0.5, 2.0, -1.0, 0.3])
     data["old_noise"] = 0.3 * torch.randn((n, r), generator=gen)  # so that clipping acts
     data["ref_shift"] = torch.full((n, r), -0.2)  # so that the KL term acts

@@ -51,7 +51,7 @@ from rlfleet.trainer.model_io import (
     set_seed,
     train_top_layers,
 )
-from rlfleet.trainer.optim import build_optimizer, clipped_step
+from rlfleet.trainer.optim import build_optimizer, clipped_step, mean_over_steps
 from rlfleet.trainer.prepared import METRIC_KEYS, PreparedBatch, batch_metrics, micro_batch_loss
 from rlfleet.trainer.weights import iter_weight_buckets
 
@@ -353,9 +353,7 @@ class Actor:
                 )
                 step.update(self.optimizer_step(plan.max_grad_norm))
                 per_step.append(step)
-        averaged = {key: sum(s[key] for s in per_step) / len(per_step) for key in per_step[0]}
-        averaged["num_optimizer_steps"] = float(len(per_step))
-        return averaged
+        return mean_over_steps(per_step)
 
     def iter_weight_buckets(
         self,

@@ -33,10 +33,9 @@ from rlfleet.trainer.algorithms.aggregation import LossAgg, aggregate, masked_su
 from rlfleet.trainer.algorithms.value import clipped_value_loss
 from rlfleet.trainer.config import OptimizerConfig
 from rlfleet.trainer.distributed import DistContext, all_reduce_sum
-from rlfleet.trainer.errors import ModelLoadError
 from rlfleet.trainer.fsdp import local_rows, shard_model
 from rlfleet.trainer.inputs import PolicyInputs
-from rlfleet.trainer.model_io import disable_dropout
+from rlfleet.trainer.model_io import disable_dropout, load_pretrained
 from rlfleet.trainer.optim import build_optimizer, clipped_step
 
 logger = logging.getLogger(__name__)
@@ -104,13 +103,7 @@ def load_value_model(
     Raises:
         ModelLoadError: the directory does not exist or has no ``config.json``.
     """
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(str(path), "no config.json there (expected a save_pretrained directory)")
-    kwargs: dict[str, object] = {"dtype": dtype, "local_files_only": True}
-    if attn_implementation is not None:
-        kwargs["attn_implementation"] = attn_implementation
-    backbone = AutoModel.from_pretrained(str(path), **kwargs)
+    backbone = load_pretrained(AutoModel, path, dtype=dtype, attn_implementation=attn_implementation)
     model = ValueModel(backbone.to(device), seed=seed)
     logger.info("loaded critic backbone %s (%s, %s) from %s", type(backbone).__name__, dtype, device, path)
     return model

@@ -46,6 +46,7 @@ from rlfleet.trainer.errors import InvalidBatch
 from rlfleet.trainer.fsdp import local_rows
 from rlfleet.trainer.inputs import PolicyInputs, build_policy_inputs
 from rlfleet.trainer.logprobs import token_logprobs
+from rlfleet.trainer.optim import mean_over_steps
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +201,6 @@ def dpo_update(
             step = dict(zip(DPO_METRICS, all_reduce_sum(sums, ctx).tolist(), strict=True))
             step.update(actor.optimizer_step(plan.max_grad_norm))
             per_step.append(step)
-    averaged = {key: sum(s[key] for s in per_step) / len(per_step) for key in per_step[0]}
-    averaged["num_optimizer_steps"] = float(len(per_step))
+    averaged = mean_over_steps(per_step)
     averaged["response_length"] = float(inputs.response_mask.sum(dim=-1).float().mean().item())
     return averaged

@@ -6,6 +6,7 @@ import logging
 import random
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,6 +38,23 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def load_pretrained(
+    auto_class: Any, path: str | Path, *, dtype: torch.dtype, attn_implementation: str | None = None
+) -> PreTrainedModel:
+    """``auto_class.from_pretrained`` of a local directory (no hub), in ``dtype``, on the CPU.
+
+    Raises:
+        ModelLoadError: the directory does not exist or has no ``config.json``.
+    """
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(str(path), "no config.json there (expected a save_pretrained directory)")
+    kwargs: dict[str, object] = {"dtype": dtype, "local_files_only": True}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    return auto_class.from_pretrained(str(path), **kwargs)
+
+
 def load_causal_lm(
     path: str | Path,
     *,
@@ -49,13 +67,7 @@ def load_causal_lm(
     Raises:
         ModelLoadError: the directory does not exist or has no ``config.json``.
     """
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(str(path), "no config.json there (expected a save_pretrained directory)")
-    kwargs: dict[str, object] = {"dtype": dtype, "local_files_only": True}
-    if attn_implementation is not None:
-        kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    model = load_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=attn_implementation)
     model.to(device)
     model.eval()
     logger.info("loaded %s (%s, %s) from %s", type(model).__name__, dtype, device, path)

@@ -58,3 +58,10 @@ def clipped_step(
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return float(grad_norm.item()), lr
+
+
+def mean_over_steps(per_step: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Each metric averaged over the optimizer steps of an update, plus ``num_optimizer_steps``."""
+    averaged = {key: sum(step[key] for step in per_step) / len(per_step) for key in per_step[0]}
+    averaged["num_optimizer_steps"] = float(len(per_step))
+    return averaged

@@ -37,6 +37,7 @@ from rlfleet.trainer.distributed import DistContext
 from rlfleet.trainer.dpo_update import DPOSettings, dpo_update, merge_preference_batches
 from rlfleet.trainer.errors import InvalidBatch
 from rlfleet.trainer.inputs import build_policy_inputs
+from rlfleet.trainer.optim import mean_over_steps
 from rlfleet.trainer.token_advantages import online_advantages
 
 if TYPE_CHECKING:
@@ -260,9 +261,7 @@ def train_steps(
             step.update(actor.forward_backward(prepared, rows, micro_batch_size=mbs, loss=loss))
             step.update(actor.optimizer_step(plan.max_grad_norm))
             per_step.append(step)
-    averaged = {key: sum(s[key] for s in per_step) / len(per_step) for key in per_step[0]}
-    averaged["num_optimizer_steps"] = float(len(per_step))
-    return averaged
+    return mean_over_steps(per_step)
 
 
 def _critic_step(
