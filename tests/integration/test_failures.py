@@ -177,10 +177,10 @@ def test_sigterm_while_starting_stops_every_process_the_run_started(
 def test_ctrl_c_stops_every_process_the_run_started(
     tmp_path: Path, venv_script, cli_env, tiny_model_dir, procs
 ) -> None:
-    out = tmp_path / "run"
+    out = tmp_path / "run"  # long enough (150 steps take 14 s on a quiet machine) to be interrupted
     command = [venv_script("rlfleet"), "train", str(EXAMPLE), f"output_dir={out}", f"model={tiny_model_dir}",
-               "max_steps=500", "log_every=1", "sample_table_size=0", "rollout_batch_size=4",
-               "train_batch_size=4", "group_size=4"]  # fmt: skip
+               "num_epochs=1000", "max_steps=100000", "log_every=1", "sample_table_size=0",
+               "rollout_batch_size=4", "train_batch_size=4", "group_size=4"]  # fmt: skip
     proc = subprocess.Popen(
         command, cwd=REPO, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
