@@ -53,6 +53,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=96, help="response length cap")
     parser.add_argument("--reps", type=int, default=5, help="timed rounds per path")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.3,
+        help="CUDA: each engine's share of the GPU (the bare engine and the worker share one)",
+    )
+    parser.add_argument(
+        "--eager", action="store_true", help="CUDA: no torch.compile / CUDA graphs (both paths)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     return parser.parse_args()
 
@@ -69,7 +78,8 @@ def worker_settings(args: argparse.Namespace, model_path: str) -> dict[str, Any]
         "model_path": model_path, "engine": "vllm", "device": args.device,
         "dtype": "float32" if args.device == "cpu" else "bfloat16", "max_batch_size": args.prompts * args.n,
         "cache_policy": "lru", "max_cache_len": 512, "cluster": CLUSTER, "worker_id": "rollout-bench",
-        "log_level": "WARNING",
+        "log_level": "WARNING", "gpu_memory_utilization": args.gpu_memory_utilization,
+        "enforce_eager": True if args.eager or args.device == "cpu" else None,
     }  # fmt: skip
 
 
@@ -84,11 +94,21 @@ def bare_rounds(settings: dict[str, Any], prompts: list[list[int]], sampling: Sa
     info = read_checkpoint(settings["model_path"])
     vllm = import_vllm(settings["device"], 1.0)
     llm = vllm.LLM(
-        model=settings["model_path"], dtype=kwargs["dtype"], seed=0, max_num_seqs=kwargs["max_batch_size"],
+        model=settings["model_path"],
+        dtype=kwargs["dtype"],
+        seed=0,
+        max_num_seqs=kwargs["max_batch_size"],
         max_model_len=context_cap(kwargs["max_model_len"], info.max_positions),
-        enforce_eager=kwargs["enforce_eager"], enable_prefix_caching=kwargs["enable_prefix_caching"],
-        distributed_executor_backend="uni", logprobs_mode=LOGPROBS_MODE,
-    )  # fmt: skip
+        enforce_eager=kwargs["enforce_eager"],
+        enable_prefix_caching=kwargs["enable_prefix_caching"],
+        distributed_executor_backend="uni",
+        logprobs_mode=LOGPROBS_MODE,
+        **(
+            {"gpu_memory_utilization": kwargs["gpu_memory_utilization"]}
+            if settings["device"] == "cuda"
+            else {}
+        ),
+    )
     params = vllm.SamplingParams(
         n=sampling.n, temperature=sampling.temperature, max_tokens=sampling.max_tokens,
         stop_token_ids=list(info.eos_ids), logprobs=0,
@@ -137,7 +157,9 @@ async def service_round(
 def start_worker(settings: dict[str, Any], nats_url: str, folder: Path) -> subprocess.Popen[bytes]:
     config = folder / "rollout.yaml"
     config.write_text(yaml.safe_dump({**settings, "nats_url": nats_url}))
-    script = Path(sys.executable).with_name("rlfleet-rollout")
+    from rlfleet.controller.launcher import find_script
+
+    script = find_script("rlfleet-rollout")  # beside the interpreter, else on PATH
     log = (folder / "rollout.log").open("wb")
     return subprocess.Popen(
         [str(script), "serve", "--config", str(config)], stdout=log, stderr=subprocess.STDOUT

@@ -69,6 +69,7 @@ class FakeFleet:
         self.fail_train_at = fail_train_at
         self.train_requests: list[dict[str, Any]] = []
         self.fetched: list[dict[str, Any]] = []
+        self.published_with: list[tuple[str, str]] = []  # (carrier setting, dtype) of each publish
 
     async def generate(
         self,
@@ -103,7 +104,10 @@ class FakeFleet:
         metrics = {"loss": 0.1} if self.kl is None else {"loss": 0.1, "kl": self.kl}
         return TrainStepResult(step=step, metrics=metrics, weight_version=self.version)
 
-    async def publish_weights(self, bucket_mb: float) -> WeightsPublished:
+    async def publish_weights(
+        self, bucket_mb: float, weight_version: int = -1, *, carrier: str = "grpc", dtype: str = ""
+    ) -> WeightsPublished:
+        self.published_with.append((carrier, dtype))
         self.version += 1
         return WeightsPublished(weight_version=self.version, buckets=[], nbytes=0, seconds=0.01)
 

@@ -75,6 +75,7 @@ def test_kl_coef_set_between_steps_reaches_the_next_train_step(
         (3, 3),
     ]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+    assert fleet.published_with == [("auto", "")] * 3  # float32 engines: published as the trainer holds them
 
 
 @pytest.mark.parametrize("bad", [-0.1, math.nan, math.inf])

@@ -124,6 +124,13 @@ async def test_two_trainer_ranks_serve_like_one_process(tmp_path: Path, tiny_mod
         weights: dict[str, torch.Tensor] = {}
         for bucket in published.buckets:
             weights.update(await client.fetch(bucket))
+        # in the engines' dtype: rank 1 gathers in bf16 too (a dtype mismatch would hang the gathers)
+        halved = await ranks.ask(
+            "publish", PublishWeights(weight_version=2, bucket_mb=0.01, dtype="bfloat16")
+        )
+        assert isinstance(halved, WeightsPublished) and halved.nbytes * 2 == published.nbytes
+        first = await client.fetch(halved.buckets[0])
+        assert {t.dtype for t in first.values()} == {torch.bfloat16}
         await client.close()
         ranks.fleet.check()  # both ranks still run
     assert procs.survivors(ranks.pids) == []

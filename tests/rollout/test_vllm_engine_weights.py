@@ -124,3 +124,16 @@ def test_a_single_tensor_block_loads_at_once(engine: VLLMEngine, make_vllm_check
     reference.load_weights({"model.norm.weight": norm})
     assert engine.weight_version == 5
     _assert_same(engine.generate(PROMPTS, GREEDY), reference.generate(PROMPTS, GREEDY))
+
+
+def test_cuda_ipc_loads_are_refused_on_cpu_before_anything_loads(engine: VLLMEngine) -> None:
+    from rlfleet.common.carriers import IpcBucket
+    from rlfleet.rollout.errors import IpcUnavailable
+
+    tensors = [{"name": EMBED, "dtype": "float32", "shape": [1], "offset": 0}]
+    bucket = IpcBucket(
+        gpu_uuid="2703ff26-bf43", handle="QUFB", storage_bytes=256, storage_offset=0, tensors=tensors
+    )
+    with pytest.raises(IpcUnavailable, match="one CUDA device"):
+        engine.load_ipc([bucket])
+    assert engine.gpu_uuids == []

@@ -11,7 +11,7 @@ from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.config import ActorConfig
 from rlfleet.trainer.errors import ModelLoadError
 from rlfleet.trainer.model_io import load_causal_lm
-from rlfleet.trainer.weights import tied_aliases
+from rlfleet.trainer.weights import iter_weight_buckets, tied_aliases
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -87,3 +87,29 @@ def test_save_hf_round_trips_with_the_tokenizer(tiny_model_dir: Path, tmp_path: 
 def test_missing_model_dir_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="config.json"):
         load_causal_lm(tmp_path / "nowhere")
+
+
+def test_gpu_buckets_and_ipc_sharing_refuse_a_cpu_model_clearly(tiny_model_dir: Path) -> None:
+    from rlfleet.trainer.ipc_share import share_bucket
+    from rlfleet.trainer.weights import to_host
+
+    model = load_causal_lm(tiny_model_dir)
+    with pytest.raises(ValueError, match="needs a model on a CUDA device"):
+        next(iter_weight_buckets(model, bucket_bytes=1 << 20, on_device=True))
+    bucket = next(iter_weight_buckets(model, bucket_bytes=1 << 20))
+    with pytest.raises(ValueError, match="on the CPU"):
+        share_bucket(bucket)
+    with pytest.raises(ValueError, match="empty bucket"):
+        share_bucket({})
+    assert to_host(bucket) is bucket  # already on the host
+
+
+async def test_a_cpu_trainer_refuses_to_publish_by_cuda_ipc() -> None:
+    from types import SimpleNamespace
+
+    from rlfleet.common.messages import PublishWeights
+    from rlfleet.trainer.service import TrainerWorker
+
+    worker = SimpleNamespace(actor=SimpleNamespace(device=torch.device("cpu")))
+    with pytest.raises(ValueError, match="needs the trainer on a GPU"):
+        await TrainerWorker.publish(worker, PublishWeights(carriers=["cuda_ipc"]))  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlfleet.common.errors import MessageDecodeError, ProtocolMismatch
 
-PROTOCOL = "1.2"
+PROTOCOL = "1.3"
 """The wire schema version this code speaks: bump MINOR for additive changes, MAJOR otherwise."""
 
 Tier = Literal["controller", "rollout", "reward", "trainer"]

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from rlfleet.common.carriers import IpcBucket, WeightCarrier
 from rlfleet.common.errors import MessageDecodeError, MessageTooLarge
 from rlfleet.common.message_base import (  # noqa: F401 - re-exported: messages is the one import
     MAX_MESSAGE_BYTES,
@@ -40,6 +41,9 @@ class WorkerAnnounce(Message):
     weight_version: int = -1
     pool: str = "default"
     pid: int = 0
+    gpu_uuids: list[str] = Field(
+        default_factory=list, max_length=64, description="GPUs the worker's model lives on (empty: CPU)"
+    )
 
 
 class Heartbeat(Message):
@@ -118,6 +122,9 @@ class LoadWeights(Message):
     weight_version: int
     buckets: list[TensorRef]
     dtype: str = Field(default="", description="dtype the engine should load as; empty: keep")
+    ipc_buckets: list[IpcBucket] = Field(
+        default_factory=list, description="the same weights shared by CUDA IPC (a worker on that GPU)"
+    )
 
 
 class WeightsLoaded(Message):
@@ -127,6 +134,7 @@ class WeightsLoaded(Message):
     worker_id: str
     weight_version: int
     seconds: float = 0.0
+    carrier: WeightCarrier = Field(default="grpc", description="how the weights arrived")
 
 
 # --- reward ---------------------------------------------------------------------------------
@@ -254,6 +262,13 @@ class PublishWeights(Message):
     kind: Literal["trainer.publish"] = "trainer.publish"
     weight_version: int = Field(default=-1, description="-1: next version")
     bucket_mb: float = 64.0
+    carriers: list[WeightCarrier] = Field(
+        default_factory=lambda: ["grpc"], min_length=1, max_length=2,
+        description="how the rollout workers will load it (the controller picks one per worker)",
+    )  # fmt: skip
+    dtype: Literal["", "float32", "bfloat16", "float16"] = Field(
+        default="", description="publish floating weights in this dtype (the engines'); empty: the trainer's"
+    )
 
 
 class WeightsPublished(Message):
@@ -265,6 +280,9 @@ class WeightsPublished(Message):
     nbytes: int
     seconds: float
     loaded_by: list[str] = Field(default_factory=list)
+    ipc_buckets: list[IpcBucket] = Field(
+        default_factory=list, description="the version's buckets shared by CUDA IPC, when asked for"
+    )
 
 
 class LatestWeights(Message):

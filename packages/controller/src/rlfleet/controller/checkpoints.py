@@ -143,5 +143,11 @@ async def _restore_tiers(runner: FleetRunner, path: Path, version: int, publish:
     fleet = runner.fleet
     await fleet.load_checkpoint(str(path), version)
     if publish:
-        published = await fleet.publish_weights(runner.config.weight_bucket_mb, weight_version=version)
+        cfg = runner.config
+        published = await fleet.publish_weights(
+            cfg.weight_bucket_mb,
+            weight_version=version,
+            carrier=cfg.weight_carrier,
+            dtype=cfg.publish_dtype(),
+        )
         await fleet.load_weights(published)

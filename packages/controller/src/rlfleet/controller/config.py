@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from rlfleet.common.carriers import CarrierSetting
 from rlfleet.controller.algo_config import OFFLINE_ALGORITHMS, AlgorithmFields, check_algorithm_fields
 
 
@@ -116,6 +117,12 @@ class TrainerConfig(AlgorithmFields):
         default_factory=lambda: ["console", "jsonl", "tensorboard"], description="metric sinks"
     )
     weight_bucket_mb: float = Field(default=64.0, gt=0.0, description="weight publish bucket size")
+    weight_carrier: CarrierSetting = Field(
+        default="auto",
+        description="how published weights reach rollout workers: auto = CUDA IPC for a worker on the "
+        "trainer's GPU (colocated), gRPC for the others; grpc = always the tensor plane; "
+        "cuda_ipc = demand IPC",
+    )
     reward_endpoint: str = Field(default="default", description="reward endpoint that scores rollouts")
     reward_url: str | None = Field(
         default=None,
@@ -199,6 +206,15 @@ class TrainerConfig(AlgorithmFields):
         if not self.rollout_pools:
             return {"default": self.num_rollout_workers}
         return {name: pool.workers for name, pool in self.rollout_pools.items()}
+
+    def publish_dtype(self) -> str:
+        """The dtype weights are published in: the engines' when every pool runs one reduced dtype
+        (they would cast to it on load anyway: half the bytes to move), else the trainer's own ("")."""
+        dtypes = {self.rollout.dtype}
+        for pool in (self.rollout_pools or {}).values():
+            dtypes.add(pool.dtype or self.rollout.dtype)
+        only = dtypes.pop() if len(dtypes) == 1 else ""
+        return only if only in ("bfloat16", "float16") else ""
 
     @model_validator(mode="after")
     def _check_algorithm(self) -> TrainerConfig:

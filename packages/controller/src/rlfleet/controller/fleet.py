@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from rlfleet.common.carriers import CarrierSetting, WeightCarrier, carrier_for
 from rlfleet.common.errors import NoResponders, RemoteError, RequestTimeout
 from rlfleet.common.membership import WorkerRegistry
 from rlfleet.common.messages import (
@@ -123,7 +124,8 @@ class Fleet:
         return task
 
     async def _load_one(self, worker: Any, published: WeightsPublished) -> None:
-        message = LoadWeights(weight_version=published.weight_version, buckets=published.buckets)
+        message = LoadWeights(weight_version=published.weight_version, buckets=published.buckets,
+                              ipc_buckets=published.ipc_buckets)  # fmt: skip
         try:
             reply = await self.gone.request(self.transport, worker, message, timeout=self.request_timeout)
         except (RequestTimeout, ConnectionError, RemoteError) as exc:
@@ -213,7 +215,8 @@ class Fleet:
         """Every rollout worker pulls the published buckets straight from the trainer's store."""
         self.published = published
         self._admitting = {k: t for k, t in self._admitting.items() if k[1] == published.weight_version}
-        message = LoadWeights(weight_version=published.weight_version, buckets=published.buckets)
+        message = LoadWeights(weight_version=published.weight_version, buckets=published.buckets,
+                              ipc_buckets=published.ipc_buckets)  # fmt: skip
         workers = self.rollout_workers()
         replies = await asyncio.gather(
             *(self.gone.request(self.transport, w, message, timeout=self.request_timeout) for w in workers),
@@ -294,9 +297,21 @@ class Fleet:
         assert isinstance(reply, TrainStepResult), reply
         return reply
 
-    async def publish_weights(self, bucket_mb: float, weight_version: int = -1) -> WeightsPublished:
-        """Stage the trainer's weights as ``weight_version`` (-1: the next one)."""
-        message = PublishWeights(bucket_mb=bucket_mb, weight_version=weight_version)
+    def weight_carriers(self, setting: CarrierSetting) -> list[WeightCarrier]:
+        """The carriers the live rollout workers need from the trainer (one per link, see
+        :func:`~rlfleet.common.carriers.carrier_for`); ``cuda_ipc`` that cannot reach a worker raises."""
+        trainers = self.registry.workers("trainer")
+        trainer_gpus = trainers[0].announce.gpu_uuids if trainers else []
+        chosen = {carrier_for(setting, trainer_gpus, w.announce.gpu_uuids) for w in self.rollout_workers()}
+        return sorted(chosen) or ["grpc"]
+
+    async def publish_weights(
+        self, bucket_mb: float, weight_version: int = -1, *, carrier: CarrierSetting = "grpc", dtype: str = ""
+    ) -> WeightsPublished:
+        """Stage the trainer's weights as ``weight_version`` (-1: the next one), for the carriers the
+        rollout workers need under ``carrier`` (``auto``: CUDA IPC to workers on the trainer's GPU)."""
+        message = PublishWeights(bucket_mb=bucket_mb, weight_version=weight_version,
+                                 carriers=self.weight_carriers(carrier), dtype=dtype)  # fmt: skip
         reply = await self.transport.request(
             self._trainer("publish"), message, timeout=self.request_timeout, tier="trainer"
         )

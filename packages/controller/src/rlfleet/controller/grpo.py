@@ -94,7 +94,8 @@ class GRPOTrainer(StepLoop):
         refs = [r.ref for r in results]
         stepped = await fleet.train_step(self.global_step + 1, refs, scores, hyper, algorithm=cfg.algorithm)
         t3 = time.perf_counter()
-        published = await fleet.publish_weights(cfg.weight_bucket_mb)
+        published = await fleet.publish_weights(cfg.weight_bucket_mb, carrier=cfg.weight_carrier,
+                                                dtype=cfg.publish_dtype())  # fmt: skip
         loaded = await fleet.load_weights(published)
         self.weight_version = published.weight_version
         t4 = time.perf_counter()
@@ -107,6 +108,7 @@ class GRPOTrainer(StepLoop):
             "weight_version": float(self.weight_version),
             "rollout/weight_version_min": float(min(r.weight_version for r in loaded)),
             "rollout/load_s_max": max(r.seconds for r in loaded),
+            "publish/ipc_workers": float(sum(r.carrier == "cuda_ipc" for r in loaded)),
             "kl_coef": float(self.kl_coef),  # the one this step used; the controller moves on below
             "time/generate_s": t1 - t0,
             "time/score_s": t2 - t1,
@@ -115,6 +117,7 @@ class GRPOTrainer(StepLoop):
             "time/step_s": t4 - t0,
             "throughput/gen_tok_s": generated / max(t1 - t0, 1e-9),
             "publish/mb": published.nbytes / 2**20,
+            "publish/trainer_s": published.seconds,
             "publish/mb_s": published.nbytes / 2**20 / max(published.seconds, 1e-9),
         })  # fmt: skip
         advance_kl_controller(self.kl_controller, metrics, len(scores))

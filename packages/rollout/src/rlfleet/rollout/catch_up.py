@@ -4,7 +4,9 @@ The trainer answers ``rlfleet.<cluster>.trainer.latest`` with the :class:`Weight
 its current version; the worker pulls those buckets from the trainer's TensorStore exactly as for
 a regular publish. Before the first publish (or with no trainer running yet, as when the embedded
 launcher starts the tiers together) the model on disk is the current version and nothing is loaded.
-A publish may delete the buckets while the worker fetches them: it then asks again.
+A publish may delete the buckets while the worker fetches them: it then asks again. A version
+shared only by CUDA IPC with another GPU cannot be loaded here: the worker joins at the version it
+holds, and the controller, which now sees it, stages gRPC buckets too from the next publish on.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from rlfleet.common.errors import NoResponders, RequestTimeout, TensorError
 from rlfleet.common.messages import LatestWeights, LoadWeights, WeightsLoaded, WeightsPublished
 from rlfleet.common.subjects import subject
 from rlfleet.common.transport import Transport
+from rlfleet.rollout.errors import NoUsableCarrier
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +58,16 @@ async def catch_up(
     """  # fmt: skip
     for attempt in range(1, attempts + 1):
         latest = await latest_weights(transport, cluster, worker_id, timeout)
-        if latest is None or latest.weight_version == current or not latest.buckets:
+        if latest is None or latest.weight_version == current or not (latest.buckets or latest.ipc_buckets):
             return current
+        message = LoadWeights(weight_version=latest.weight_version, buckets=latest.buckets,
+                              ipc_buckets=latest.ipc_buckets)  # fmt: skip
         try:
-            loaded = await load(LoadWeights(weight_version=latest.weight_version, buckets=latest.buckets))
+            loaded = await load(message)
+        except NoUsableCarrier as exc:  # shared by CUDA IPC with another GPU: wait for the next publish
+            logger.warning("%s; joining at version %d, the controller admits this worker after the next "
+                           "publish", exc, current)  # fmt: skip
+            return current
         except (TensorError, ConnectionError) as exc:
             if attempt == attempts:
                 raise

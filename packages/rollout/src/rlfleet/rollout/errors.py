@@ -158,3 +158,33 @@ class EngineUnavailable(RlfleetError, ImportError):
         self.engine = name
         self.reason = reason
         super().__init__(f"rollout engine {name!r} is unavailable: {reason}")
+
+
+class IpcUnavailable(RlfleetError, ValueError):
+    """A CUDA IPC weight bucket cannot be used here (another GPU, no CUDA, a malformed handle)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"cannot load weights over CUDA IPC: {reason}")
+
+
+class NoUsableCarrier(RlfleetError, ValueError):
+    """A weight load offered no carrier this worker can use (IPC buckets for another GPU, no gRPC ones)."""
+
+    def __init__(self, worker_id: str, version: int, reason: str) -> None:
+        self.worker_id = worker_id
+        self.version = version
+        self.reason = reason
+        super().__init__(f"rollout worker {worker_id} cannot load weight version {version}: {reason}")
+
+
+class UnsupportedVLLM(RlfleetError, ImportError):
+    """The installed vLLM is outside the range this engine is tested with."""
+
+    def __init__(self, version: str, supported: str) -> None:
+        self.version = version
+        self.supported = supported
+        super().__init__(
+            f"vLLM {version} is installed, but rlfleet's vLLM engine supports {supported}; install a "
+            "release in that range (or set RLFLEET_VLLM_ANY_VERSION=1 to try it anyway)"
+        )

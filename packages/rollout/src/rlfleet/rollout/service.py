@@ -1,7 +1,9 @@
 """The rollout tier's worker: generate jobs in, rollout refs out; weights pulled in place.
 
 Results stay in the worker's own TensorStore; the reply carries only a :class:`TensorRef`, so the
-reward and trainer tiers stream them straight from here. A generate request pinned to a weight
+reward and trainer tiers stream them straight from here. Weights arrive by the carrier that
+suits this worker (:mod:`rlfleet.common.carriers`): CUDA IPC from a trainer on the same GPU,
+else the trainer's TensorStore over gRPC. A generate request pinned to a weight
 version this worker does not hold is refused as retryable, never served on stale weights.
 """
 
@@ -22,7 +24,7 @@ from rlfleet.common.tensor_store import TensorStoreClient, TensorStoreServer
 from rlfleet.rollout.catch_up import catch_up
 from rlfleet.rollout.engines.registry import make_engine, resolve_engine_name
 from rlfleet.rollout.engines.tensors import to_rollout_tensors
-from rlfleet.rollout.errors import StaleWeights
+from rlfleet.rollout.errors import NoUsableCarrier, StaleWeights
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,7 @@ class RolloutWorker(Worker[RolloutServiceConfig]):
             make_engine, name, cfg.model_path, **engine_kwargs(cfg, name, device)
         )  # fmt: skip
         self.weight_version = self.engine.weight_version
+        self.gpu_uuids: list[str] = list(getattr(self.engine, "gpu_uuids", []))
         self.store = TensorStoreServer(capacity_bytes=int(cfg.store_capacity_mb * 2**20),
                                        ttl_s=cfg.store_ttl_s)  # fmt: skip
         self.data_address = await self.store.start()
@@ -97,7 +100,7 @@ class RolloutWorker(Worker[RolloutServiceConfig]):
 
     def announce_fields(self) -> dict[str, object]:
         return {"data_address": self.data_address, "capacity": self.config.capacity,
-                "model_id": self.config.model_path}  # fmt: skip
+                "model_id": self.config.model_path, "gpu_uuids": self.gpu_uuids}  # fmt: skip
 
     async def handle_own(self, message: AnyMessage) -> AnyMessage | None:
         if isinstance(message, GenerateRequest):
@@ -131,11 +134,36 @@ class RolloutWorker(Worker[RolloutServiceConfig]):
             num_tokens=sum(len(c.token_ids) for c in completions), seconds=seconds,
         )  # fmt: skip
 
+    def carrier(self, message: LoadWeights) -> str:
+        """``cuda_ipc`` when the message's IPC buckets live on this engine's GPU, else ``grpc``.
+
+        Raises :class:`NoUsableCarrier` when neither can serve this worker.
+        """
+        if message.ipc_buckets and len(self.gpu_uuids) == 1:
+            if all(b.gpu_uuid == self.gpu_uuids[0] for b in message.ipc_buckets):
+                return "cuda_ipc"
+        if message.buckets or not message.ipc_buckets:
+            return "grpc"
+        where = sorted({b.gpu_uuid for b in message.ipc_buckets})
+        mine = ", ".join(self.gpu_uuids) or "the CPU"
+        raise NoUsableCarrier(
+            self.worker_id,
+            message.weight_version,
+            f"it came only by CUDA IPC from GPU {', '.join(where)}, this worker runs on {mine}",
+        )
+
     async def load_weights(self, message: LoadWeights) -> WeightsLoaded:
-        """Pull each bucket from the trainer's store and load it in place, then switch version."""
+        """Load the version in place by the best carrier for this worker, then switch version.
+
+        CUDA IPC (the trainer shares this GPU): the engine maps the trainer's buffers. gRPC: each
+        bucket is pulled from the trainer's store and loaded as it arrives.
+        """
         t0 = time.perf_counter()
+        carrier = self.carrier(message)
         async with self._gpu:
-            for ref in message.buckets:
+            if carrier == "cuda_ipc":
+                await asyncio.to_thread(self.engine.load_ipc, message.ipc_buckets)
+            for ref in message.buckets if carrier == "grpc" else ():
                 client = self._clients.get(ref.address)
                 if client is None:
                     client = self._clients[ref.address] = TensorStoreClient(ref.address)
@@ -144,8 +172,9 @@ class RolloutWorker(Worker[RolloutServiceConfig]):
             self.engine.set_weight_version(message.weight_version)
             self.weight_version = message.weight_version
         seconds = time.perf_counter() - t0
-        logger.info("loaded weight version %d in %.2fs", message.weight_version, seconds)
-        return WeightsLoaded(worker_id=self.worker_id, weight_version=message.weight_version, seconds=seconds)
+        logger.info("loaded weight version %d by %s in %.3fs", message.weight_version, carrier, seconds)
+        return WeightsLoaded(worker_id=self.worker_id, weight_version=message.weight_version, seconds=seconds,
+                             carrier=carrier)  # fmt: skip
 
     async def teardown(self) -> None:
         for client in self._clients.values():

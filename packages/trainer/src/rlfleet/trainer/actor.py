@@ -362,6 +362,7 @@ class Actor:
         dtype: torch.dtype | None = None,
         include_tied: bool = False,
         pin_memory: bool = False,
+        on_device: bool = False,
     ) -> Iterator[dict[str, Tensor]]:
         """The policy's trainable state dict in buckets, kept by rank 0 (``{}`` on other ranks).
 
@@ -369,7 +370,7 @@ class Actor:
         """
         return iter_weight_buckets(
             self.model, bucket_bytes, dtype=dtype, include_tied=include_tied, only=self.trainable,
-            keep=self.dist.is_main, pin_memory=pin_memory,
+            keep=self.dist.is_main, pin_memory=pin_memory, on_device=on_device and self.dist.is_main,
         )  # fmt: skip
 
     def save_hf(self, path: str | Path) -> Path:

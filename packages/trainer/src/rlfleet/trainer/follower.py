@@ -63,7 +63,9 @@ class Follower:
             except InvalidBatch as exc:  # rank 0 met it too, before any collective
                 logger.warning("step %d refused: %s", request.step, exc)
         elif op == "publish":
-            await asyncio.to_thread(self._drain, int(command["bucket_bytes"]))
+            await asyncio.to_thread(
+                self._drain, int(command["bucket_bytes"]), str(command.get("dtype") or "")
+            )
         elif op == "save":
             mode = command.get("mode", "hf")
             await asyncio.to_thread(save_checkpoint, command["path"], self.actor, self.critic, mode)
@@ -72,9 +74,9 @@ class Follower:
         else:
             raise ValueError(f"unknown trainer command {op!r} from rank 0")
 
-    def _drain(self, bucket_bytes: int) -> None:
-        """Take part in every gather of a publish; rank 0 keeps the buckets."""
-        for _ in self.actor.iter_weight_buckets(bucket_bytes):
+    def _drain(self, bucket_bytes: int, dtype: str) -> None:
+        """Take part in every gather of a publish (in rank 0's publish dtype); rank 0 keeps the buckets."""
+        for _ in self.actor.iter_weight_buckets(bucket_bytes, dtype=getattr(torch, dtype) if dtype else None):
             pass
 
     async def _fetch(self, ref: TensorRef) -> dict[str, torch.Tensor]:

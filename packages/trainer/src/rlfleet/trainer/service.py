@@ -1,9 +1,10 @@
 """The trainer tier's worker: policy updates on rollout refs, weight publishing, checkpoints.
 
 A train step pulls its rollout chunks straight from the rollout workers' stores, turns the
-reward tier's scores into advantages, and runs one update. Publishing stages the weights in the
-trainer's own TensorStore as versioned buckets; rollout workers pull them from there, so a
-worker that joins late can catch up on the latest version.
+reward tier's scores into advantages, and runs one update. Publishing stages the weights as
+versioned buckets for the carriers the controller asks for: in the trainer's own TensorStore
+(gRPC; rollout workers pull them from there, and one that joins late catches up on the latest
+version) and/or on its GPU, shared by CUDA IPC with a colocated engine.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from rlfleet.common.carriers import IpcBucket
 from rlfleet.common.messages import (
     AnyMessage,
     CheckpointLoaded,
@@ -39,8 +41,10 @@ from rlfleet.trainer.checkpoint import load_checkpoint, save_checkpoint
 from rlfleet.trainer.config import ActorConfig, OptimizerConfig
 from rlfleet.trainer.critic import Critic
 from rlfleet.trainer.distributed import DistContext, Sharding, init_distributed
+from rlfleet.trainer.ipc_share import gpu_uuid, share_bucket
 from rlfleet.trainer.ranks import CommandChannel, use_rank_thread
 from rlfleet.trainer.updates import build_critic, merge_batch, run_update
+from rlfleet.trainer.weights import to_host
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +127,8 @@ class TrainerWorker(Worker[TrainerServiceConfig]):
         self.data_address = await self.store.start()
         self._clients: dict[str, TensorStoreClient] = {}
         self._published: list[TensorRef] = []
+        self._shared: list[IpcBucket] = []  # the current version by CUDA IPC, when it was asked for
+        self._shared_buffers: list[dict[str, torch.Tensor]] = []  # kept alive for the receivers
         self._lock = asyncio.Lock()
         for verb, handler in (
             ("step", self._on_step),
@@ -135,7 +141,9 @@ class TrainerWorker(Worker[TrainerServiceConfig]):
                                            max_concurrency=1)  # fmt: skip
 
     def announce_fields(self) -> dict[str, object]:
-        return {"data_address": self.data_address, "model_id": self.config.model_path}
+        device = self.actor.device
+        gpus = [gpu_uuid(device)] if device.type == "cuda" else []  # rank 0's: where IPC buckets live
+        return {"data_address": self.data_address, "model_id": self.config.model_path, "gpu_uuids": gpus}
 
     async def _on_step(self, message: AnyMessage) -> AnyMessage:
         if not isinstance(message, TrainStepRequest):
@@ -171,9 +179,10 @@ class TrainerWorker(Worker[TrainerServiceConfig]):
         ``_published``/``weight_version`` is swapped without an await in between)."""
         if not isinstance(message, LatestWeights):
             raise ValueError(f"trainer.latest takes latest-weights requests, got {message.kind!r}")
-        refs = list(self._published)
-        return WeightsPublished(weight_version=self.weight_version, buckets=refs,
-                                nbytes=sum(r.nbytes for r in refs), seconds=0.0)  # fmt: skip
+        refs, shared = list(self._published), list(self._shared)
+        return WeightsPublished(weight_version=self.weight_version, buckets=refs, ipc_buckets=shared,
+                                nbytes=sum(r.nbytes for r in refs) or sum(b.nbytes for b in shared),
+                                seconds=0.0)  # fmt: skip
 
     async def _fetch(self, ref: TensorRef) -> dict[str, torch.Tensor]:
         client = self._clients.get(ref.address)
@@ -200,30 +209,61 @@ class TrainerWorker(Worker[TrainerServiceConfig]):
         return run_update(self.actor, self.critic, self.config, batch, request)
 
     async def publish(self, request: PublishWeights) -> WeightsPublished:
-        """Stage the current weights as a new version, bucket by bucket, in this worker's store."""
+        """Stage the current weights as a new version, bucket by bucket, for the carriers asked for.
+
+        ``grpc``: buckets in this worker's TensorStore. ``cuda_ipc``: buckets kept on this GPU and
+        shared by IPC handle (:mod:`rlfleet.trainer.ipc_share`) until the next publish.
+        """
+        if "cuda_ipc" in request.carriers and self.actor.device.type != "cuda":
+            raise ValueError(
+                "the cuda_ipc weight carrier needs the trainer on a GPU; this trainer runs on CPU"
+            )
         async with self._lock:
             t0 = time.perf_counter()
             version = request.weight_version if request.weight_version >= 0 else self.weight_version + 1
             bucket_bytes = max(1, int(request.bucket_mb * 2**20))
             for old in self._published:
                 self.store.delete(old.key)
-            command = {"op": "publish", "bucket_bytes": bucket_bytes}
+            self._shared, self._shared_buffers = [], []  # the previous version's GPU buffers go
+            command = {"op": "publish", "bucket_bytes": bucket_bytes, "dtype": request.dtype}
             await asyncio.to_thread(self.channel.send, command)  # every rank takes part in the gathers
-            refs = await asyncio.to_thread(self._stage, version, bucket_bytes)
-            self._published = refs
+            refs, shared = await asyncio.to_thread(
+                self._stage, version, bucket_bytes, set(request.carriers), request.dtype
+            )  # fmt: skip
+            self._published, self._shared = refs, shared
             self.weight_version = version
             seconds = time.perf_counter() - t0
-        nbytes = sum(ref.nbytes for ref in refs)
-        logger.info("staged weight version %d: %d buckets, %.1f MB in %.2fs", version, len(refs),
-                    nbytes / 2**20, seconds)  # fmt: skip
-        return WeightsPublished(weight_version=version, buckets=refs, nbytes=nbytes, seconds=seconds)
+        nbytes = sum(ref.nbytes for ref in refs) or sum(b.nbytes for b in shared)
+        logger.info(
+            "staged weight version %d for %s: %d buckets, %.1f MB in %.3fs",
+            version,
+            "+".join(sorted(request.carriers)),
+            max(len(refs), len(shared)),
+            nbytes / 2**20,
+            seconds,
+        )
+        return WeightsPublished(weight_version=version, buckets=refs, ipc_buckets=shared, nbytes=nbytes,
+                                seconds=seconds)  # fmt: skip
 
-    def _stage(self, version: int, bucket_bytes: int) -> list[TensorRef]:
-        refs = []
+    def _stage(
+        self, version: int, bucket_bytes: int, carriers: set[str], dtype: str
+    ) -> tuple[list[TensorRef], list[IpcBucket]]:
+        refs: list[TensorRef] = []
+        shared: list[IpcBucket] = []
+        publish_dtype = getattr(torch, dtype) if dtype else None
+        if "cuda_ipc" in carriers:
+            buckets = self.actor.iter_weight_buckets(bucket_bytes, dtype=publish_dtype, on_device=True)
+            for i, bucket in enumerate(buckets):
+                shared.append(share_bucket(bucket))
+                self._shared_buffers.append(bucket)
+                if "grpc" in carriers:
+                    refs.append(self.store.put_local(f"weights/v{version}/{i}", to_host(bucket)))
+            return refs, shared
         pinned = self.actor.device.type == "cuda"  # page-locked: device-to-host copies at full speed
-        for i, bucket in enumerate(self.actor.iter_weight_buckets(bucket_bytes, pin_memory=pinned)):
+        buckets = self.actor.iter_weight_buckets(bucket_bytes, dtype=publish_dtype, pin_memory=pinned)
+        for i, bucket in enumerate(buckets):
             refs.append(self.store.put_local(f"weights/v{version}/{i}", bucket))
-        return refs
+        return refs, shared
 
     async def teardown(self) -> None:
         await self._stop_followers()

@@ -142,11 +142,19 @@ def _pipelined(plan: Iterator[list[_Slot]], keep: bool) -> Iterator[dict[str, Te
         yield pending.wait()
 
 
-def _gather_bucket(slots: list[_Slot], keep: bool, pin_memory: bool) -> dict[str, Tensor]:
-    """Gather the bucket's tensors and (when ``keep``) copy them into one fresh host buffer."""
+def _gather_bucket(
+    slots: list[_Slot], keep: bool, pin_memory: bool, device: torch.device | None = None
+) -> dict[str, Tensor]:
+    """Gather the bucket's tensors and (when ``keep``) copy them into one fresh buffer: on the
+    host, or on ``device`` when given (the copies then stay on the GPU, in stream order)."""
     end = slots[-1].offset + slots[-1].nbytes
-    pin_memory = pin_memory and torch.cuda.is_available()
-    buffer = torch.empty(end, dtype=torch.uint8, pin_memory=pin_memory) if keep else None
+    pin_memory = pin_memory and torch.cuda.is_available() and device is None
+    if not keep:
+        buffer = None
+    elif device is not None:
+        buffer = torch.empty(end, dtype=torch.uint8, device=device)
+    else:
+        buffer = torch.empty(end, dtype=torch.uint8, pin_memory=pin_memory)
     bucket: dict[str, Tensor] = {}
     on_device = False
     fulls = iter_full([s.tensor for s in slots], [s.dtype for s in slots], keep=keep)
@@ -170,11 +178,13 @@ def iter_weight_buckets(
     only: set[str] | None = None,
     keep: bool = True,
     pin_memory: bool = False,
+    on_device: bool = False,
 ) -> Iterator[dict[str, Tensor]]:
     """Yield the state dict in buckets of at most ``bucket_bytes`` (HF names, state-dict order).
 
-    Each tensor is a detached, contiguous CPU copy (in ``dtype`` when given; the tensors of a
-    bucket are views of one host buffer), so a bucket stays valid across later optimizer steps.
+    Each tensor is a detached, contiguous copy (in ``dtype`` when given; the tensors of a bucket
+    are views of one buffer, on the host unless ``on_device``), so a bucket stays valid across
+    later optimizer steps.
     A tensor larger than ``bucket_bytes`` travels alone in its own bucket. With an FSDP2 model
     every rank must iterate (the gathers are collectives); see the module docstring.
 
@@ -190,6 +200,9 @@ def iter_weight_buckets(
         pin_memory: put buckets in page-locked host memory (faster device-to-host copies; ignored
             without CUDA). For a model on the GPU the copies then run on a side stream, bucket i's
             overlapping bucket i+1's gather: two buckets are in flight, on the device and the host.
+        on_device: keep each bucket in one flat buffer on the model's GPU instead of the host
+            (the tensors are views of it at 64-byte aligned offsets): what CUDA IPC shares with a
+            colocated engine. The buffers are new for every call; each stays as long as its views.
 
     Yields:
         ``{name: tensor}`` dicts, never empty on a keeping rank.
@@ -198,8 +211,31 @@ def iter_weight_buckets(
         raise ValueError(f"bucket_bytes must be > 0; got {bucket_bytes}")
     plan = _plan(model, bucket_bytes, dtype, include_tied, only)
     on_gpu = any(p.is_cuda for p in model.parameters())
+    if on_device:
+        if not on_gpu:
+            raise ValueError("on_device=True needs a model on a CUDA device")
+        device = next(p.device for p in model.parameters() if p.is_cuda)
+        for slots in plan:
+            yield _gather_bucket(slots, keep, False, device)
+        return
     if pin_memory and on_gpu and torch.cuda.is_available():
         yield from _pipelined(plan, keep)
         return
     for slots in plan:
         yield _gather_bucket(slots, keep, pin_memory)
+
+
+def to_host(bucket: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A host copy of a bucket from ``on_device=True``: one pinned buffer, the same offsets, in one copy."""
+    first = next(iter(bucket.values()))
+    if not first.is_cuda:
+        return bucket
+    storage = first.untyped_storage()
+    flat = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage)  # the bucket's whole buffer
+    host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
+    host.copy_(flat)
+    out = {}
+    for name, t in bucket.items():
+        start = t.storage_offset() * t.element_size()
+        out[name] = host[start : start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    return out

@@ -30,9 +30,11 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
+from rlfleet.common.carriers import IpcBucket
 from rlfleet.common.errors import ConfigError
 from rlfleet.common.messages import SamplingParams
 from rlfleet.rollout.engines.base import Completion, WeightsInput
+from rlfleet.rollout.engines.cuda_ipc import device_uuid, load_and_release, meta_items
 from rlfleet.rollout.engines.hf_sampling import (
     LogprobRecorder,
     cut_at_stop,
@@ -41,8 +43,8 @@ from rlfleet.rollout.engines.hf_sampling import (
     seeded,
 )
 from rlfleet.rollout.engines.tensors import pad_left
-from rlfleet.rollout.engines.weights import TiedPair, copy_weights, load_targets
-from rlfleet.rollout.errors import EngineClosed, InvalidPrompt
+from rlfleet.rollout.engines.weights import TiedPair, copy_weights, load_targets, validate
+from rlfleet.rollout.errors import EngineClosed, InvalidPrompt, IpcUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +172,24 @@ class HFEngine:
         if version is not None:
             self.set_weight_version(version)
         logger.debug("loaded %d weights into %s", len(names), self.model_id)
+
+    def load_ipc(self, buckets: Sequence[IpcBucket], version: int | None = None) -> None:
+        """Load a publish shared by CUDA IPC from this engine's GPU: map, validate, copy on the device."""
+        self._check_open()
+        if self._device.type != "cuda":
+            raise IpcUnavailable("the HF engine runs on CPU; CUDA IPC buckets need it on the trainer's GPU")
+        validate(self._targets, meta_items(buckets))
+        with self._lock:
+            load_and_release(
+                buckets, self._device, lambda items: copy_weights(self._targets, items, self._tied)
+            )
+        if version is not None:
+            self.set_weight_version(version)
+
+    @property
+    def gpu_uuids(self) -> list[str]:
+        """The GPU this engine runs on, or ``[]`` on CPU."""
+        return [device_uuid(self._device)] if self._device.type == "cuda" else []
 
     def close(self) -> None:
         """Free the model (and the CUDA cache); later calls raise :class:`EngineClosed`."""

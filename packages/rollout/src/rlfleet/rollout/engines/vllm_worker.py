@@ -4,7 +4,8 @@ vLLM mixes :class:`RlfleetWorkerExtension` into its worker class (``worker_exten
 engine calls its methods by name through ``LLM.collective_rpc``, so every tensor-parallel rank
 runs them and shards the full tensors it gets for itself. Across processes the arguments travel
 as a safetensors blob (vLLM's RPC would turn raw tensors into lists); in-process the
-``(name, tensor)`` pairs are handed over as they are.
+``(name, tensor)`` pairs are handed over as they are. CUDA IPC buckets (a colocated trainer's
+buffers on this GPU) travel as their descriptions and are mapped here, in the worker.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 import torch
 
+from rlfleet.common.carriers import IpcBucket
+from rlfleet.rollout.engines.cuda_ipc import load_and_release
 from rlfleet.rollout.engines.vllm_weights import decode_bucket
 
 logger = logging.getLogger(__name__)
@@ -56,6 +59,21 @@ class RlfleetWorkerExtension:
         prepacked GEMM weight; elsewhere nothing).
         """
         items = decode_bucket(payload)
+        self._rlfleet_reload(items, refresh_tied_head)
+        logger.debug("reloaded %d tensors in place", len(items))
+        return len(items)
+
+    def rlfleet_load_ipc(self, buckets: Sequence[dict[str, Any]], refresh_tied_head: bool) -> int:
+        """Map CUDA IPC buckets of this worker's GPU and reload their tensors in place, on the device.
+
+        ``buckets`` are :class:`~rlfleet.common.carriers.IpcBucket` dicts (validated again here:
+        this is the process that opens the handles). Returns how many tensors were loaded.
+        """
+        parsed = [IpcBucket.model_validate(b) for b in buckets]
+        device = self.model_runner.device
+        return load_and_release(parsed, device, lambda items: self._rlfleet_reload(items, refresh_tied_head))
+
+    def _rlfleet_reload(self, items: list[tuple[str, torch.Tensor]], refresh_tied_head: bool) -> None:
         with _quiet_partial_reload():
             self.reload_weights(weights_iterator=iter(items))
         if refresh_tied_head:
@@ -64,5 +82,3 @@ class RlfleetWorkerExtension:
             method = getattr(head, "quant_method", None)
             if method is not None:
                 method.process_weights_after_loading(head)
-        logger.debug("reloaded %d tensors in place", len(items))
-        return len(items)
