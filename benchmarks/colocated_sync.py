@@ -131,7 +131,7 @@ def sync_host(actor: Any, engine: Any, bucket_bytes: int) -> dict[str, float]:
 
 
 def greedy(engine: Any) -> list[list[int]]:
-    from rlfleet.common.messages import SamplingParams
+    from rlfleet.common.control.messages import SamplingParams
 
     prompts = [[40, 41, 42, 43, 44], [50, 51, 52], [60, 61, 62, 63]]
     return [c.token_ids for c in engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))]
@@ -156,17 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("colocated_sync needs a CUDA GPU", file=sys.stderr)
         return 2
+    from rlfleet.common.schema.trainer import ModelSettings
     from rlfleet.rollout.engines.vllm import VLLMEngine
     from rlfleet.trainer.actor import Actor
-    from rlfleet.trainer.config import ActorConfig, OptimizerConfig
     from rlfleet.trainer.distributed import init_distributed
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     served = write_model(args.preset, args.workdir / "served", seed=0)
     trained = write_model(args.preset, args.workdir / "trained", seed=1)
     ctx = init_distributed("cuda")
-    actor = Actor(ActorConfig(model_path=str(trained), dtype="float32", device="cuda", mixed_precision="bf16",
-                              optim=OptimizerConfig(lr=1e-6)), ctx)  # fmt: skip
+    model = ModelSettings(param_dtype="float32", mixed_precision="bf16")
+    actor = Actor(trained, model, ctx, device="cuda", learning_rate=1e-6)
     t0 = time.perf_counter()
     engine = VLLMEngine(served, dtype="bfloat16", device="cuda", enforce_eager=True, max_model_len=2048,
                         gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip

@@ -98,13 +98,13 @@ def job_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
         job = {
             "description": "GRPO on a Qwen2.5-0.5B-shaped model (random init), digits reward",
             "model": str(model), "reward": "charset:allowed=0123456789",
-            "data": {"path": str(write_prompts(out / "prompts.jsonl", 512)), "max_prompt_length": 64},
+            "data": {"path": str(write_prompts(out / "prompts.jsonl", 512))},
             "max_prompt_length": 64,
             "num_epochs": 1, "max_steps": 8, "rollout_batch_size": 32, "train_batch_size": 32,
             "micro_batch_size": 32, "group_size": 8, "max_response_length": 256, "learning_rate": 1e-6,
             "kl_coef": 0.0, "temperature": 1.0, "seed": 0, "log_every": 1, "mixed_precision": "bf16",
-            "weight_bucket_mb": 256, "rollout_max_cache_len": 512,
-            "rollout": {"engine": "vllm", "gpu_memory_utilization": 0.3},
+            "weight_bucket_mb": 256,
+            "rollout": {"engine": "vllm", "gpu_memory_utilization": 0.3, "max_cache_len": 512},
         }  # fmt: skip
     else:
         raise SystemExit(f"unknown job {name!r}")

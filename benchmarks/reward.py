@@ -31,14 +31,14 @@ from typing import Any
 
 import yaml
 
-from rlfleet.common.batch import RolloutBatch
-from rlfleet.common.embedded_nats import EmbeddedNats
-from rlfleet.common.membership import WorkerRegistry
-from rlfleet.common.messages import ScoreRequest, ScoreResult
-from rlfleet.common.nats_transport import NatsTransport
-from rlfleet.common.refs import TensorRef
-from rlfleet.common.subjects import subject
-from rlfleet.common.tensor_store import TensorStoreServer
+from rlfleet.common.control.embedded_nats import EmbeddedNats
+from rlfleet.common.control.membership import WorkerRegistry
+from rlfleet.common.control.messages import ScoreRequest, ScoreResult
+from rlfleet.common.control.nats_transport import NatsTransport
+from rlfleet.common.control.transport import subject
+from rlfleet.common.schema.batch import RolloutBatch
+from rlfleet.common.schema.refs import TensorRef
+from rlfleet.common.tensors.store import TensorStoreServer
 
 RESULTS = Path(__file__).parent / "results" / "reward.json"
 CLUSTER = "bench"

@@ -31,12 +31,12 @@ from typing import Any
 
 import yaml
 
-from rlfleet.common.embedded_nats import EmbeddedNats
+from rlfleet.common.control.embedded_nats import EmbeddedNats
+from rlfleet.common.control.messages import GenerateRequest, GenerateResult, SamplingParams
+from rlfleet.common.control.nats_transport import NatsTransport
+from rlfleet.common.control.transport import subject
 from rlfleet.common.errors import NoResponders, RequestTimeout
-from rlfleet.common.messages import GenerateRequest, GenerateResult, SamplingParams
-from rlfleet.common.nats_transport import NatsTransport
-from rlfleet.common.subjects import subject
-from rlfleet.common.tensor_store import TensorStoreClient
+from rlfleet.common.tensors.store import TensorStoreClient
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +85,13 @@ def worker_settings(args: argparse.Namespace, model_path: str) -> dict[str, Any]
 
 def bare_rounds(settings: dict[str, Any], prompts: list[list[int]], sampling: SamplingParams) -> Any:
     """A generator: each ``next()`` times one bare ``LLM.generate`` call -> (tokens, seconds)."""
+    from rlfleet.common.schema.rollout import RolloutWorkerConfig
     from rlfleet.rollout.engines.checkpoint import read_checkpoint
     from rlfleet.rollout.engines.vllm import LOGPROBS_MODE
-    from rlfleet.rollout.engines.vllm_runtime import context_cap, import_vllm
-    from rlfleet.rollout.service import RolloutServiceConfig, engine_kwargs
+    from rlfleet.rollout.engines.vllm.runtime import context_cap, import_vllm
+    from rlfleet.rollout.service import engine_kwargs
 
-    kwargs = engine_kwargs(RolloutServiceConfig(**settings), "vllm", settings["device"])
+    kwargs = engine_kwargs(RolloutWorkerConfig(**settings), "vllm", settings["device"])
     info = read_checkpoint(settings["model_path"])
     vllm = import_vllm(settings["device"], 1.0)
     llm = vllm.LLM(

@@ -9,7 +9,7 @@ Fleet: the job as ``rlfleet train`` runs it (embedded nats-server, trainer, rewa
 worker processes); each step's ``time/*`` metrics. In-process: the same code the workers run, in
 this process, built from the same job (the worker configs the launcher would pass): the rollout
 engine generates the step's prompts, ``to_rollout_tensors`` packs them, the reward spec scores them,
-``run_update`` trains, and the actor's weight buckets go straight into the engine. Both paths see
+``run_step`` trains, and the actor's weight buckets go straight into the engine. Both paths see
 the same prompts, seeds and weights, so they do the same work; after ``--warmup`` steps each, the
 median step times are compared: ``overhead = fleet / in_process - 1``. Results:
 ``benchmarks/results/step_overhead.json``.
@@ -65,33 +65,31 @@ def fleet_steps(args: argparse.Namespace, out: Path) -> list[dict[str, float]]:
 def in_process_steps(args: argparse.Namespace, out: Path) -> list[dict[str, float]]:
     import torch
 
-    from rlfleet.common.batch import unpack_texts
-    from rlfleet.common.messages import TrainStepRequest
+    from rlfleet.common.schema.batch import unpack_texts
+    from rlfleet.common.schema.trainer import StepSettings
     from rlfleet.reward.registry import build_reward
     from rlfleet.rollout.engines.registry import make_engine, resolve_engine_name
-    from rlfleet.rollout.engines.tensors import to_rollout_tensors
-    from rlfleet.rollout.service import RolloutServiceConfig, engine_kwargs
-    from rlfleet.trainer.service import TrainerServiceConfig, build_models
-    from rlfleet.trainer.updates import merge_batch, run_update
+    from rlfleet.rollout.service import engine_kwargs, to_rollout_tensors
+    from rlfleet.trainer.service import build_models, merge_batch, run_step
 
     trainer = build(args, out / "inproc")
     cfg = trainer.config
-    spec = trainer.rollout_specs({"cluster": "inproc"})[0]  # the first rollout worker's settings
-    rollout_cfg = RolloutServiceConfig(**spec.config)
+    specs = {spec.tier: spec.config for spec in reversed(trainer.fleet_run.worker_specs())}
+    rollout_cfg = specs["rollout"]  # the first rollout worker's config, as the launcher would write it
     name = resolve_engine_name(rollout_cfg.engine)
     device = "cuda" if rollout_cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
     engine = make_engine(name, rollout_cfg.model_path, **engine_kwargs(rollout_cfg, name, device))
     reward = build_reward(trainer.reward_spec)
-    worker_cfg = TrainerServiceConfig(cluster="inproc", **trainer.trainer_worker_config())
+    worker_cfg = specs["trainer"]  # the trainer's TrainerWorkerConfig
     _, actor, critic = build_models(worker_cfg)
     rows, version = [], 0
     batches = trainer.dataset.batches(cfg.rollout_batch_size, epoch=0)
     try:
         for step in range(args.warmup + args.steps):
             batch = next(batches)
-            trainer.global_step = step
+            trainer.fleet_run.global_step = step
             t0 = time.perf_counter()
-            completions = engine.generate([it.token_ids for it in batch], trainer._sampling())
+            completions = engine.generate([it.token_ids for it in batch], trainer.online_step.sampling())
             tensors = to_rollout_tensors(completions, engine.pad_token_id, engine.tokenizer)
             t1 = time.perf_counter()
             n = cfg.group_size
@@ -101,11 +99,8 @@ def in_process_steps(args: argparse.Namespace, out: Path) -> list[dict[str, floa
             metadata = [dict(batch[i // n].metadata) for i in range(len(completions))]
             scores = reward.score(prompts, texts, metadata).total
             t2 = time.perf_counter()
-            hyper = {"kl_coef": trainer.kl_coef, "group_size": n,
-                     "num_updates": cfg.rollout_batch_size // cfg.train_batch_size}  # fmt: skip
-            request = TrainStepRequest(step=step + 1, rollouts=[], scores=scores, hyperparams=hyper,
-                                       algorithm=cfg.algorithm)  # fmt: skip
-            metrics = run_update(actor, critic, worker_cfg, merge_batch(cfg.algorithm, [tensors]), request)
+            settings = StepSettings.of(cfg, kl_coef=trainer.kl_coef)  # what the fleet sends with the step
+            metrics = run_step(actor, critic, merge_batch(cfg.algorithm, [tensors]), scores, settings)
             t3 = time.perf_counter()
             version += 1
             for bucket in actor.iter_weight_buckets(int(cfg.weight_bucket_mb * 2**20)):

@@ -33,9 +33,8 @@ from pathlib import Path
 
 import torch
 
-from rlfleet.common.tensor_codec import DTYPES, dtype_name, tensor_buffer
-from rlfleet.common.tensor_memory import empty_bytes
-from rlfleet.common.tensor_store import TensorStoreClient, TensorStoreServer
+from rlfleet.common.tensors.codec import DTYPES, dtype_name, empty_bytes, tensor_buffer
+from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer
 
 logger = logging.getLogger(__name__)
 
@@ -240,7 +239,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON results")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    from rlfleet.common.tensor_codec import DEFAULT_CHUNK_BYTES
+    from rlfleet.common.tensors.codec import DEFAULT_CHUNK_BYTES
 
     chunk_bytes = int(args.chunk_mb * 2**20) if args.chunk_mb else DEFAULT_CHUNK_BYTES
     load = [os.getloadavg()[0]]

@@ -7,8 +7,9 @@ Each rank builds nothing itself: rank 0 writes a Qwen2-style model with random w
 preset config, bf16) to ``--workdir``, then every rank loads it through the real
 :class:`rlfleet.trainer.actor.Actor` (float32 master weights, FSDP2 with bf16 compute and
 float32 gradient reduction), on a batch of ``--rows`` sequences of ``--seq-len`` tokens (prompt
-``--prompt-len``, the rest response; no padding). One ``Actor.update`` is one optimizer step
-over the whole batch (on-policy: no separate old-logprob pass), each rank running its half.
+``--prompt-len``, the rest response; no padding). One update (the trainer's update loop on the
+ppo family's policy loss) is one optimizer step over the whole batch (on-policy: no separate
+old-logprob pass), each rank running its half.
 
 FLOPs of one update, per sequence of T tokens of which R are response (logits are computed
 only for the R + 1 response positions, ``logits_to_keep``), L layers, attention width d::
@@ -43,9 +44,11 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from rlfleet.common.schema.trainer import ModelSettings, StepSettings
 from rlfleet.trainer.actor import Actor
-from rlfleet.trainer.config import ActorConfig, OptimizerConfig
+from rlfleet.trainer.algorithms.ppo_family import policy_plan
 from rlfleet.trainer.distributed import DistContext, init_distributed, setup_nccl
+from rlfleet.trainer.loop import train_loop
 from rlfleet.trainer.weights import iter_weight_buckets
 
 logger = logging.getLogger(__name__)
@@ -156,14 +159,19 @@ def run_variant(
     args: argparse.Namespace, ctx: DistContext, path: Path, config: Qwen2Config, variant: str
 ) -> tuple[Actor, dict[str, Any]]:
     """Load the actor for ``variant`` and time ``--steps`` updates after ``--warmup``."""
-    actor_cfg = ActorConfig(
-        model_path=str(path), dtype="float32", device=str(ctx.device), attn_implementation="sdpa",
-        mixed_precision="bf16", compile=variant.startswith("compile"), sharding=args.sharding,
-        reshard_after_forward=not variant.endswith("-noreshard"),
-        gradient_checkpointing=args.gradient_checkpointing, optim=OptimizerConfig(lr=1e-6),
-    )  # fmt: skip
+    model = ModelSettings(param_dtype="float32", mixed_precision="bf16", sharding=args.sharding,
+                          gradient_checkpointing=args.gradient_checkpointing)  # fmt: skip
     t0 = time.perf_counter()
-    actor = Actor(actor_cfg, ctx)
+    actor = Actor(
+        path,
+        model,
+        ctx,
+        device=str(ctx.device),
+        attn_implementation="sdpa",
+        learning_rate=1e-6,
+        compile=variant.startswith("compile"),
+        reshard_after_forward=not variant.endswith("-noreshard"),
+    )
     load_s = time.perf_counter() - t0
     num_params = sum(p.numel() for p in actor.model.parameters())
     batch, adv = make_batch(args, config.vocab_size, ctx.device)
@@ -174,7 +182,7 @@ def run_variant(
     for i in range(args.warmup + args.steps):
         sync(ctx)
         t0 = time.perf_counter()
-        metrics = actor.update(batch, adv, micro_batch_size=args.micro_batch)
+        metrics = update(actor, batch, adv, args.micro_batch)
         sync(ctx)
         (warm if i < args.warmup else times).append(time.perf_counter() - t0)
     seconds = statistics.median(times)
@@ -193,6 +201,13 @@ def run_variant(
     return actor, result
 
 
+def update(
+    actor: Actor, batch: dict[str, torch.Tensor], adv: torch.Tensor, micro_batch: int
+) -> dict[str, float]:
+    """One policy update on ``adv`` (no KL term), as a trainer step runs it."""
+    return train_loop(policy_plan(actor, batch, adv, StepSettings(micro_batch_size=micro_batch, kl_coef=0.0)))
+
+
 def profile_update(args: argparse.Namespace, ctx: DistContext, actor: Actor, vocab: int) -> None:
     """One more update under the profiler; rank 0 writes the kernels by device time to ``--profile``."""
     from torch.profiler import ProfilerActivity, profile
@@ -200,7 +215,7 @@ def profile_update(args: argparse.Namespace, ctx: DistContext, actor: Actor, voc
     batch, adv = make_batch(args, vocab, ctx.device)
     sync(ctx)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        actor.update(batch, adv, micro_batch_size=args.micro_batch)
+        update(actor, batch, adv, args.micro_batch)
         sync(ctx)
     if ctx.is_main:
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
@@ -240,7 +255,7 @@ def link_ceilings(ctx: DistContext, nbytes: int = 512 << 20) -> dict[str, float]
 
 def publish_path(args: argparse.Namespace, ctx: DistContext, actor: Actor) -> dict[str, Any]:
     """GB/s of gather only, gather + stage (pinned, pageable), and the loopback gRPC stream."""
-    from rlfleet.common.tensor_store import TensorStoreClient, TensorStoreServer
+    from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer
 
     bucket = int(args.bucket_mb * 2**20)
     out: dict[str, Any] = {"bucket_mb": args.bucket_mb, **link_ceilings(ctx)}

@@ -5,7 +5,7 @@
 
 Every rank builds the trainer's models exactly as a trainer worker does (``build_models`` of
 ``rlfleet.trainer.service``: the actor, and for PPO the critic, both FSDP2-sharded over the ranks)
-from a random-init Qwen2 preset that rank 0 writes, and runs ``run_update`` (the worker's step)
+from a random-init Qwen2 preset that rank 0 writes, and runs ``run_step`` (the worker's step)
 on one random batch: PPO on ``--rows`` rollouts (GAE, clipped value loss, KL in the reward), DPO
 on ``--rows`` preference pairs (reference log-probs computed by the trainer). It reports the
 median step time, the peak GPU memory of each rank and the step's metrics, appended per world
@@ -30,10 +30,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from trainer import PRESETS, sync, write_model  # noqa: E402  (benchmarks/trainer.py)
 
-from rlfleet.common.messages import TrainStepRequest  # noqa: E402
+from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig  # noqa: E402
 from rlfleet.trainer.distributed import setup_nccl  # noqa: E402
-from rlfleet.trainer.service import TrainerServiceConfig, build_models  # noqa: E402
-from rlfleet.trainer.updates import merge_batch, run_update  # noqa: E402
+from rlfleet.trainer.service import (  # noqa: E402
+    build_models,  # noqa: E402
+    merge_batch,
+    run_step,
+)
 
 RESULTS = Path(__file__).parent / "results" / "trainer_algorithms_h200.json"
 
@@ -76,7 +79,7 @@ def random_batch(args: argparse.Namespace, algorithm: str, vocab: int) -> dict[s
 
 
 def run(args: argparse.Namespace, path: Path, vocab: int, algorithm: str) -> dict[str, Any]:
-    cfg = TrainerServiceConfig(
+    cfg = TrainerWorkerConfig(
         model_path=str(path), cluster="bench", device="auto", algorithm=algorithm, mixed_precision="bf16",
         micro_batch_size=args.micro_batch, learning_rate=1e-6, kl_coef=0.05, seed=0,
     )  # fmt: skip
@@ -84,8 +87,7 @@ def run(args: argparse.Namespace, path: Path, vocab: int, algorithm: str) -> dic
     batch = merge_batch(algorithm, [random_batch(args, algorithm, vocab)])
     gen = torch.Generator().manual_seed(3)
     scores = [] if algorithm == "dpo" else torch.randn(args.rows, generator=gen).tolist()
-    request = TrainStepRequest(step=1, rollouts=[], scores=scores, algorithm=algorithm,
-                               hyperparams={"kl_coef": 0.05})  # fmt: skip
+    settings = StepSettings.of(cfg)  # the worker's own: algorithm, micro-batch, kl_coef 0.05...
     on_gpu = ctx.device.type == "cuda"
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
@@ -93,7 +95,7 @@ def run(args: argparse.Namespace, path: Path, vocab: int, algorithm: str) -> dic
     for i in range(1 + args.steps):
         sync(ctx)
         t0 = time.perf_counter()
-        metrics = run_update(actor, critic, cfg, batch, request)
+        metrics = run_step(actor, critic, batch, scores, settings)
         sync(ctx)
         if i:
             times.append(time.perf_counter() - t0)

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from rlfleet.common.embedded_nats import EmbeddedNats
+from rlfleet.common.control.embedded_nats import EmbeddedNats
 
 
 @pytest.fixture(scope="session")

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlfleet.common.batch import DTYPES, RolloutBatch, pack_texts, pad_left, pad_right, unpack_texts
 from rlfleet.common.errors import BatchContractError
-from rlfleet.common.tensor_codec import assemble_tensors, split_tensors
+from rlfleet.common.schema.batch import DTYPES, RolloutBatch, pack_texts, pad_left, pad_right, unpack_texts
+from rlfleet.common.tensors.codec import assemble_tensors, split_tensors
 
 
 @settings(max_examples=200, deadline=None)
@@ -49,13 +49,13 @@ def test_padding_sides_and_masks() -> None:
     ids, mask = pad_left([[1, 2, 3], [4], []], pad_value=0)
     assert ids.tolist() == [[1, 2, 3], [0, 0, 4], [0, 0, 0]]
     assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 0, 0]]
-    values, vmask = pad_right([[0.5], [1.5, 2.5]], pad_value=0.0, dtype=torch.float32, width=3)
+    values, vmask = pad_right([[0.5], [1.5, 2.5]], pad_value=0.0, dtype="float32", width=3)
     assert values.tolist() == [[0.5, 0.0, 0.0], [1.5, 2.5, 0.0]]
     assert vmask.tolist() == [[1, 0, 0], [1, 1, 0]]
     assert ids.dtype == mask.dtype == vmask.dtype == torch.int64 and values.dtype == torch.float32
     assert pad_left([], 0)[0].shape == (0, 0)
     with pytest.raises(BatchContractError, match="shorter than the longest row"):
-        pad_right([[1, 2]], 0, torch.int64, width=1)
+        pad_right([[1, 2]], 0, "int64", width=1)
 
 
 def _batch() -> RolloutBatch:
@@ -79,7 +79,7 @@ def test_from_rows_follows_the_contract() -> None:
     assert batch.response_mask.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]]
     assert batch.rollout_logprobs[2].tolist() == [-0.125, 0.0, 0.0]
     tensors = batch.to_tensors()
-    assert {k: v.dtype for k, v in tensors.items()} == DTYPES
+    assert {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()} == DTYPES
 
 
 def test_round_trip_through_tensors_and_a_chunk_stream() -> None:
@@ -102,7 +102,7 @@ def test_contract_violations_name_the_field() -> None:
     tensors = _batch().to_tensors()
     with pytest.raises(BatchContractError, match="'group_index': missing"):
         RolloutBatch.from_tensors({k: v for k, v in tensors.items() if k != "group_index"})
-    with pytest.raises(BatchContractError, match="'rollout_logprobs': expected a torch.float32"):
+    with pytest.raises(BatchContractError, match="'rollout_logprobs': expected a float32"):
         RolloutBatch.from_tensors({**tensors, "rollout_logprobs": tensors["rollout_logprobs"].double()})
     with pytest.raises(BatchContractError, match="'response_mask': shape"):
         RolloutBatch.from_tensors({**tensors, "response_mask": tensors["response_mask"][:, :2]})

@@ -7,8 +7,7 @@ import base64
 import pytest
 from pydantic import ValidationError
 
-from rlfleet.common.carriers import IpcBucket, carrier_for
-from rlfleet.common.messages import (
+from rlfleet.common.control.messages import (
     MAX_MESSAGE_BYTES,
     LoadWeights,
     PublishWeights,
@@ -16,6 +15,7 @@ from rlfleet.common.messages import (
     decode,
     encode,
 )
+from rlfleet.common.schema.carriers import IpcBucket, carrier_for
 
 GPU_A, GPU_B = "2703ff26-bf43-215b-c5ec-62563bbd3bb0", "9a1c0de4-0000-4000-8000-000000000001"
 

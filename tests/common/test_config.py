@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from pydantic import Field
 
-from rlfleet.common.config import ConfigModel, dump_config, load_config, parse_override
 from rlfleet.common.errors import ConfigError
+from rlfleet.common.schema.config import ConfigModel, dump_config, load_config, parse_override
 
 
 class Optim(ConfigModel):

@@ -9,10 +9,19 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from rlfleet.common.errors import MessageTooLarge, NoResponders, RemoteError, RequestTimeout, TransportClosed
-from rlfleet.common.inproc_transport import InProcessBroker, InProcessTransport, subject_matches
-from rlfleet.common.messages import Ack, AnyMessage, ErrorReply, Message, Ping, Shutdown, decode
-from rlfleet.common.transport import Handler, Transport
+from rlfleet.common.control.inproc_transport import InProcessBroker, InProcessTransport, subject_matches
+from rlfleet.common.control.messages import Ack, AnyMessage, ErrorReply, Message, Ping, Shutdown, decode
+from rlfleet.common.control.transport import Handler, Transport
+from rlfleet.common.errors import (
+    WIRE_CODES,
+    ConfigError,
+    MessageTooLarge,
+    NoResponders,
+    RemoteError,
+    RequestTimeout,
+    TransportClosed,
+    UserError,
+)
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -35,8 +44,12 @@ async def echo(message: AnyMessage) -> Message | None:
 
 
 class Busy(RuntimeError):
-    code = "busy"
+    code = "quota_exceeded"
     retryable = True
+
+
+class Odd(RuntimeError):
+    code = "not-in-the-table"
 
 
 def test_implements_the_protocol() -> None:
@@ -111,9 +124,11 @@ async def test_error_reply_becomes_remote_error(pair: tuple[InProcessTransport, 
     ("exc", "code", "retryable"),
     [
         (ValueError("bad prompt"), "internal", False),
-        (Busy("queue full"), "busy", True),
+        (ConfigError("lr", -1, "must be > 0"), "bad_request", False),  # a user error
+        (Busy("queue full"), "quota_exceeded", True),
+        (Odd("?"), "internal", False),  # codes outside WIRE_CODES never travel
         (TimeoutError("engine slow"), "timeout", True),
-        (RemoteError("reward", "denied", "no token", False), "denied", False),
+        (RemoteError("reward", "forbidden", "no token", False), "forbidden", False),
     ],
 )
 async def test_handler_exception_becomes_error_reply(
@@ -129,6 +144,7 @@ async def test_handler_exception_becomes_error_reply(
         await client.request(SUBJECT, Ping(), timeout=1)
     assert (info.value.code, info.value.retryable, info.value.tier) == (code, retryable, "rollout")
     assert str(exc) in info.value.remote_message
+    assert isinstance(info.value, UserError) == WIRE_CODES[code].user_error  # the requester's side knows
 
 
 async def test_handler_failure_leaves_the_subscription_working(
@@ -151,7 +167,7 @@ async def test_handler_failure_leaves_the_subscription_working(
     ("data", "code"),
     [
         (b"not json", "bad_message"),
-        (json.dumps({"protocol": "2.0", "kind": "ack"}).encode(), "protocol_mismatch"),
+        (json.dumps({"protocol": "3.0", "kind": "ack"}).encode(), "protocol_mismatch"),
     ],
 )
 async def test_undecodable_request_gets_error_reply(

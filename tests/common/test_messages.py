@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from rlfleet.common import messages as m
+from rlfleet.common.control import messages as m
 from rlfleet.common.errors import MessageDecodeError, MessageTooLarge, ProtocolMismatch
-from rlfleet.common.refs import TensorRef
+from rlfleet.common.schema.refs import TensorRef
 
 REF = TensorRef(address="127.0.0.1:5000", key="batch-1", nbytes=64)
 
@@ -45,7 +45,11 @@ EXAMPLES: list[m.Message] = [
     m.RewardStats(
         worker_id="w1", tenant="team-a", endpoints={"e": m.EndpointStats(spec="concise", spec_version="v2")}
     ),
-    m.TrainStepRequest(step=3, rollouts=[REF], scores=[1.0], hyperparams={"lr": 1e-5, "clip": True}),
+    m.TrainStepRequest(
+        step=3, rollouts=[REF], scores=[1.0], settings={"learning_rate": 1e-5, "algorithm": "ppo"}
+    ),
+    m.TrainerConfigure(model={"sharding": "full"}, device="cuda", critic=True, model_fingerprint="ab12"),
+    m.TrainerConfigured(worker_id="trainer-0", weight_version=3),
     m.TrainStepResult(step=3, metrics={"loss": 0.25}, weight_version=4),
     m.PublishWeights(weight_version=4, bucket_mb=32.0),
     m.WeightsPublished(weight_version=4, buckets=[REF], nbytes=1024, seconds=0.1, loaded_by=["r1"]),
@@ -80,19 +84,19 @@ def test_decode_accepts_str_and_bytes() -> None:
 
 def test_other_major_version_is_refused_naming_both() -> None:
     raw = json.loads(m.encode(m.Ack()))
-    raw["protocol"] = "2.0"
+    raw["protocol"] = "3.0"
     with pytest.raises(ProtocolMismatch) as info:
         m.decode(json.dumps(raw))
-    assert info.value.ours == m.PROTOCOL and info.value.theirs == "2.0"
-    assert m.PROTOCOL in str(info.value) and "2.0" in str(info.value)
+    assert info.value.ours == m.PROTOCOL and info.value.theirs == "3.0"
+    assert m.PROTOCOL in str(info.value) and "3.0" in str(info.value)
 
 
 def test_minor_skew_and_unknown_fields_are_accepted() -> None:
     raw = json.loads(m.encode(m.Heartbeat(tier="rollout", worker_id="r1")))
-    raw["protocol"] = "1.99"
+    raw["protocol"] = "2.99"
     raw["added_in_a_later_minor"] = {"x": 1}
     decoded = m.decode(json.dumps(raw))
-    assert isinstance(decoded, m.Heartbeat) and decoded.protocol == "1.99"
+    assert isinstance(decoded, m.Heartbeat) and decoded.protocol == "2.99"
 
 
 @pytest.mark.parametrize(
@@ -101,8 +105,8 @@ def test_minor_skew_and_unknown_fields_are_accepted() -> None:
         (b"\xff\xfe", "not JSON"),
         (b"[1, 2]", "JSON object"),
         (b'{"kind": "ack"}', "protocol"),
-        (b'{"protocol": "1.0", "kind": "no.such.kind"}', "kind"),
-        (b'{"protocol": "1.0", "kind": "rollout.generate"}', "job_id"),
+        (b'{"protocol": "2.0", "kind": "no.such.kind"}', "kind"),
+        (b'{"protocol": "2.0", "kind": "rollout.generate"}', "job_id"),
     ],
 )
 def test_bad_bytes_raise_decode_error(data: bytes, fragment: str) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlfleet.common import subjects
-from rlfleet.common.transport import check_subject, tier_of
+from rlfleet.common.control import transport as subjects
+from rlfleet.common.control.transport import check_subject, tier_of
 
 
 def test_subject_layout() -> None:

@@ -22,7 +22,7 @@ from rlfleet.common.errors import (
     TensorError,
     UnknownDtype,
 )
-from rlfleet.common.tensor_codec import (
+from rlfleet.common.tensors.codec import (
     DTYPES,
     Chunk,
     ChunkAssembler,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlfleet.common.errors import MalformedChunk, StoreFull, UnknownDtype, UnknownKey, UnknownTensor
-from rlfleet.common.tensor_local import LocalTensorStore, TensorInfo
+from rlfleet.common.tensors.local import LocalTensorStore, TensorInfo
 
 
 class Clock:

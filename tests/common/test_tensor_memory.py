@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from rlfleet.common.tensor_memory import HUGE_ALLOC_BYTES, empty_bytes, keep_stream_buffers
+from rlfleet.common.tensors.codec import HUGE_ALLOC_BYTES, empty_bytes, keep_stream_buffers
 
 
 def test_big_buffers_are_aligned_writable_and_outlive_their_mapping_handle() -> None:

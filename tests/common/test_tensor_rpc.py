@@ -19,7 +19,7 @@ from rlfleet.common.errors import (
     UnknownKey,
     UnknownTensor,
 )
-from rlfleet.common.tensor_rpc import (
+from rlfleet.common.tensors.rpc import (
     ERRORS,
     channel_options,
     check_sizes,

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlfleet.common._gen import tensors_pb2
 from rlfleet.common.errors import MalformedChunk
-from rlfleet.common.tensor_codec import Chunk
-from rlfleet.common.tensor_wire import FIELDS, chunk_from_proto, chunk_to_proto, decode_chunk, encode_chunk
+from rlfleet.common.tensors._gen import tensors_pb2
+from rlfleet.common.tensors.codec import Chunk
+from rlfleet.common.tensors.wire import FIELDS, chunk_from_proto, chunk_to_proto, decode_chunk, encode_chunk
 
 _text = st.text(max_size=12)
 _chunks = st.builds(

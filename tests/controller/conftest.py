@@ -10,16 +10,18 @@ from typing import Any
 
 import pytest
 
-from rlfleet.common.messages import (
+from rlfleet.common.control.messages import (
     GenerateResult,
     SamplingParams,
     ScoreResult,
+    TrainStepRequest,
     TrainStepResult,
     WeightsLoaded,
     WeightsPublished,
 )
-from rlfleet.common.refs import TensorRef
-from rlfleet.common.tensor_store import TensorStoreClient
+from rlfleet.common.schema.refs import TensorRef
+from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.common.tensors.store import TensorStoreClient
 from rlfleet.controller.errors import TierDied
 from rlfleet.controller.tokenizers import build_char_tokenizer
 
@@ -56,9 +58,9 @@ def jsonl_file(tmp_path: Path) -> Callable[[list[dict[str, Any]]], Path]:
 class FakeFleet:
     """Answers the calls a GRPO/PPO/DPO step makes of the fleet (unit layer: no NATS, no workers).
 
-    Records each train-step request, fetches DPO batches from the controller's own store (a real
-    TensorStore), reports ``kl`` in the step metrics when given, and reports the trainer dead at
-    step ``fail_train_at``.
+    Records each train-step request (as the trainer would decode it), fetches DPO batches from the
+    controller's own store (a real TensorStore), reports ``kl`` in the step metrics when given, and
+    reports the trainer dead at step ``fail_train_at``.
     """
 
     reward = None
@@ -67,7 +69,7 @@ class FakeFleet:
         self.version = 0
         self.kl = kl
         self.fail_train_at = fail_train_at
-        self.train_requests: list[dict[str, Any]] = []
+        self.train_requests: list[TrainStepRequest] = []
         self.fetched: list[dict[str, Any]] = []
         self.published_with: list[tuple[str, str]] = []  # (carrier setting, dtype) of each publish
 
@@ -89,13 +91,14 @@ class FakeFleet:
                 for r in results]  # fmt: skip
 
     async def train_step(
-        self, step: int, rollouts: list[TensorRef], scores: list[float], hyper: dict[str, Any], *,
-        algorithm: str = "grpo",
-    ) -> TrainStepResult:  # fmt: skip
+        self, step: int, rollouts: list[TensorRef], scores: list[float], settings: StepSettings
+    ) -> TrainStepResult:
         if step == self.fail_train_at:
             raise TierDied("trainer", "trainer-0", 1, error="RuntimeError: out of memory")
-        self.train_requests.append({"step": step, "algorithm": algorithm, "num_scores": len(scores), **hyper})
-        if algorithm == "dpo":
+        sent = TrainStepRequest(step=step, rollouts=rollouts, scores=scores, settings=settings)
+        request = TrainStepRequest.model_validate_json(sent.model_dump_json())  # as the trainer reads it
+        self.train_requests.append(request)
+        if settings.algorithm == "dpo":
             client = TensorStoreClient(rollouts[0].address)
             try:
                 self.fetched.append(await client.fetch(rollouts[0]))
@@ -122,3 +125,19 @@ class FakeFleet:
 def fake_fleet() -> type[FakeFleet]:
     """The :class:`FakeFleet` class: ``fake_fleet(kl=1.0)``, ``fake_fleet(fail_train_at=2)``."""
     return FakeFleet
+
+
+@pytest.fixture
+def attach_fleet(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any, FakeFleet], FakeFleet]:
+    """``attach_fleet(trainer, fleet)`` gives the trainer's run ``fleet`` (``start()`` then sees a fleet
+    and starts nothing); the fake's rollout batches, which live nowhere, are not released."""
+
+    async def release(results: list[Any]) -> None:
+        return None
+
+    def attach(trainer: Any, fleet: FakeFleet) -> FakeFleet:
+        trainer.fleet_run._fleet = fleet
+        monkeypatch.setattr(trainer.fleet_run.store, "release", release)
+        return fleet
+
+    return attach

@@ -1,4 +1,5 @@
-"""The algorithm fields of TrainerConfig/JobConfig, the controller-side KL controller, the PPO reward spec."""
+"""The algorithm fields of TrainerConfig/JobConfig (the schema's, inherited), the controller-side KL
+controller built from the kl_* fields, the PPO reward spec."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from rlfleet.common.config import load_config
 from rlfleet.common.errors import ConfigError
-from rlfleet.common.kl_control import build_kl_controller
-from rlfleet.controller.algo_config import TRAINER_ALGO_KEYS, advance_kl_controller
+from rlfleet.common.schema.config import load_config
+from rlfleet.common.schema.trainer import AlgorithmSettings, StepSettings
 from rlfleet.controller.config import JobConfig, TrainerConfig
 from rlfleet.controller.dpo import dpo_config
+from rlfleet.controller.online import advance_kl_controller, build_kl_controller
 from rlfleet.controller.ppo import ppo_config, reward_model_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,17 +63,20 @@ def test_the_example_jobs_pick_their_algorithms() -> None:
     ppo = load_config(JobConfig, REPO / "examples" / "tiny_ppo.yaml")
     dpo = load_config(JobConfig, REPO / "examples" / "tiny_dpo.yaml")
     assert (ppo.algorithm, dpo.algorithm, dpo.beta) == ("ppo", "dpo", 0.1)
-    assert set(ppo.trainer_algo_settings()) == set(TRAINER_ALGO_KEYS)
+    sent = StepSettings.of(ppo, kl_coef=0.5)  # what each step carries to the trainer
+    assert set(AlgorithmSettings.model_fields) <= set(StepSettings.model_fields)
+    assert (sent.algorithm, sent.critic_learning_rate, sent.kl_coef, sent.lam) == ("ppo", 0.003, 0.5, 0.95)
 
 
-def test_the_kl_controller_config_follows_the_fields() -> None:
+def test_the_kl_controller_is_built_from_the_fields() -> None:
     cfg = TrainerConfig(
         kl_ctrl="scheduled", kl_coef=0.2, kl_end_coef=0.0, kl_total_steps=100, kl_schedule="cosine"
     )
-    control = cfg.kl_control(cfg.kl_coef)
-    assert (control.kind, control.coef, control.end_coef, control.total_steps) == ("scheduled", 0.2, 0.0, 100)
+    control = build_kl_controller(cfg, cfg.kl_coef).state_dict()
+    keys = ("kind", "start", "end", "total_steps", "schedule")
+    assert [control[key] for key in keys] == ["scheduled", 0.2, 0.0, 100, "cosine"]
     adaptive = TrainerConfig(kl_ctrl="adaptive", kl_coef=0.1, kl_target=0.5, kl_horizon=1000)
-    ctl = build_kl_controller(adaptive.kl_control(adaptive.kl_coef))
+    ctl = build_kl_controller(adaptive, adaptive.kl_coef)
     advance_kl_controller(ctl, {"kl": 1.0}, num_samples=100)  # err = clip(1/0.5 - 1) = 0.2
     assert ctl.value == pytest.approx(0.1 * (1 + 0.2 * 100 / 1000))
     advance_kl_controller(ctl, {}, num_samples=100)  # no KL measured: it stays
@@ -81,7 +85,7 @@ def test_the_kl_controller_config_follows_the_fields() -> None:
 
 def test_a_scheduled_controller_advances_even_without_a_measured_kl() -> None:
     cfg = TrainerConfig(kl_ctrl="scheduled", kl_coef=0.2, kl_end_coef=0.0, kl_total_steps=10)
-    ctl = build_kl_controller(cfg.kl_control(cfg.kl_coef))
+    ctl = build_kl_controller(cfg, cfg.kl_coef)
     advance_kl_controller(ctl, {}, num_samples=5)
     assert ctl.value == pytest.approx(0.1)
 

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from rlfleet.common.inproc_transport import InProcessBroker, InProcessTransport
-from rlfleet.common.messages import (
+from rlfleet.common.control.inproc_transport import InProcessBroker, InProcessTransport
+from rlfleet.common.control.messages import (
     AnyMessage,
     GenerateRequest,
     GenerateResult,
@@ -20,10 +20,9 @@ from rlfleet.common.messages import (
     WorkerAnnounce,
     WorkerLeave,
 )
-from rlfleet.common.refs import TensorRef
-from rlfleet.common.subjects import membership_subject, worker_subject
-from rlfleet.controller.fleet import Fleet
-from rlfleet.controller.rollout_dispatch import split_by_capacity
+from rlfleet.common.control.transport import membership_subject, worker_subject
+from rlfleet.common.schema.refs import TensorRef
+from rlfleet.controller.fleet import Fleet, split_by_capacity
 
 CLUSTER = "unit"
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from rlfleet.common.config import load_config
 from rlfleet.common.errors import ConfigError
+from rlfleet.common.schema.config import load_config
 from rlfleet.controller import cli
 from rlfleet.controller.config import JobConfig, TrainerConfig
 
@@ -67,10 +67,19 @@ def test_job_config_errors_name_the_field(tmp_path: Path) -> None:
 
 def test_overrides_reach_nested_and_top_level_fields() -> None:
     job = load_config(
-        JobConfig, TINY, ["rollout.engine=vllm", "learning_rate=1e-4", "data.max_prompt_length=64"]
+        JobConfig,
+        TINY,
+        ["rollout.engine=vllm", "learning_rate=1e-4", "max_prompt_length=64", "rollout.max_cache_len=80"],
     )
-    assert (job.rollout.engine, job.learning_rate, job.data.max_prompt_length) == ("vllm", 1e-4, 64)
-    assert job.trainer_config().rollout.engine == "vllm"
+    assert (job.rollout.engine, job.learning_rate, job.max_prompt_length) == ("vllm", 1e-4, 64)
+    assert (job.trainer_config().rollout.engine, job.trainer_config().rollout.max_cache_len) == ("vllm", 80)
+
+
+def test_moved_keys_are_refused_with_their_new_place() -> None:
+    with pytest.raises(ConfigError, match=r"'data.max_prompt_length'.*unknown field"):
+        load_config(JobConfig, TINY, ["data.max_prompt_length=64"])
+    with pytest.raises(ConfigError, match=r"'rollout_max_cache_len'.*unknown field"):
+        load_config(JobConfig, TINY, ["rollout_max_cache_len=1024"])
 
 
 def test_cli_config_prints_the_resolved_job(capsys: pytest.CaptureFixture[str]) -> None:

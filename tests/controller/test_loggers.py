@@ -6,6 +6,7 @@ import json
 import math
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -56,11 +57,14 @@ def test_console_progress_prints_every_log_every_and_the_last_step(
 def test_jsonl_sink_writes_one_row_per_step_and_nulls_for_non_finite(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text('{"step": 99}\n')  # a previous run's file is replaced
     sink = JsonlSink(tmp_path)
+    before = time.time()
     sink.log(1, {"loss": 0.5, "kl": math.nan})
     sink.log(2, {"loss": 0.25, "kl": math.inf})
     sink.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    stamps = [row.pop("time") for row in rows]  # when each step ended (the step-files test reads it)
     assert rows == [{"step": 1, "loss": 0.5, "kl": None}, {"step": 2, "loss": 0.25, "kl": None}]
+    assert before - 0.001 <= stamps[0] <= stamps[1] <= time.time() + 0.001
 
 
 def test_tensorboard_sink_writes_scalars(tmp_path: Path) -> None:

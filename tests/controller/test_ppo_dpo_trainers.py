@@ -8,10 +8,14 @@ from typing import Any
 
 import pytest
 
+from rlfleet.common.schema.trainer import ModelSettings, TrainerWorkerConfig
 from rlfleet.controller import DPOTrainer, GRPOTrainer, PPOTrainer, TrainerConfig
 from rlfleet.controller.cli import build_trainer
 from rlfleet.controller.config import JobConfig
 from rlfleet.controller.models import resolve_model
+from rlfleet.controller.online import OnlineTrainer
+from rlfleet.controller.trainer_base import TrainerBase
+from rlfleet.controller.worker_configs import tier_counts
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,58 +36,55 @@ def _config(tmp_path: Path, **kwargs: Any) -> TrainerConfig:
     return TrainerConfig(**{**base, **kwargs})
 
 
-def _no_release(trainer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def release(results: list[Any]) -> None:
-        return None
-
-    monkeypatch.setattr(trainer, "_release", release)
-
-
 def test_ppo_steps_send_ppo_and_an_adaptive_kl_coefficient(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_fleet
+    model_dir: Path, tmp_path: Path, fake_fleet, attach_fleet
 ) -> None:
     config = _config(tmp_path, kl_coef=0.1, kl_ctrl="adaptive", kl_target=0.5, kl_horizon=80)
     trainer = PPOTrainer(actor_model_name=str(model_dir), reward_model_name=str(tmp_path),
                          dataset=str(PROMPTS), config=config, critic_model_name=str(model_dir))  # fmt: skip
     assert trainer.reward_spec == {"components": [{"name": "rm", "args": {"path": str(tmp_path.resolve())}}]}
-    worker = trainer.trainer_worker_config()
-    assert worker["algorithm"] == "ppo" and worker["algo"]["critic_model_path"] == str(model_dir)
-    assert worker["algo"]["lam"] == 0.95 and worker["algo"]["kl_mode"] is None
-    fleet = fake_fleet(kl=1.0)
-    trainer._fleet = fleet  # type: ignore[assignment]  # start() sees a fleet and starts nothing
-    _no_release(trainer, monkeypatch)
+    (spec,) = [s for s in trainer.fleet_run.worker_specs() if s.tier == "trainer"]
+    worker = spec.config
+    assert isinstance(worker, TrainerWorkerConfig)
+    assert worker.algorithm == "ppo" and worker.critic_model_path == str(model_dir)
+    assert worker.lam == 0.95 and worker.kl_mode is None
+    configure = trainer.fleet_run.trainer_configure()
+    assert configure.critic and configure.model == ModelSettings() and configure.model_fingerprint
+    fleet = attach_fleet(trainer, fake_fleet(kl=1.0))
     results = []
     for result in trainer.steps(num_epochs=1, max_steps=3):
         results.append(result)
         if result.step == 2:
             trainer.kl_coef = 0.05  # overrides the controller; it adapts on from there
     trainer.close()
-    sent = [r["kl_coef"] for r in fleet.train_requests]
+    sent = [r.settings.kl_coef for r in fleet.train_requests]
     # kl 1.0 vs target 0.5: err clipped to 0.2; 8 samples per step; horizon 80 -> x1.02 per step
     assert sent == pytest.approx([0.1, 0.102, 0.05])
     assert [r.metrics["kl_coef"] for r in results] == pytest.approx(sent)
-    assert {r["algorithm"] for r in fleet.train_requests} == {"ppo"}
-    assert {r["num_updates"] for r in fleet.train_requests} == {2}
+    assert {r.settings.algorithm for r in fleet.train_requests} == {"ppo"}
+    assert {r.settings.num_updates for r in fleet.train_requests} == {2}
     assert trainer.kl_coef == pytest.approx(0.051)
 
 
 def test_dpo_starts_only_a_trainer_and_ships_pairs_through_its_own_store(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_fleet
+    model_dir: Path, tmp_path: Path, fake_fleet
 ) -> None:
     trainer = DPOTrainer(str(model_dir), str(PAIRS), _config(tmp_path, beta=0.2))
-    assert trainer.config.algorithm == "dpo" and trainer.tier_counts() == {"trainer": 1}
-    specs = trainer.worker_specs()
-    assert [s.tier for s in specs] == ["trainer"] and specs[0].config["algo"]["beta"] == 0.2
+    assert trainer.config.algorithm == "dpo" and tier_counts(trainer.config, online=False) == {"trainer": 1}
+    specs = trainer.fleet_run.worker_specs()
+    assert [s.tier for s in specs] == ["trainer"] and specs[0].config.beta == 0.2
+    assert not hasattr(trainer, "set_reward_fn") and not hasattr(trainer, "set_rollout_fn")
+    assert trainer.fleet_run.trainer_configure().critic is False  # DPO is configured too
     fleet = fake_fleet(kl=1.0)
-    trainer._fleet = fleet  # type: ignore[assignment]
+    trainer.fleet_run._fleet = fleet  # type: ignore[assignment]  # start() sees a fleet, starts nothing
     results = list(trainer.steps(num_epochs=1, max_steps=2))
-    store = trainer._store
+    store = trainer.fleet_run.store.server
     assert store is not None and store.keys == []  # each step's batch is dropped once trained on
     trainer.close()
-    assert [r.step for r in results] == [1, 2] and trainer._store is None
-    assert [(r["algorithm"], r["num_scores"], r["num_updates"]) for r in fleet.train_requests] == [
-        ("dpo", 0, 2)
-    ] * 2
+    assert [r.step for r in results] == [1, 2] and trainer.fleet_run.store.server is None
+    sent = [(r.settings.algorithm, len(r.scores), r.settings.num_updates, r.settings.beta)
+            for r in fleet.train_requests]  # fmt: skip
+    assert sent == [("dpo", 0, 2, 0.2)] * 2
     batch = fleet.fetched[0]
     assert set(batch) == {
         "prompt_ids",
@@ -108,6 +109,13 @@ def test_the_cli_picks_the_trainer_by_algorithm(model_dir: Path, tmp_path: Path)
     built = [build_trainer(job) for job in (dpo, ppo, rloo)]
     assert [type(t) for t in built] == [DPOTrainer, PPOTrainer, GRPOTrainer]
     assert built[1].critic_model_path == built[1].model_path  # the critic starts from the actor
-    assert built[2].trainer_worker_config()["algorithm"] == "rloo"
+    assert built[2].fleet_run.worker_specs()[0].config.algorithm == "rloo"
     for trainer in built:
         trainer.close()
+
+
+def test_each_trainer_has_one_base_and_ppo_is_not_a_grpo_trainer() -> None:
+    assert [c.__bases__ for c in (GRPOTrainer, PPOTrainer, DPOTrainer, OnlineTrainer)] == [
+        (OnlineTrainer,), (OnlineTrainer,), (TrainerBase,), (TrainerBase,),
+    ]  # fmt: skip
+    assert not issubclass(PPOTrainer, GRPOTrainer)

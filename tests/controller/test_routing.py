@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlfleet.common.batch import unpack_texts
+from rlfleet.common.schema.batch import unpack_texts
 from rlfleet.controller.dataset import PromptItem
 from rlfleet.controller.routing import (
     ANY,

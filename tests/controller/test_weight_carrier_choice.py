@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from rlfleet.common.inproc_transport import InProcessTransport
+from rlfleet.common.control.inproc_transport import InProcessTransport
 from rlfleet.controller import TrainerConfig
 from rlfleet.controller.fleet import Fleet
 

@@ -45,3 +45,13 @@ def test_bad_input_exits_2_with_a_one_line_reason(venv_script, cli_env, tmp_path
     assert typo.returncode == 2 and "did you mean 'learning_rate'" in typo.stderr
     missing = _run(venv_script, cli_env, "train", str(tmp_path / "nope.yaml"))
     assert missing.returncode == 2 and "no such config file" in missing.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_missing_checkpoint_exits_2_before_anything_starts(venv_script, cli_env, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run = _run(venv_script, cli_env, "train", str(EXAMPLE), f"output_dir={out}", "resume_from=/nonexistent")
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().startswith("rlfleet: cannot resume from '/nonexistent'"), run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert not (out / "fleet").exists(), "nothing may be spawned for a missing checkpoint"

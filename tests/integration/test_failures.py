@@ -50,11 +50,11 @@ def _trainer(model_dir: Path, out: Path, **overrides: object) -> GRPOTrainer:
 
 
 def _replace_rollout_command(trainer: GRPOTrainer, command: list[str]) -> None:
-    specs = trainer.worker_specs()
+    specs = trainer.fleet_run.worker_specs()
     for spec in specs:
         if spec.tier == "rollout":
             spec.command = command
-    trainer.worker_specs = lambda: specs  # type: ignore[method-assign]
+    trainer.fleet_run.worker_specs = lambda: specs  # type: ignore[method-assign]
 
 
 @pytest.mark.timeout(60)
@@ -84,9 +84,9 @@ def test_unknown_reward_names_the_reward_worker_and_the_cause(
     run, seconds = _train_cli(
         venv_script("rlfleet"), cli_env, out, f"model={tiny_model_dir}", "reward=nosuch"
     )
-    assert run.returncode == 1, run.stderr
+    assert run.returncode == 2, run.stderr  # a bad reward spec is the user's to fix
     log = out / "fleet" / "workers" / "reward-0.log"
-    assert "reward worker reward-0 exited with code 1: UnknownReward: unknown reward 'nosuch'" in run.stderr
+    assert "reward worker reward-0 exited with code 2: UnknownReward: unknown reward 'nosuch'" in run.stderr
     assert f"(log: {log})" in run.stderr
     assert "Traceback" not in run.stderr, "the controller reports the cause, not its own traceback"
     assert seconds < 60

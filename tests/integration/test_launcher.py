@@ -18,7 +18,7 @@ from rlfleet.controller.errors import TierDied
 from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec, last_error_line
 
 TRACEBACK = """\
-2026-01-01 10:00:00,000 rlfleet-reward INFO rlfleet.common.service: starting
+2026-01-01 10:00:00,000 rlfleet-reward INFO rlfleet.common.control.worker: starting
 Traceback (most recent call last):
   File "/x/service.py", line 1, in setup
     raise UnknownReward(name, known)

@@ -11,7 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.embedded_nats import EmbeddedNats, find_nats_server
+from rlfleet.common.control.embedded_nats import EmbeddedNats, find_nats_server
+from rlfleet.common.control.membership import Heartbeater, WorkerInfo, WorkerRegistry, WorkerStatus
+from rlfleet.common.control.messages import Ack, AnyMessage, ErrorReply, Message, Ping, WorkerAnnounce
+from rlfleet.common.control.nats_transport import NatsTransport, backoff_delay
+from rlfleet.common.control.transport import Handler, Transport
 from rlfleet.common.errors import (
     MessageTooLarge,
     NatsServerError,
@@ -20,10 +24,6 @@ from rlfleet.common.errors import (
     RequestTimeout,
     TransportClosed,
 )
-from rlfleet.common.membership import Heartbeater, WorkerInfo, WorkerRegistry, WorkerStatus
-from rlfleet.common.messages import Ack, AnyMessage, ErrorReply, Message, Ping, WorkerAnnounce
-from rlfleet.common.nats_transport import NatsTransport, backoff_delay
-from rlfleet.common.transport import Handler, Transport
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -23,18 +23,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.common.embedded_nats import EmbeddedNats
-from rlfleet.common.membership import WorkerInfo
-from rlfleet.common.messages import (
+from rlfleet.common.control.embedded_nats import EmbeddedNats
+from rlfleet.common.control.membership import WorkerInfo
+from rlfleet.common.control.messages import (
     AnyMessage,
     GenerateRequest,
     LatestWeights,
     SamplingParams,
     WeightsPublished,
 )
-from rlfleet.common.nats_transport import NatsTransport
-from rlfleet.common.subjects import subject
-from rlfleet.common.tensor_store import TensorStoreClient, TensorStoreServer
+from rlfleet.common.control.nats_transport import NatsTransport
+from rlfleet.common.control.transport import subject
+from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer
 from rlfleet.controller.fleet import Fleet
 
 CLUSTER = "fleet-test"

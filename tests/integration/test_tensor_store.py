@@ -14,7 +14,6 @@ import grpc
 import pytest
 import torch
 
-from rlfleet.common._gen import tensors_pb2, tensors_pb2_grpc
 from rlfleet.common.errors import (
     ChecksumMismatch,
     MalformedChunk,
@@ -27,10 +26,11 @@ from rlfleet.common.errors import (
     UnknownKey,
     UnknownTensor,
 )
-from rlfleet.common.tensor_codec import split_tensors, tensor_to_bytes
-from rlfleet.common.tensor_rpc import error_from_rpc, method
-from rlfleet.common.tensor_store import TensorStoreClient, TensorStoreServer
-from rlfleet.common.tensor_wire import chunk_to_proto, decode_chunk, encode_chunk
+from rlfleet.common.tensors._gen import tensors_pb2, tensors_pb2_grpc
+from rlfleet.common.tensors.codec import split_tensors, tensor_to_bytes
+from rlfleet.common.tensors.rpc import error_from_rpc, method
+from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer
+from rlfleet.common.tensors.wire import chunk_to_proto, decode_chunk, encode_chunk
 
 MB = 1 << 20
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlfleet.common.config import load_config
+from rlfleet.common.schema.config import load_config
 from rlfleet.controller.config import JobConfig
 
 REPO = Path(__file__).resolve().parents[2]

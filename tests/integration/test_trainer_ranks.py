@@ -1,8 +1,9 @@
 """A trainer of two gloo ranks behind one NATS worker, started as the embedded launcher does.
 
 Rank 0 answers ``trainer.step``, ``trainer.publish`` and ``trainer.save``; rank 1 follows its
-commands and fetches the rollouts itself. The step's metrics, the published weights and the
-saved checkpoint must equal what one process computes on the same batch.
+commands, fetches the rollouts itself and trains with the settings the step carries. The step's
+metrics, the published weights and the saved checkpoint must equal what one process computes on
+the same batch with the same settings.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.common.errors import NoResponders
-from rlfleet.common.messages import (
+from rlfleet.common.control.messages import (
     PublishWeights,
     SaveCheckpoint,
     Saved,
@@ -24,13 +24,14 @@ from rlfleet.common.messages import (
     TrainStepResult,
     WeightsPublished,
 )
-from rlfleet.common.nats_transport import NatsTransport
-from rlfleet.common.subjects import subject
-from rlfleet.common.tensor_store import TensorStoreClient, TensorStoreServer
+from rlfleet.common.control.nats_transport import NatsTransport
+from rlfleet.common.control.transport import subject
+from rlfleet.common.errors import NoResponders
+from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig
+from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer
 from rlfleet.controller.launcher import EmbeddedFleet, trainer_rank_specs
 from rlfleet.trainer.model_io import load_causal_lm
-from rlfleet.trainer.service import TrainerServiceConfig, build_models
-from rlfleet.trainer.updates import merge_batch, run_update
+from rlfleet.trainer.service import build_models, merge_batch, run_step
 
 CLUSTER = "ranks"
 PROMPTS, RESPONSES = [3, 5, 2, 4, 5, 3], [4, 2, 6, 1, 3, 5]
@@ -112,10 +113,18 @@ async def test_two_trainer_ranks_serve_like_one_process(tmp_path: Path, tiny_mod
     settings = {"cluster": CLUSTER, "model_path": str(tiny_model_dir), "device": "cpu", "micro_batch_size": 2,
                 "learning_rate": 1e-3, "threads": 1, "seed": 0}  # fmt: skip
     batch = _rollouts(vocab)
+    # the step's own settings, not the worker's: rank 1 must train with them too (two updates of 3
+    # rows in micro-batches of 1; another count of forwards or steps would hang the collectives, and
+    # another learning rate would give other weights)
+    step = StepSettings(learning_rate=2e-3, micro_batch_size=1, clip_eps=0.1, rollout_batch_size=2,
+                        train_batch_size=1, kl_coef=0.05)  # fmt: skip
     async with TwoRanks(tmp_path / "fleet", settings, batch) as ranks:
-        request = TrainStepRequest(step=1, rollouts=[ranks.ref], scores=[1.0, 0.0, 0.0, 1.0, 1.0, 0.5])
+        request = TrainStepRequest(step=1, rollouts=[ranks.ref], scores=[1.0, 0.0, 0.0, 1.0, 1.0, 0.5],
+                                   settings=step)  # fmt: skip
         result = await ranks.ask("step", request)
         assert isinstance(result, TrainStepResult), result
+        assert result.metrics["lr"] == pytest.approx(2e-3) and result.metrics["num_optimizer_steps"] == 2
+        assert result.metrics["settings/micro_batch_size"] == 1 and result.metrics["settings/clip_eps"] == 0.1
         published = await ranks.ask("publish", PublishWeights(weight_version=1, bucket_mb=0.01))
         assert isinstance(published, WeightsPublished) and len(published.buckets) > 2
         saved = await ranks.ask("save", SaveCheckpoint(path=str(tmp_path / "saved")))
@@ -136,10 +145,9 @@ async def test_two_trainer_ranks_serve_like_one_process(tmp_path: Path, tiny_mod
     assert procs.survivors(ranks.pids) == []
 
     # the same step in this process (one rank, no FSDP)
-    cfg = TrainerServiceConfig(**settings)
-    _, actor, critic = build_models(cfg)
-    expected = run_update(actor, critic, cfg, merge_batch("grpo", [batch]), request)
-    for key in ("loss", "pg_loss", "entropy", "grad_norm", "approx_kl"):
+    _, actor, critic = build_models(TrainerWorkerConfig(**settings))
+    expected = run_step(actor, critic, merge_batch("grpo", [batch]), request.scores, step)
+    for key in ("loss", "pg_loss", "entropy", "grad_norm", "approx_kl", "lr"):
         assert result.metrics[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
     state = actor.model.state_dict()
     assert set(weights) == set(state) - {"lm_head.weight"} or set(weights) == set(state)
@@ -165,7 +173,7 @@ async def test_two_ranks_shard_the_ppo_critic_and_step_like_one_process(
     full = tmp_path / "full"
     async with TwoRanks(tmp_path / "fleet", settings, batch) as ranks:
         request = TrainStepRequest(step=1, rollouts=[ranks.ref], scores=[1.0, 0.0, 0.0, 1.0, 1.0, 0.5],
-                                   algorithm="ppo", hyperparams={"kl_coef": 0.05})  # fmt: skip
+                                   settings=StepSettings.of(TrainerWorkerConfig(**settings)))  # fmt: skip
         result = await ranks.ask("step", request)
         assert isinstance(result, TrainStepResult), result
         saved = await ranks.ask("save", SaveCheckpoint(path=str(full), mode="full"))
@@ -181,10 +189,9 @@ async def test_two_ranks_shard_the_ppo_critic_and_step_like_one_process(
         "every critic weight is stored as two shards, one per rank"
     )
 
-    cfg = TrainerServiceConfig(**settings)
-    _, actor, critic = build_models(cfg)
+    _, actor, critic = build_models(TrainerWorkerConfig(**settings))
     assert critic is not None
-    expected = run_update(actor, critic, cfg, merge_batch("ppo", [batch]), request)
+    expected = run_step(actor, critic, merge_batch("ppo", [batch]), request.scores, request.settings)
     keys = ("loss", "pg_loss", "grad_norm", "critic/vf_loss", "critic/grad_norm", "critic/vpred_mean",
             "critic/values_mean", "critic/explained_variance", "kl_reward")  # fmt: skip
     for key in keys:
@@ -212,15 +219,15 @@ async def test_two_ranks_split_dpo_pairs_and_step_like_one_process(
                 "learning_rate": 1e-3, "threads": 1, "seed": 0, "algorithm": "dpo"}  # fmt: skip
     batch = _pairs(vocab)
     async with TwoRanks(tmp_path / "fleet", settings, batch) as ranks:
-        request = TrainStepRequest(step=1, rollouts=[ranks.ref], scores=[], algorithm="dpo")
+        own = StepSettings.of(TrainerWorkerConfig(**settings))
+        request = TrainStepRequest(step=1, rollouts=[ranks.ref], scores=[], settings=own)
         result = await ranks.ask("step", request)
         assert isinstance(result, TrainStepResult), result
         ranks.fleet.check()
     assert procs.survivors(ranks.pids) == []
 
-    cfg = TrainerServiceConfig(**settings)
-    _, actor, critic = build_models(cfg)
-    expected = run_update(actor, critic, cfg, merge_batch("dpo", [batch]), request)
+    _, actor, critic = build_models(TrainerWorkerConfig(**settings))
+    expected = run_step(actor, critic, merge_batch("dpo", [batch]), request.scores, request.settings)
     for key in (
         "loss",
         "grad_norm",

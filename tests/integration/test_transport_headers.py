@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from rlfleet.common.embedded_nats import EmbeddedNats
-from rlfleet.common.inproc_transport import InProcessBroker, InProcessTransport
-from rlfleet.common.messages import Ack, AnyMessage, Message, Ping
-from rlfleet.common.nats_transport import NatsTransport
-from rlfleet.common.transport import TOKEN_HEADER, Transport, request_headers
+from rlfleet.common.control.embedded_nats import EmbeddedNats
+from rlfleet.common.control.inproc_transport import InProcessBroker, InProcessTransport
+from rlfleet.common.control.messages import Ack, AnyMessage, Message, Ping
+from rlfleet.common.control.nats_transport import NatsTransport
+from rlfleet.common.control.transport import TOKEN_HEADER, Transport, request_headers
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from rlfleet.common.inproc_transport import InProcessBroker, InProcessTransport
-from rlfleet.common.refs import TensorRef
-from rlfleet.common.service import Worker
+from rlfleet.common.control.inproc_transport import InProcessBroker, InProcessTransport
+from rlfleet.common.control.worker import Worker
+from rlfleet.common.schema.refs import TensorRef
 
 CHARS = string.ascii_letters + string.digits + string.punctuation + " \n"
 SPECIALS = ("[PAD]", "[CLS]", "[SEP]", "[UNK]")
@@ -80,13 +80,13 @@ class RolloutStore:
     """A real TensorStore holding rollout batches built from texts."""
 
     def __init__(self) -> None:
-        from rlfleet.common.tensor_store import TensorStoreServer
+        from rlfleet.common.tensors.store import TensorStoreServer
 
         self.server = TensorStoreServer()
 
     def put(self, prompts: Sequence[str], responses: Sequence[str], group_index: Sequence[int]) -> TensorRef:
         """Store one rollout batch (the contract's tensors; token ids are dummies) and return its ref."""
-        from rlfleet.common.batch import RolloutBatch
+        from rlfleet.common.schema.batch import RolloutBatch
 
         n = len(responses)
         batch = RolloutBatch.from_rows(
@@ -110,14 +110,14 @@ ServerFactory = Callable[[dict[str, Any]], Awaitable[tuple[InProcessTransport, W
 @pytest.fixture
 async def reward_server() -> AsyncIterator[ServerFactory]:
     """``await reward_server(config_dict)`` -> (client transport, started RewardWorker)."""
-    from rlfleet.common.config import load_config
-    from rlfleet.reward.service import RewardServiceConfig, RewardWorker
+    from rlfleet.common.schema.config import load_config
+    from rlfleet.reward.service import RewardWorker, RewardWorkerConfig
 
     started: list[tuple[InProcessTransport, InProcessTransport, RewardWorker]] = []
 
     async def start(config: dict[str, Any]) -> tuple[InProcessTransport, RewardWorker]:
         broker = InProcessBroker()
-        cfg = load_config(RewardServiceConfig, data={"cluster": "test", "worker_id": "reward-0", **config})
+        cfg = load_config(RewardWorkerConfig, data={"cluster": "test", "worker_id": "reward-0", **config})
         server = InProcessTransport(broker, tier="reward", name="server")
         client = InProcessTransport(broker, tier="controller", name="client")
         worker = RewardWorker(cfg, server)

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from rlfleet.common.messages import RewardSpecSet, ScoreRequest, ScoreResult, SetRewardSpec
-from rlfleet.common.subjects import subject
+from rlfleet.common.control.messages import RewardSpecSet, ScoreRequest, ScoreResult, SetRewardSpec
+from rlfleet.common.control.transport import subject
 from rlfleet.reward.endpoints import revision_of
 
 pytestmark = pytest.mark.timeout(60)

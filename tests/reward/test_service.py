@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 
-from rlfleet.common.errors import RemoteError
-from rlfleet.common.messages import (
+from rlfleet.common.control.messages import (
     RewardSpecSet,
     RewardStats,
     RewardStatsRequest,
@@ -20,8 +19,8 @@ from rlfleet.common.messages import (
     ScoreResult,
     SetRewardSpec,
 )
-from rlfleet.common.subjects import subject
-from rlfleet.common.transport import TOKEN_HEADER
+from rlfleet.common.control.transport import TOKEN_HEADER, subject
+from rlfleet.common.errors import RemoteError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -167,7 +166,7 @@ async def test_swaps_by_tenant_and_admin(reward_server, rollout_store) -> None:
     created = await client.request(OWN, create.model_copy(update={"token": ADMIN}), timeout=30)
     assert created.spec_version.endswith("-r0") and created.previous_version == ""
     broken = SetRewardSpec(endpoint="a/digits", spec="concise:max_words=-1", token=TOKEN_A)
-    await refused(client, broken, "internal", OWN)
+    await refused(client, broken, "bad_request", OWN)
     still = await score(client, ref, "a/digits", TOKEN_A)
     assert still.spec_version == done.spec_version, "a failed swap leaves the old version serving"
 
@@ -183,7 +182,7 @@ async def test_model_path_swap_keeps_the_rest_of_the_spec(reward_server, rollout
     assert after.components["concise"] == before.components["concise"]
     assert after.components["rm"] != before.components["rm"]
     text = await refused(client, SetRewardSpec(endpoint="e", model_path=str(first), component="other"),
-                         "internal", OWN)  # fmt: skip
+                         "bad_request", OWN)  # fmt: skip
     assert "no rm component labelled 'other'" in text
 
 

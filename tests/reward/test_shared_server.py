@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlfleet.common.embedded_nats import EmbeddedNats
+from rlfleet.common.control.embedded_nats import EmbeddedNats
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny_grpo.yaml"

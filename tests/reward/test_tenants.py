@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from rlfleet.common.config import load_config
 from rlfleet.common.errors import ConfigError
+from rlfleet.common.schema.config import load_config
+from rlfleet.common.schema.reward import RewardWorkerConfig
 from rlfleet.reward.errors import (
     BatchTooLarge,
     ForbiddenEndpoint,
@@ -18,7 +19,6 @@ from rlfleet.reward.errors import (
     MissingToken,
     QuotaExceeded,
 )
-from rlfleet.reward.service import RewardServiceConfig
 from rlfleet.reward.tenants import TenantConfig, TenantTable, TokenBucket, TokenSource
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "reward.yaml"
@@ -131,12 +131,12 @@ def test_token_sources_are_checked() -> None:
 
 def test_config_refuses_tenants_on_unknown_endpoints() -> None:
     with pytest.raises(ConfigError, match="names endpoints \\['nope'\\]"):
-        load_config(RewardServiceConfig, data={"endpoints": {"e": "concise"},
+        load_config(RewardWorkerConfig, data={"endpoints": {"e": "concise"},
                     "tenants": [{"name": "a", "token": "token-of-a", "endpoints": ["nope"]}]})  # fmt: skip
 
 
 def test_deploy_example_loads_with_two_tenants(monkeypatch: pytest.MonkeyPatch) -> None:
-    config = load_config(RewardServiceConfig, DEPLOY)
+    config = load_config(RewardWorkerConfig, DEPLOY)
     assert [t.name for t in config.tenants] == ["team-a", "team-b"]
     assert config.endpoints["team-a/helpful"].scaler.temperature == 0.7
     assert config.endpoints["team-a/digits"].spec == "charset:allowed=0123456789"

@@ -15,8 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlfleet.common.carriers import IpcBucket
-from rlfleet.common.messages import SamplingParams
+from rlfleet.common.control.messages import SamplingParams
+from rlfleet.common.schema.carriers import IpcBucket
 from rlfleet.rollout.engines import HFEngine
 from rlfleet.rollout.engines.cuda_ipc import device_uuid
 from rlfleet.rollout.errors import IpcUnavailable

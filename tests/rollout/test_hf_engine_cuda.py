@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlfleet.common.messages import SamplingParams
+from rlfleet.common.control.messages import SamplingParams
 from rlfleet.rollout.engines import HFEngine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

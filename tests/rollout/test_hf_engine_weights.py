@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlfleet.common.messages import SamplingParams
+from rlfleet.common.control.messages import SamplingParams
 from rlfleet.rollout.engines import HFEngine
 from rlfleet.rollout.engines.weights import TiedPair, copy_weights, load_targets
 from rlfleet.rollout.errors import UnknownWeight, WeightDtypeMismatch, WeightShapeMismatch

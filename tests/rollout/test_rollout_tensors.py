@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.common.batch import unpack_texts
-from rlfleet.common.messages import SamplingParams
-from rlfleet.rollout.engines import Completion, HFEngine, to_rollout_tensors
+from rlfleet.common.control.messages import SamplingParams
+from rlfleet.common.schema.batch import unpack_texts
+from rlfleet.rollout.engines import Completion, HFEngine
+from rlfleet.rollout.service import to_rollout_tensors
 
 PAD = 0
 

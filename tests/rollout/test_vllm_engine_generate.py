@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.common.messages import SamplingParams
-from rlfleet.rollout.engines import Engine, HFEngine, to_rollout_tensors
+from rlfleet.common.control.messages import SamplingParams
+from rlfleet.rollout.engines import Engine, HFEngine
 from rlfleet.rollout.errors import ContextTooLong, EngineUnavailable, InvalidPrompt
+from rlfleet.rollout.service import to_rollout_tensors
 
 pytest.importorskip("vllm", reason="vLLM is not installed (uv sync --extra cpu)")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoModelForCausalLM
 
-from rlfleet.common.messages import SamplingParams
+from rlfleet.common.control.messages import SamplingParams
 from rlfleet.rollout.engines import HFEngine
 from rlfleet.trainer.weights import iter_weight_buckets
 

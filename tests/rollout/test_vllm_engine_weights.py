@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlfleet.common.messages import SamplingParams
+from rlfleet.common.control.messages import SamplingParams
 from rlfleet.rollout.engines import HFEngine
 from rlfleet.rollout.errors import IncompleteWeights, UnknownWeight, WeightShapeMismatch
 from rlfleet.trainer.weights import iter_weight_buckets
@@ -127,7 +127,7 @@ def test_a_single_tensor_block_loads_at_once(engine: VLLMEngine, make_vllm_check
 
 
 def test_cuda_ipc_loads_are_refused_on_cpu_before_anything_loads(engine: VLLMEngine) -> None:
-    from rlfleet.common.carriers import IpcBucket
+    from rlfleet.common.schema.carriers import IpcBucket
     from rlfleet.rollout.errors import IpcUnavailable
 
     tensors = [{"name": EMBED, "dtype": "float32", "shape": [1], "offset": 0}]

@@ -9,10 +9,11 @@ import sys
 import pytest
 
 from rlfleet.common.errors import ConfigError
+from rlfleet.common.schema.rollout import RolloutWorkerConfig
 from rlfleet.rollout.engines import ENGINES, make_engine
 from rlfleet.rollout.engines.registry import resolve_engine_name, vllm_available
 from rlfleet.rollout.errors import EngineUnavailable, UnknownEngine
-from rlfleet.rollout.service import RolloutServiceConfig, engine_kwargs
+from rlfleet.rollout.service import engine_kwargs
 
 
 @pytest.mark.timeout(120)
@@ -37,7 +38,7 @@ def test_auto_picks_vllm_exactly_when_it_is_installed() -> None:
 
 
 def test_worker_settings_map_to_engine_arguments() -> None:
-    cfg = RolloutServiceConfig(model_path="/m", cluster="c", seed=3, cache_policy="none", max_cache_len=512,
+    cfg = RolloutWorkerConfig(model_path="/m", cluster="c", seed=3, cache_policy="none", max_cache_len=512,
                                tensor_parallel_size=2, colocate=True, sleep_level=2)  # fmt: skip
     common = {"dtype": "float32", "device": "cuda", "seed": 3, "max_batch_size": 64}
     assert engine_kwargs(cfg, "hf", "cuda") == common
@@ -45,10 +46,10 @@ def test_worker_settings_map_to_engine_arguments() -> None:
         **common, "tensor_parallel_size": 2, "gpu_memory_utilization": 0.85, "enforce_eager": False,
         "enable_prefix_caching": False, "max_model_len": 512, "colocate": True, "sleep_level": 2,
     }  # fmt: skip
-    lru = RolloutServiceConfig(model_path="/m", cluster="c")
+    lru = RolloutWorkerConfig(model_path="/m", cluster="c")
     on_cpu = engine_kwargs(lru, "vllm", "cpu")
     assert on_cpu["enable_prefix_caching"] and on_cpu["enforce_eager"] and on_cpu["max_model_len"] == 2048
-    explicit = RolloutServiceConfig(model_path="/m", cluster="c", enforce_eager=False)
+    explicit = RolloutWorkerConfig(model_path="/m", cluster="c", enforce_eager=False)
     assert engine_kwargs(explicit, "vllm", "cpu")["enforce_eager"] is False
 
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlfleet.rollout.engines.checkpoint import read_checkpoint
-from rlfleet.rollout.engines.vllm_weights import (
+from rlfleet.rollout.engines.vllm.weights import (
     WeightStager,
     decode_bucket,
     encode_bucket,

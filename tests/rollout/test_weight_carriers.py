@@ -7,14 +7,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlfleet.common.carriers import IpcBucket
-from rlfleet.common.messages import LoadWeights, WeightsPublished
-from rlfleet.common.refs import TensorRef
+from rlfleet.common.control.messages import LoadWeights, WeightsPublished
+from rlfleet.common.schema.carriers import IpcBucket
+from rlfleet.common.schema.refs import TensorRef
 from rlfleet.rollout import catch_up as catch_up_module
 from rlfleet.rollout.catch_up import catch_up
 from rlfleet.rollout.engines import HFEngine
 from rlfleet.rollout.engines.cuda_ipc import open_bucket
-from rlfleet.rollout.engines.vllm_runtime import check_vllm_version
+from rlfleet.rollout.engines.vllm.runtime import check_vllm_version
 from rlfleet.rollout.errors import IpcUnavailable, NoUsableCarrier, UnsupportedVLLM
 from rlfleet.rollout.service import RolloutWorker
 

@@ -1,4 +1,5 @@
-"""Random rollout batches in the contract's layout, for the trainer tests and their rank scripts.
+"""Random rollout batches in the contract's layout, and a policy update on given advantages, for the
+trainer tests and their rank scripts.
 
 Plain module (the rank scripts run as ``python checkpoint_ranks.py`` and import it from their
 folder; conftest puts this folder on ``sys.path`` for the tests).
@@ -6,9 +7,25 @@ folder; conftest puts this folder on ``sys.path`` for the tests).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.trainer.actor import Actor
+from rlfleet.trainer.algorithms.ppo_family import policy_plan
+from rlfleet.trainer.loop import train_loop
+
 VOCAB = 64
+
+
+def update(actor: Actor, batch: dict[str, torch.Tensor], advantages: torch.Tensor, **settings: Any) -> dict:
+    """The policy's steps on ``batch`` and ``advantages`` through the update loop, with ``settings``
+    (StepSettings fields; no KL term unless ``kl_coef`` is given; ``num_updates=k`` for k mini-batches)."""
+    num_updates = settings.pop("num_updates", 1)
+    defaults = {"kl_coef": 0.0, "rollout_batch_size": num_updates, "train_batch_size": 1}
+    step = StepSettings(**{**defaults, **settings})
+    return train_loop(policy_plan(actor, batch, advantages, step))
 
 
 def contract_batch(

@@ -18,11 +18,10 @@ from safetensors.torch import save_file
 
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.checkpoint import load_training_state, save_training_state
-from rlfleet.trainer.config import ActorConfig, OptimizerConfig
 from rlfleet.trainer.distributed import init_distributed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batches import contract_batch  # noqa: E402  (this folder's helper module)
+from batches import contract_batch, update  # noqa: E402  (this folder's helper module)
 
 PROMPTS, RESPONSES = [3, 5, 2, 4, 5], [4, 2, 6, 1, 3]
 
@@ -33,7 +32,7 @@ def _batch() -> dict[str, torch.Tensor]:
 
 def _update(actor: Actor, batch: dict[str, torch.Tensor], scale: float) -> None:
     adv = torch.tensor([1.0, -0.5, 2.0, -1.0, 0.3]) * scale
-    actor.update(batch, adv, micro_batch_size=2, mini_batch_size=3)
+    update(actor, batch, adv, micro_batch_size=2, num_updates=2)  # mini-batches of 3 and 2
 
 
 def _gathered(actor: Actor) -> dict[str, torch.Tensor]:
@@ -46,15 +45,15 @@ def _gathered(actor: Actor) -> dict[str, torch.Tensor]:
 def main(model_dir: str, out_dir: str) -> None:
     out = Path(out_dir)
     ctx = init_distributed(device="cpu", sharding="full")
-    config = ActorConfig(model_path=model_dir, seed=11, optim=OptimizerConfig(lr=1e-2, warmup_steps=2))
+    optim = {"learning_rate": 1e-2, "weight_decay": 0.01, "warmup_steps": 2}
     batch = _batch()
-    actor = Actor(config, ctx)
+    actor = Actor(model_dir, None, ctx, seed=11, **optim)
     _update(actor, batch, 1.0)
-    save_training_state(out / "ckpt", actor, generator=actor._generator)
+    save_training_state(out / "ckpt", actor, generator=actor.generator)
     _update(actor, batch, 2.0)
     expected = _gathered(actor)
-    fresh = Actor(config.model_copy(update={"seed": 99}), ctx)
-    load_training_state(out / "ckpt", fresh, generator=fresh._generator)
+    fresh = Actor(model_dir, None, ctx, seed=99, **optim)
+    load_training_state(out / "ckpt", fresh, generator=fresh.generator)
     _update(fresh, batch, 2.0)
     resumed = _gathered(fresh)
     if ctx.is_main:

@@ -5,13 +5,14 @@
 Loads the actor under FSDP2 on the CPU, then, on the batch in BATCH (a safetensors file holding a
 contract batch plus ``advantages``, ``old_noise`` and ``ref_shift``):
 
-1. ``forward_backward`` over all rows for each loss aggregation; the gathered gradients and the
-   metrics go to ``OUT/grads_<agg>.safetensors`` and ``OUT/metrics.json``; the token-mean one
-   again with gradient checkpointing, to ``OUT/grads_checkpointed.safetensors``;
+1. ``accumulate`` (the update loop's forward/backward) over all rows for each loss aggregation;
+   the gathered gradients and the metrics go to ``OUT/grads_<agg>.safetensors`` and
+   ``OUT/metrics.json``; the token-mean one again with gradient checkpointing, to
+   ``OUT/grads_checkpointed.safetensors``;
 2. publishes the weights in small buckets while a dispatch mode tracks the bytes of the tensors
    alive that the walk created (the peak goes to ``OUT/rank<r>.json``); a second walk's merged
    buckets go to ``OUT/buckets.safetensors``;
-3. one ``update`` with shuffled mini-batches and two epochs, then the gathered parameters go to
+3. one policy update with shuffled mini-batches and two epochs, then the gathered parameters go to
    ``OUT/params_after.safetensors``, and the model is saved in HF format to ``OUT/hf``.
 
 Rank 0 writes the files; every rank writes ``OUT/rank<r>.json`` (what it saw).
@@ -33,9 +34,14 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rlfleet.common.schema.trainer import ModelSettings, StepSettings
 from rlfleet.trainer.actor import Actor
-from rlfleet.trainer.config import ActorConfig, OptimizerConfig, PolicyLossConfig
+from rlfleet.trainer.algorithms.ppo_family import PolicyObjective, prepare
 from rlfleet.trainer.distributed import init_distributed
+from rlfleet.trainer.loop import accumulate
+
+sys.path.insert(0, str(Path(__file__).parent))
+from batches import update  # noqa: E402  (this folder's helper module)
 
 AGGS = ("token-mean", "seq-mean-token-mean")
 BUCKET_BYTES = 9216
@@ -97,12 +103,11 @@ def main(model_dir: str, batch_path: str, out_dir: str) -> None:
     ctx = init_distributed(device="cpu", sharding="full")
     data = load_file(batch_path)
     adv, old_noise, ref_shift = data.pop("advantages"), data.pop("old_noise"), data.pop("ref_shift")
-    config = ActorConfig(model_path=model_dir, optim=OptimizerConfig(lr=1e-2, weight_decay=0.0))
-    actor = Actor(config, ctx)
+    actor = Actor(model_dir, None, ctx, learning_rate=1e-2, weight_decay=0.0)
     seen: dict[str, Any] = {"rank": ctx.rank, "world_size": ctx.world_size, "mesh": list(ctx.mesh.shape)}
     seen["dtensor_params"] = all(isinstance(p, DTensor) for p in actor.model.parameters())
 
-    prepared = actor.prepare(data, adv, micro_batch_size=2, with_reference=True)
+    prepared = prepare(actor, data, adv, micro_batch_size=2, with_reference=True)
     prepared = dataclasses.replace(
         prepared,
         old_logprobs=prepared.old_logprobs + old_noise,
@@ -111,8 +116,8 @@ def main(model_dir: str, batch_path: str, out_dir: str) -> None:
     metrics: dict[str, dict[str, float]] = {}
     rows = torch.arange(prepared.inputs.num_samples)
     for agg in AGGS:
-        loss = PolicyLossConfig(kl_coef=0.1, entropy_coef=0.01, loss_agg=agg)
-        metrics[agg] = actor.forward_backward(prepared, rows, micro_batch_size=2, loss=loss)
+        loss = PolicyObjective(actor, prepared, StepSettings(kl_coef=0.1, entropy_coef=0.01, loss_agg=agg))
+        metrics[agg] = accumulate(loss, rows, 2)
         grads = {
             n: full(p.grad).contiguous() for n, p in actor.model.named_parameters() if p.grad is not None
         }
@@ -120,9 +125,9 @@ def main(model_dir: str, batch_path: str, out_dir: str) -> None:
         if ctx.is_main:
             save_file(grads, str(out / f"grads_{agg}.safetensors"))
     # gradient checkpointing under FSDP: the blocks recompute (and re-gather) in backward
-    checkpointed = Actor(config.model_copy(update={"gradient_checkpointing": True}), ctx)
-    loss = PolicyLossConfig(kl_coef=0.1, entropy_coef=0.01, loss_agg=AGGS[0])
-    checkpointed.forward_backward(prepared, rows, micro_batch_size=2, loss=loss)
+    checkpointed = Actor(model_dir, ModelSettings(gradient_checkpointing=True), ctx, learning_rate=1e-2)
+    settings = StepSettings(kl_coef=0.1, entropy_coef=0.01, loss_agg=AGGS[0])
+    accumulate(PolicyObjective(checkpointed, prepared, settings), rows, 2)
     grads = {
         n: full(p.grad).contiguous() for n, p in checkpointed.model.named_parameters() if p.grad is not None
     }
@@ -147,8 +152,9 @@ def main(model_dir: str, batch_path: str, out_dir: str) -> None:
         save_file(merged, str(out / "buckets.safetensors"))
         (out / "metrics.json").write_text(json.dumps(metrics))
 
-    metrics["update"] = actor.update(
-        data, adv, micro_batch_size=2, mini_batch_size=3, ppo_epochs=2, max_grad_norm=0.5
+    # 5 rows in 2 updates: mini-batches of 3 and 2
+    metrics["update"] = update(
+        actor, data, adv, micro_batch_size=2, num_updates=2, ppo_epochs=2, max_grad_norm=0.5
     )
     params = {n: full(p.detach()).contiguous() for n, p in actor.model.named_parameters()}
     actor.save_hf(out / "hf")

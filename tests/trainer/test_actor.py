@@ -1,4 +1,5 @@
-"""The Actor on a tiny Llama: gradient accumulation, update direction, reference/KL, metrics, seeding."""
+"""The Actor on a tiny Llama under the update loop: gradient accumulation, update direction,
+reference/KL, metrics, seeding."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from batches import update  # this folder's helper module (conftest puts it on sys.path)
+from pydantic import ValidationError
 
+from rlfleet.common.schema.trainer import ModelSettings, StepSettings
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.algorithms import LOSS_AGG_MODES
-from rlfleet.trainer.config import ActorConfig, OptimizerConfig, PolicyLossConfig
-from rlfleet.trainer.inputs import build_policy_inputs
+from rlfleet.trainer.algorithms.ppo_family import PolicyObjective, prepare
+from rlfleet.trainer.forward import build_policy_inputs
+from rlfleet.trainer.loop import accumulate, batch_sizes
 from rlfleet.trainer.model_io import disable_dropout, load_causal_lm
 
 pytestmark = pytest.mark.timeout(120)
@@ -21,8 +26,8 @@ pytestmark = pytest.mark.timeout(120)
 PROMPTS, RESPONSES = [3, 5, 2, 4, 5], [4, 2, 6, 1, 3]
 
 
-def _actor(path: Path, lr: float = 1e-3, **kwargs: object) -> Actor:
-    return Actor(ActorConfig(model_path=str(path), optim=OptimizerConfig(lr=lr, weight_decay=0.0), **kwargs))
+def _actor(path: Path, lr: float = 1e-3, *, seed: int = 0, **model: object) -> Actor:
+    return Actor(path, ModelSettings(**model), seed=seed, learning_rate=lr, weight_decay=0.0)
 
 
 def _grads(actor: Actor) -> dict[str, torch.Tensor]:
@@ -38,20 +43,20 @@ def test_micro_batching_gives_the_full_batch_gradient(
     actor = _actor(tiny_model_dir)
     batch = make_batch(PROMPTS, RESPONSES)
     adv = torch.tensor([1.0, -0.5, 2.0, -1.0, 0.3])
-    prepared = actor.prepare(batch, adv, micro_batch_size=5, with_reference=True)
+    prepared = prepare(actor, batch, adv, micro_batch_size=5, with_reference=True)
     # move old and ref logprobs away from the policy so that clipping and KL both act
     noise = torch.randn(prepared.old_logprobs.shape, generator=torch.Generator().manual_seed(0))
     prepared = dataclasses.replace(
         prepared, old_logprobs=prepared.old_logprobs + 0.3 * noise, ref_logprobs=prepared.ref_logprobs - 0.2
     )
-    loss = PolicyLossConfig(kl_coef=0.1, entropy_coef=0.01, loss_agg=loss_agg)
+    loss = PolicyObjective(actor, prepared, StepSettings(kl_coef=0.1, entropy_coef=0.01, loss_agg=loss_agg))
     rows = torch.arange(5)
-    full_metrics = actor.forward_backward(prepared, rows, micro_batch_size=5, loss=loss)
+    full_metrics = accumulate(loss, rows, 5)
     full = _grads(actor)
     assert full_metrics["clip_frac"] > 0
     assert sum(g.abs().sum().item() for g in full.values()) > 0
     for micro in (1, 2, 3):
-        metrics = actor.forward_backward(prepared, rows, micro_batch_size=micro, loss=loss)
+        metrics = accumulate(loss, rows, micro)
         grads = _grads(actor)
         assert grads.keys() == full.keys()
         for name, grad in grads.items():
@@ -69,7 +74,7 @@ def test_update_moves_the_logprob_of_the_advantaged_sample(
     inputs = build_policy_inputs(batch)
     before = actor.compute_logprobs(inputs, micro_batch_size=5)[0].sum().item()
     adv = torch.tensor([sign, 0.0, 0.0, 0.0, 0.0])
-    metrics = actor.update(batch, adv, micro_batch_size=2)
+    metrics = update(actor, batch, adv, micro_batch_size=2)
     after = actor.compute_logprobs(inputs, micro_batch_size=5)[0].sum().item()
     assert sign * (after - before) > 0.05
     # first step of an update: the policy is the sampling policy, so nothing is clipped
@@ -86,10 +91,10 @@ def test_rollout_logprob_diff_reports_engine_drift(tiny_model_dir: Path, make_ba
     actor = _actor(tiny_model_dir, lr=1e-9)
     batch = make_batch(PROMPTS, RESPONSES)
     exact = actor.compute_logprobs(build_policy_inputs(batch), micro_batch_size=5)
-    metrics = actor.update(dict(batch, rollout_logprobs=exact), torch.zeros(5), micro_batch_size=5)
+    metrics = update(actor, dict(batch, rollout_logprobs=exact), torch.zeros(5), micro_batch_size=5)
     assert metrics["rollout_logprob_diff"] == pytest.approx(0.0, abs=1e-6)
-    metrics = actor.update(
-        dict(batch, rollout_logprobs=torch.zeros_like(exact)), torch.zeros(5), micro_batch_size=5
+    metrics = update(
+        actor, dict(batch, rollout_logprobs=torch.zeros_like(exact)), torch.zeros(5), micro_batch_size=5
     )
     mask = batch["response_mask"].bool()
     assert metrics["rollout_logprob_diff"] == pytest.approx(exact[mask].abs().mean().item(), rel=1e-4)
@@ -97,12 +102,12 @@ def test_rollout_logprob_diff_reports_engine_drift(tiny_model_dir: Path, make_ba
     # NaN: tokens no engine produced (responses a rollout fn wrote) stay out of the drift
     unknown = torch.zeros_like(exact)
     unknown[:2] = float("nan")
-    metrics = actor.update(dict(batch, rollout_logprobs=unknown), torch.zeros(5), micro_batch_size=5)
+    metrics = update(actor, dict(batch, rollout_logprobs=unknown), torch.zeros(5), micro_batch_size=5)
     rest = mask.clone()
     rest[:2] = False
     assert metrics["rollout_logprob_diff"] == pytest.approx(exact[rest].abs().mean().item(), rel=1e-4)
     all_unknown = torch.full_like(exact, float("nan"))
-    metrics = actor.update(dict(batch, rollout_logprobs=all_unknown), torch.zeros(5), micro_batch_size=5)
+    metrics = update(actor, dict(batch, rollout_logprobs=all_unknown), torch.zeros(5), micro_batch_size=5)
     assert "rollout_logprob_diff" not in metrics and math.isfinite(metrics["loss"])
 
 
@@ -110,13 +115,13 @@ def test_kl_to_a_frozen_reference(tiny_model_dir: Path, make_batch: Callable) ->
     actor = _actor(tiny_model_dir, lr=1e-2)
     batch = make_batch(PROMPTS, RESPONSES)
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0])
-    first = actor.update(batch, adv, micro_batch_size=5, kl_coef=0.1)
+    first = update(actor, batch, adv, micro_batch_size=5, kl_coef=0.1)
     ref = actor.ref_model
     assert ref is not None and not ref.training
     assert all(not p.requires_grad for p in ref.parameters())
     assert first["kl"] == pytest.approx(0.0, abs=1e-7)  # the policy still equals the reference
     assert first["kl_loss"] == pytest.approx(0.0, abs=1e-7)
-    second = actor.update(batch, adv, micro_batch_size=5, kl_coef=0.1)
+    second = update(actor, batch, adv, micro_batch_size=5, kl_coef=0.1)
     assert second["kl"] > 1e-5
     ref_state = ref.state_dict()
     fresh = _actor(tiny_model_dir).model.state_dict()
@@ -125,11 +130,10 @@ def test_kl_to_a_frozen_reference(tiny_model_dir: Path, make_batch: Callable) ->
 
 
 def test_ppo_epochs_and_mini_batches(tiny_model_dir: Path, make_batch: Callable) -> None:
-    actor = Actor(ActorConfig(model_path=str(tiny_model_dir), optim=OptimizerConfig(lr=1e-2, warmup_steps=4)))
+    actor = Actor(tiny_model_dir, learning_rate=1e-2, weight_decay=0.01, warmup_steps=4)
     batch = make_batch(PROMPTS, RESPONSES)
-    metrics = actor.update(
-        batch, torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0]), micro_batch_size=2, mini_batch_size=2, ppo_epochs=2
-    )
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0])
+    metrics = update(actor, batch, adv, micro_batch_size=2, num_updates=3, ppo_epochs=2)  # mini-batches of 2
     assert metrics["num_optimizer_steps"] == 6.0  # ceil(5 / 2) mini-batches x 2 epochs
     assert actor.steps == 6
     # warmup: lr_k = lr * min(1, (k + 1) / 4) for steps k = 0..5
@@ -144,7 +148,7 @@ def test_same_seed_same_training(tiny_model_dir: Path, make_batch: Callable) -> 
     states = []
     for _ in range(2):
         actor = _actor(tiny_model_dir, seed=7)
-        actor.update(batch, adv, micro_batch_size=2, mini_batch_size=3, ppo_epochs=2)
+        update(actor, batch, adv, micro_batch_size=2, num_updates=2, ppo_epochs=2)  # mini-batches of 3
         states.append(actor.model.state_dict())
     for name, value in states[0].items():
         torch.testing.assert_close(states[1][name], value, rtol=0, atol=0, msg=name)
@@ -153,15 +157,14 @@ def test_same_seed_same_training(tiny_model_dir: Path, make_batch: Callable) -> 
 def test_update_validates_its_settings(tiny_model_dir: Path, make_batch: Callable) -> None:
     actor = _actor(tiny_model_dir)
     batch = make_batch(PROMPTS, RESPONSES)
-    with pytest.raises(ValueError, match="loss_agg"):
-        actor.update(batch, torch.zeros(5), micro_batch_size=2, loss_agg="mean-of-means")
-    with pytest.raises(ValueError, match="micro_batch_size"):
-        actor.update(batch, torch.zeros(5), micro_batch_size=4, mini_batch_size=2)
-    prepared = actor.prepare(batch, torch.zeros(5), micro_batch_size=5)
+    with pytest.raises(ValidationError, match="loss_agg"):
+        update(actor, batch, torch.zeros(5), micro_batch_size=2, loss_agg="mean-of-means")
+    # a micro-batch never spans more than a mini-batch: 5 rows in 3 updates are mini-batches of 2
+    three_updates = StepSettings(micro_batch_size=4, rollout_batch_size=3, train_batch_size=1)
+    assert batch_sizes(three_updates, 5) == (2, 2)
+    prepared = prepare(actor, batch, torch.zeros(5), micro_batch_size=5)
     with pytest.raises(ValueError, match="with_reference"):
-        actor.forward_backward(
-            prepared, torch.arange(5), micro_batch_size=5, loss=PolicyLossConfig(kl_coef=0.1)
-        )
+        PolicyObjective(actor, prepared, StepSettings(kl_coef=0.1))
 
 
 def test_gradient_checkpointing_gives_the_same_gradient(tiny_model_dir: Path, make_batch: Callable) -> None:
@@ -170,8 +173,8 @@ def test_gradient_checkpointing_gives_the_same_gradient(tiny_model_dir: Path, ma
     grads = []
     for checkpointing in (False, True):
         actor = _actor(tiny_model_dir, gradient_checkpointing=checkpointing)
-        prepared = actor.prepare(batch, adv, micro_batch_size=5)
-        actor.forward_backward(prepared, torch.arange(5), micro_batch_size=2, loss=PolicyLossConfig())
+        prepared = prepare(actor, batch, adv, micro_batch_size=5)
+        accumulate(PolicyObjective(actor, prepared, StepSettings(kl_coef=0.0)), torch.arange(5), 2)
         grads.append(_grads(actor))
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
@@ -184,7 +187,7 @@ def test_dropout_is_disabled_so_the_first_ratio_is_one(
     model.config.attention_dropout = 0.5
     model.save_pretrained(tmp_path)
     actor = _actor(tmp_path)
-    metrics = actor.update(make_batch(PROMPTS, RESPONSES), torch.ones(5), micro_batch_size=5)
+    metrics = update(actor, make_batch(PROMPTS, RESPONSES), torch.ones(5), micro_batch_size=5)
     assert metrics["approx_kl"] == pytest.approx(0.0, abs=1e-9)
     layer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
     disable_dropout(layer)

@@ -12,31 +12,34 @@ from pathlib import Path
 
 import pytest
 import torch
+from batches import update  # this folder's helper module (conftest puts it on sys.path)
 
+from rlfleet.common.schema.trainer import StepSettings
 from rlfleet.trainer.actor import Actor
+from rlfleet.trainer.algorithms.ppo_family import ValueObjective
 from rlfleet.trainer.checkpoint import load_checkpoint, load_training_state, save_checkpoint
-from rlfleet.trainer.config import ActorConfig, OptimizerConfig
-from rlfleet.trainer.critic import Critic, CriticConfig
+from rlfleet.trainer.critic import Critic
 from rlfleet.trainer.errors import CheckpointError
-from rlfleet.trainer.inputs import build_policy_inputs
+from rlfleet.trainer.forward import build_policy_inputs
+from rlfleet.trainer.loop import accumulate
 
 PROMPTS, RESPONSES = [3, 5, 2, 4], [4, 2, 5, 3]
 
 
 def _pair(path: Path) -> tuple[Actor, Critic]:
-    optim = OptimizerConfig(lr=1e-2, weight_decay=0.01, warmup_steps=3)
-    actor = Actor(ActorConfig(model_path=str(path), seed=5, optim=optim))
-    critic = Critic(CriticConfig(model_path=str(path), seed=5, optim=optim))
+    optim = {"learning_rate": 1e-2, "weight_decay": 0.01, "warmup_steps": 3}
+    actor = Actor(path, seed=5, **optim)
+    critic = Critic(path, seed=5, **optim)
     return actor, critic
 
 
 def _train(actor: Actor, critic: Critic, batch: dict[str, torch.Tensor], step: int) -> dict[str, float]:
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5]) * (step + 1)
-    metrics = actor.update(batch, adv, micro_batch_size=2, mini_batch_size=2)
+    metrics = update(actor, batch, adv, micro_batch_size=2, num_updates=2)
     inputs = build_policy_inputs(batch)
     old = critic.compute_values(inputs, micro_batch_size=4)
     returns = adv[:, None] * inputs.response_mask
-    critic.forward_backward(inputs, torch.arange(4), old, returns, micro_batch_size=2)
+    accumulate(ValueObjective(critic, inputs, old, returns, StepSettings()), torch.arange(4), 2)
     metrics.update(critic.optimizer_step(max_grad_norm=1.0))
     metrics["noise"] = float(torch.rand(()).item()) + random.random()  # the global RNGs come back too
     return metrics

@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.trainer.config import OptimizerConfig
-from rlfleet.trainer.critic import Critic, CriticConfig
+from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.trainer.algorithms.ppo_family import ValueObjective
+from rlfleet.trainer.critic import Critic
 from rlfleet.trainer.errors import ModelLoadError
-from rlfleet.trainer.inputs import build_policy_inputs
+from rlfleet.trainer.forward import build_policy_inputs
+from rlfleet.trainer.loop import accumulate
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,10 +21,8 @@ PROMPTS, RESPONSES = [3, 5, 2, 4], [4, 2, 6, 3]
 MakeBatch = Callable[..., dict[str, torch.Tensor]]
 
 
-def _critic(path: Path, lr: float = 1e-3, **kwargs: object) -> Critic:
-    return Critic(
-        CriticConfig(model_path=str(path), optim=OptimizerConfig(lr=lr, weight_decay=0.0), **kwargs)
-    )
+def _critic(path: Path, lr: float = 1e-3) -> Critic:
+    return Critic(path, learning_rate=lr, weight_decay=0.0)
 
 
 def test_the_value_of_a_token_is_read_before_the_token(tiny_model_dir: Path, make_batch: MakeBatch) -> None:
@@ -57,14 +57,15 @@ def test_values_are_zero_at_padding_and_ignore_left_padding(
 def test_micro_batches_accumulate_the_mini_batch_gradient(
     tiny_model_dir: Path, make_batch: MakeBatch, loss_agg: str
 ) -> None:
-    critic = _critic(tiny_model_dir, value_clip=0.05, loss_agg=loss_agg)
+    critic = _critic(tiny_model_dir)
     inputs = build_policy_inputs(make_batch(PROMPTS, RESPONSES))
     old = critic.compute_values(inputs, micro_batch_size=4) + 0.1
     returns = torch.randn(old.shape, generator=torch.Generator().manual_seed(0)) * inputs.response_mask
     rows = torch.arange(4)
+    loss = ValueObjective(critic, inputs, old, returns, StepSettings(value_clip=0.05, loss_agg=loss_agg))
     grads, metrics = [], []
     for micro in (4, 1, 3):
-        metrics.append(critic.forward_backward(inputs, rows, old, returns, micro_batch_size=micro))
+        metrics.append(accumulate(loss, rows, micro))
         grads.append({n: p.grad.clone() for n, p in critic.model.named_parameters() if p.grad is not None})
         critic.optimizer.zero_grad(set_to_none=True)
     assert metrics[0]["critic/vf_clip_frac"] > 0
@@ -76,17 +77,15 @@ def test_micro_batches_accumulate_the_mini_batch_gradient(
 
 
 def test_the_value_loss_decreases_on_a_fixed_batch(tiny_model_dir: Path, make_batch: MakeBatch) -> None:
-    critic = _critic(tiny_model_dir, lr=1e-2, value_clip=None)
+    critic = _critic(tiny_model_dir, lr=1e-2)
     inputs = build_policy_inputs(make_batch(PROMPTS, RESPONSES))
     returns = torch.tensor([1.0, -1.0, 0.5, 2.0])[:, None] * inputs.response_mask
+    unclipped = StepSettings(value_clip=None)
     losses = []
     for _ in range(12):
         old = critic.compute_values(inputs, micro_batch_size=4)
-        losses.append(
-            critic.forward_backward(inputs, torch.arange(4), old, returns, micro_batch_size=2)[
-                "critic/vf_loss"
-            ]
-        )
+        loss = ValueObjective(critic, inputs, old, returns, unclipped)
+        losses.append(accumulate(loss, torch.arange(4), 2)["critic/vf_loss"])
         step = critic.optimizer_step(max_grad_norm=1.0)
     assert losses[-1] < 0.3 * losses[0], losses
     assert step["critic/lr"] == pytest.approx(1e-2) and critic.steps == 12

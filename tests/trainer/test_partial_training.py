@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batches import update  # this folder's helper module (conftest puts it on sys.path)
 
+from rlfleet.common.schema.trainer import ModelSettings
 from rlfleet.trainer.actor import Actor
-from rlfleet.trainer.config import ActorConfig, OptimizerConfig
 
 
 @pytest.mark.timeout(120)
 def test_top_layers_train_and_publish_alone(tiny_model_dir, make_batch):
-    config = ActorConfig(model_path=str(tiny_model_dir), trainable_layers=1, optim=OptimizerConfig(lr=1e-2))
-    actor = Actor(config)
+    actor = Actor(tiny_model_dir, ModelSettings(trainable_layers=1), learning_rate=1e-2, weight_decay=0.01)
     before = {k: v.clone() for k, v in actor.model.state_dict().items()}
     batch = make_batch([3, 4, 2, 5], [4, 2, 3, 4])
     n = batch["response_ids"].shape[0]
-    actor.update(batch, torch.linspace(-1, 1, n), micro_batch_size=n)
+    update(actor, batch, torch.linspace(-1, 1, n), micro_batch_size=n)
     after = actor.model.state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed, "the top block must have been updated"
@@ -28,4 +28,4 @@ def test_top_layers_train_and_publish_alone(tiny_model_dir, make_batch):
 
 def test_trainable_layers_out_of_range(tiny_model_dir):
     with pytest.raises(ValueError, match="trainable_layers must be in 1..2"):
-        Actor(ActorConfig(model_path=str(tiny_model_dir), trainable_layers=3))
+        Actor(tiny_model_dir, ModelSettings(trainable_layers=3))

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from rlfleet.trainer.actor import Actor
-from rlfleet.trainer.config import ActorConfig
 from rlfleet.trainer.errors import ModelLoadError
 from rlfleet.trainer.model_io import load_causal_lm
 from rlfleet.trainer.weights import iter_weight_buckets, tied_aliases
@@ -21,7 +20,7 @@ def _nbytes(bucket: dict[str, torch.Tensor]) -> int:
 
 
 def test_buckets_reassemble_the_state_dict_within_the_size_bound(tiny_model_dir: Path) -> None:
-    actor = Actor(ActorConfig(model_path=str(tiny_model_dir)))
+    actor = Actor(tiny_model_dir)
     state = actor.model.state_dict()
     aliases = tied_aliases(actor.model)
     assert aliases == {"lm_head.weight": "model.embed_tokens.weight"}
@@ -43,7 +42,7 @@ def test_buckets_reassemble_the_state_dict_within_the_size_bound(tiny_model_dir:
 
 
 def test_buckets_are_copies_and_convert_dtype(tiny_model_dir: Path) -> None:
-    actor = Actor(ActorConfig(model_path=str(tiny_model_dir)))
+    actor = Actor(tiny_model_dir)
     first = next(actor.iter_weight_buckets(1 << 20))
     name = "model.embed_tokens.weight"
     before = first[name].clone()
@@ -58,7 +57,7 @@ def test_buckets_are_copies_and_convert_dtype(tiny_model_dir: Path) -> None:
 
 
 def test_loading_a_loaded_bucket_into_a_fresh_model_restores_tied_weights(tiny_model_dir: Path) -> None:
-    actor = Actor(ActorConfig(model_path=str(tiny_model_dir)))
+    actor = Actor(tiny_model_dir)
     with torch.no_grad():
         for p in actor.model.parameters():
             p.mul_(0.5)
@@ -71,7 +70,7 @@ def test_loading_a_loaded_bucket_into_a_fresh_model_restores_tied_weights(tiny_m
 
 
 def test_save_hf_round_trips_with_the_tokenizer(tiny_model_dir: Path, tmp_path: Path) -> None:
-    actor = Actor(ActorConfig(model_path=str(tiny_model_dir)))
+    actor = Actor(tiny_model_dir)
     with torch.no_grad():
         actor.model.model.norm.weight.add_(0.25)
     out = actor.save_hf(tmp_path / "ckpt")
@@ -107,7 +106,7 @@ def test_gpu_buckets_and_ipc_sharing_refuse_a_cpu_model_clearly(tiny_model_dir: 
 async def test_a_cpu_trainer_refuses_to_publish_by_cuda_ipc() -> None:
     from types import SimpleNamespace
 
-    from rlfleet.common.messages import PublishWeights
+    from rlfleet.common.control.messages import PublishWeights
     from rlfleet.trainer.service import TrainerWorker
 
     worker = SimpleNamespace(actor=SimpleNamespace(device=torch.device("cpu")))

@@ -7,15 +7,73 @@ Each error subclasses a builtin so callers can catch broadly (``ValueError``) or
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 class RlfleetError(Exception):
-    """Marker base for every rlfleet error; never raised on its own."""
+    """Marker base for every rlfleet error; never raised on its own.
+
+    Every error is also a :class:`UserError` (the user can fix it: a bad config, a missing model or
+    checkpoint, a bad reward spec or input; ``rlfleet`` exits 2 with its one-line message) or a
+    :class:`Failure` (something broke at run time: a peer died, a wait ran out; exit 1).
+    """
+
+
+class UserError(RlfleetError):
+    """Base of the user's mistakes (see :class:`RlfleetError`)."""
+
+
+class Failure(RlfleetError):
+    """Base of runtime failures (see :class:`RlfleetError`)."""
+
+
+@dataclass(frozen=True)
+class WireCode:
+    """One error code of :class:`ErrorReply`: whether retrying can help and whose mistake it is."""
+
+    retryable: bool
+    user_error: bool
+    meaning: str
+
+
+WIRE_CODES: dict[str, WireCode] = {
+    "protocol_mismatch": WireCode(False, True, "the peers speak different MAJOR wire versions"),
+    "bad_message": WireCode(False, True, "the request could not be decoded or is malformed"),
+    "too_large": WireCode(False, True, "the message is over the control plane's size limit"),
+    "bad_request": WireCode(False, True, "the request is well formed but not acceptable (a user error)"),
+    "settings_conflict": WireCode(False, True, "a worker's fixed settings differ from the run's"),
+    "timeout": WireCode(True, False, "a wait inside the worker ran out"),
+    "unavailable": WireCode(True, False, "a peer the worker needs is gone or unreachable"),
+    "stale_weights": WireCode(True, False, "the worker does not hold the requested weight version yet"),
+    "quota_exceeded": WireCode(True, True, "the tenant is over its quota for now"),
+    "unknown_endpoint": WireCode(False, True, "no reward endpoint of that name"),
+    "missing_token": WireCode(False, True, "the request carries no credential"),
+    "invalid_token": WireCode(False, True, "the credential is not valid"),
+    "forbidden_endpoint": WireCode(False, True, "the tenant may not use that endpoint"),
+    "forbidden": WireCode(False, True, "the caller may not do that"),
+    "batch_too_large": WireCode(False, True, "the batch is over the endpoint's limit"),
+    "internal": WireCode(False, False, "the worker failed (a bug or a crash); see its log"),
+}
+"""Every :class:`ErrorReply` code, in one table (``code`` of an error class, else by its base)."""
+
+
+def wire_code(exc: BaseException) -> tuple[str, bool]:
+    """The ``(code, retryable)`` an :class:`ErrorReply` carries for ``exc``.
+
+    An error's own ``code`` (and ``retryable``) attributes win; then its kind: protocol and
+    decode errors, timeouts, lost connections, other user errors (``bad_request``); else ``internal``.
+    """
+    code = getattr(exc, "code", None)
+    if not (isinstance(code, str) and code in WIRE_CODES):
+        code = next((c for kind, c in _BY_KIND if isinstance(exc, kind)), "internal")
+    retryable = getattr(exc, "retryable", None)
+    return code, retryable if isinstance(retryable, bool) else WIRE_CODES[code].retryable
 
 
 # --- user mistakes --------------------------------------------------------------------------
 
 
-class ConfigError(RlfleetError, ValueError):
+class ConfigError(UserError, ValueError):
     """A config file or override is malformed; names the field path and the bad value."""
 
     def __init__(self, path: str, value: object, reason: str) -> None:
@@ -28,7 +86,7 @@ class ConfigError(RlfleetError, ValueError):
 # --- control plane --------------------------------------------------------------------------
 
 
-class ProtocolMismatch(RlfleetError, ValueError):
+class ProtocolMismatch(UserError, ValueError):
     """A message speaks another MAJOR version of the wire schema."""
 
     def __init__(self, ours: str, theirs: str) -> None:
@@ -40,7 +98,7 @@ class ProtocolMismatch(RlfleetError, ValueError):
         )
 
 
-class MessageDecodeError(RlfleetError, ValueError):
+class MessageDecodeError(UserError, ValueError):
     """Bytes that arrived are not a valid control message."""
 
     def __init__(self, reason: str) -> None:
@@ -48,7 +106,7 @@ class MessageDecodeError(RlfleetError, ValueError):
         super().__init__(f"cannot decode control message: {reason}")
 
 
-class MessageTooLarge(RlfleetError, ValueError):
+class MessageTooLarge(UserError, ValueError):
     """A message (or chunk) is over the size limit of its transport; ``hint`` says what to do instead."""
 
     def __init__(self, size: int, limit: int, what: str = "message", hint: str = "") -> None:
@@ -60,7 +118,7 @@ class MessageTooLarge(RlfleetError, ValueError):
         super().__init__(f"{what} of {size} bytes is over the {limit}-byte limit; {advice}")
 
 
-class RequestTimeout(RlfleetError, TimeoutError):
+class RequestTimeout(Failure, TimeoutError):
     """No reply came on a subject in time."""
 
     def __init__(self, subject: str, tier: str, timeout: float) -> None:
@@ -73,7 +131,7 @@ class RequestTimeout(RlfleetError, TimeoutError):
         )
 
 
-class NoResponders(RlfleetError, ConnectionError):
+class NoResponders(Failure, ConnectionError):
     """Nobody listens on a subject."""
 
     def __init__(self, subject: str, tier: str) -> None:
@@ -83,7 +141,8 @@ class NoResponders(RlfleetError, ConnectionError):
 
 
 class RemoteError(RlfleetError, RuntimeError):
-    """A peer answered with an ErrorReply."""
+    """A peer answered with an ErrorReply; raised as :class:`RemoteUserError` or :class:`RemoteFailure`
+    according to its code (:data:`WIRE_CODES`), see :func:`remote_error`."""
 
     def __init__(self, tier: str, code: str, message: str, retryable: bool = False) -> None:
         self.tier = tier
@@ -93,21 +152,36 @@ class RemoteError(RlfleetError, RuntimeError):
         super().__init__(f"{tier} tier replied {code}: {message}" + (" (retryable)" if retryable else ""))
 
 
-class TransportClosed(RlfleetError, ConnectionError):
+class RemoteUserError(RemoteError, UserError):
+    """A peer refused a request for a reason the user can fix (its code says so)."""
+
+
+class RemoteFailure(RemoteError, Failure):
+    """A peer failed to serve a request (a crash, a lost dependency, a timeout)."""
+
+
+def remote_error(tier: str, code: str, message: str, retryable: bool = False) -> RemoteError:
+    """The :class:`RemoteError` for an ErrorReply: a user error or a failure, by its code."""
+    entry = WIRE_CODES.get(code, WIRE_CODES["internal"])
+    kind = RemoteUserError if entry.user_error else RemoteFailure
+    return kind(tier, code, message, retryable)
+
+
+class TransportClosed(Failure, ConnectionError):
     """The transport was used after close() or lost its server for good."""
 
     def __init__(self, what: str = "transport") -> None:
         super().__init__(f"{what} is closed")
 
 
-class NatsServerError(RlfleetError, RuntimeError):
+class NatsServerError(Failure, RuntimeError):
     """The embedded nats-server could not be found, started or reached."""
 
 
 # --- data plane -----------------------------------------------------------------------------
 
 
-class TensorError(RlfleetError):
+class TensorError(Failure):
     """Marker base for tensor-plane errors."""
 
 
@@ -215,10 +289,20 @@ class TensorStoreUnavailable(TensorError, ConnectionError):
         super().__init__(f"TensorStore at {address} is unreachable" + (f": {detail}" if detail else ""))
 
 
-class BatchContractError(RlfleetError, ValueError):
+class BatchContractError(UserError, ValueError):
     """A rollout batch breaks the tensor contract (a field missing, of the wrong dtype or shape)."""
 
     def __init__(self, field: str, reason: str) -> None:
         self.field = field
         self.reason = reason
         super().__init__(f"rollout batch field {field!r}: {reason}")
+
+
+_BY_KIND: tuple[tuple[type[BaseException], str], ...] = (
+    (ProtocolMismatch, "protocol_mismatch"),
+    (MessageDecodeError, "bad_message"),
+    (MessageTooLarge, "too_large"),
+    (TimeoutError, "timeout"),
+    (ConnectionError, "unavailable"),
+    (UserError, "bad_request"),
+)

@@ -16,7 +16,7 @@ _EXPORTS: dict[str, str] = {
     "GRPOTrainer": "rlfleet.controller.grpo",
     "PPOTrainer": "rlfleet.controller.ppo",
     "DPOTrainer": "rlfleet.controller.dpo",
-    "StepResult": "rlfleet.controller.loop",
+    "StepResult": "rlfleet.controller.run",
     "TrainerConfig": "rlfleet.controller.config",
     "JobConfig": "rlfleet.controller.config",
     "PromptDataset": "rlfleet.controller.dataset",
@@ -46,11 +46,11 @@ if TYPE_CHECKING:
     from rlfleet.controller.dataset import PromptDataset
     from rlfleet.controller.dpo import DPOTrainer
     from rlfleet.controller.grpo import GRPOTrainer
-    from rlfleet.controller.loop import StepResult
     from rlfleet.controller.models import resolve_model
     from rlfleet.controller.ppo import PPOTrainer
     from rlfleet.controller.preference import PreferenceDataset
     from rlfleet.controller.routing import Pool, Response
+    from rlfleet.controller.run import StepResult
 
 
 def __getattr__(name: str) -> Any:

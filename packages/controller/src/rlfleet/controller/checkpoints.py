@@ -11,7 +11,8 @@ A checkpoint directory ``output_dir/checkpoint-<step>/`` holds::
 The trainer writes the first two (``trainer.save`` with ``mode="full"``), the controller the
 last, once the trainer has replied, so a checkpoint with ``controller_state.json`` is complete.
 Resuming restores the trainer (``trainer.load``), republishes the restored weights under their
-saved version so the rollout workers serve them, then restores the controller's own position.
+saved version so the rollout workers serve them, then restores the controller's own position
+(:class:`~rlfleet.controller.run.FleetRun` does both; this module finds and reads checkpoints).
 """
 
 from __future__ import annotations
@@ -20,12 +21,9 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlfleet.controller.errors import CheckpointNotFound
-
-if TYPE_CHECKING:
-    from rlfleet.controller.runner import FleetRunner
 
 logger = logging.getLogger(__name__)
 
@@ -61,64 +59,14 @@ def resolve_resume(resume_from: str | None, output_dir: str | Path) -> Path | No
     return path
 
 
-def controller_state(runner: FleetRunner) -> dict[str, Any]:
-    """What the controller must restore to continue: JSON-ready."""
-    return {
-        "global_step": runner.global_step,
-        "epoch": runner.dataset.epoch,
-        "dataset": runner.dataset.state_dict(),
-        "kl_controller": runner.kl_controller.state_dict(),
-        "weight_version": runner.weight_version,
-        "reward_spec": runner.reward_spec,
-        "initial_reward_spec": runner.initial_reward_spec,
-        "reward_scaler": _scaler_in_force(runner),
-    }
+def write_checkpoint_state(path: Path, state: dict[str, Any]) -> None:
+    """Write ``controller_state.json`` in ``path``, once the trainer has saved its part there."""
+    (path / CONTROLLER_STATE).write_text(json.dumps(state, indent=1))
 
 
-def _scaler_in_force(runner: FleetRunner) -> dict[str, Any] | None:
-    """The reward endpoint's ``RewardScaler`` options and running statistics, if one is set."""
-    if not runner.uses_rollouts:
-        return None
-    stats = runner.reward_stats().endpoints.get(runner.config.reward_endpoint)
-    if stats is None or stats.scaler is None:
-        return None
-    return {"scaler": stats.scaler, "scaler_state": stats.scaler_state}
-
-
-def save_run_checkpoint(runner: FleetRunner, path: str | Path) -> Path:
-    """Have the trainer write its full state in ``path``, then write ``controller_state.json``."""
-    root = Path(path).resolve()
-    runner.run(runner.fleet.save(str(root), mode="full"))
-    (root / CONTROLLER_STATE).write_text(json.dumps(controller_state(runner), indent=1))
-    logger.info("checkpoint of step %d saved to %s", runner.global_step, root)
-    return root
-
-
-def resume_run(runner: FleetRunner, path: Path) -> None:
-    """Restore the trainer from ``path``, serve its weights on the rollout tier, restore the controller."""
-    state = json.loads((path / CONTROLLER_STATE).read_text())
-    version = int(state["weight_version"])
-    runner.run(_restore_tiers(runner, path.resolve(), version, runner.uses_rollouts))
-    runner.dataset.load_state_dict(state["dataset"])
-    runner.kl_controller.load_state_dict(state["kl_controller"])
-    runner.global_step = int(state["global_step"])
-    runner.weight_version = version
-    runner._epoch = int(state["epoch"])
-    if runner.uses_rollouts:
-        _restore_reward(runner, state)
-    logger.info("resumed from %s at step %d (weight version %d)", path, runner.global_step, version)
-
-
-def _restore_reward(runner: FleetRunner, state: dict[str, Any]) -> None:
-    """Re-apply the checkpoint's reward where the resumed run should continue with it: a spec switched
-    mid-run (:func:`reward_to_restore`), and a ``RewardScaler``'s options and running statistics."""
-    restore = reward_to_restore(state, runner.reward_spec)
-    scaler = state.get("reward_scaler")
-    in_force = state.get("reward_spec")
-    if restore is None and (scaler is None or runner.reward_spec != in_force):
-        return
-    logger.info("re-applying the checkpoint's reward %r%s", in_force, " with its scaler" if scaler else "")
-    runner.set_reward_fn({"spec": in_force, **(scaler or {})})
+def read_checkpoint_state(path: Path) -> dict[str, Any]:
+    """The controller's state saved in the checkpoint ``path``."""
+    return json.loads((path / CONTROLLER_STATE).read_text())
 
 
 def reward_to_restore(state: dict[str, Any], this_run: Any) -> Any:
@@ -137,17 +85,3 @@ def reward_to_restore(state: dict[str, Any], this_run: Any) -> Any:
     logger.warning("this run's reward spec %r differs from the checkpoint's (%r, started as %r); keeping "
                    "this run's", this_run, saved, initial)  # fmt: skip
     return None
-
-
-async def _restore_tiers(runner: FleetRunner, path: Path, version: int, publish: bool) -> None:
-    fleet = runner.fleet
-    await fleet.load_checkpoint(str(path), version)
-    if publish:
-        cfg = runner.config
-        published = await fleet.publish_weights(
-            cfg.weight_bucket_mb,
-            weight_version=version,
-            carrier=cfg.weight_carrier,
-            dtype=cfg.publish_dtype(),
-        )
-        await fleet.load_weights(published)

@@ -1,6 +1,12 @@
 """The ``rlfleet`` command line: ``rlfleet train CONFIG.yaml [a.b=c ...]``.
 
 Heavy modules (torch, transformers) are imported only once a command runs, so ``--help`` is instant.
+
+Exit codes: 0 done; 2 the user's mistake (any :class:`~rlfleet.common.errors.UserError`: a bad
+config, model, dataset, checkpoint, reward spec or rollout fn, a worker's settings conflict), with
+its one-line reason; 1 a runtime failure (a :class:`~rlfleet.common.errors.Failure`: a worker died
+or never came up, a request failed), with its one-line reason, or a crash (any other exception),
+with its traceback; 130 on Ctrl-C, 128 + N on signal N (SIGTERM: 143).
 """
 
 from __future__ import annotations
@@ -12,6 +18,11 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlfleet.controller.config import JobConfig
+    from rlfleet.controller.trainer_base import TrainerBase
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_job(path: Path, overrides: Sequence[str]):  # -> JobConfig
-    from rlfleet.common.config import load_config
+def _load_job(path: Path, overrides: Sequence[str]) -> JobConfig:
+    from rlfleet.common.schema.config import load_config
     from rlfleet.controller.config import JobConfig
 
     job = load_config(JobConfig, path, list(overrides))
@@ -42,7 +53,7 @@ def _load_job(path: Path, overrides: Sequence[str]):  # -> JobConfig
     return job
 
 
-def build_trainer(job):  # (JobConfig) -> GRPOTrainer | PPOTrainer | DPOTrainer
+def build_trainer(job: JobConfig) -> TrainerBase:
     """The trainer a job file describes, by ``algorithm`` (the model is resolved, nothing is started yet).
 
     ``dpo`` -> DPOTrainer on preference pairs; ``ppo`` -> PPOTrainer; grpo, rloo, reinforce_pp ->
@@ -53,7 +64,7 @@ def build_trainer(job):  # (JobConfig) -> GRPOTrainer | PPOTrainer | DPOTrainer
 
     data, config = job.data, job.trainer_config()
     common = {
-        "max_prompt_length": data.max_prompt_length or job.max_prompt_length, "num_workers": data.num_workers,
+        "max_prompt_length": job.max_prompt_length, "num_workers": data.num_workers,
         "prompt_key": data.prompt_key, "seed": job.seed, "overlong": data.overlong,
         "system_prompt": data.system_prompt,
     }  # fmt: skip
@@ -78,7 +89,7 @@ def build_trainer(job):  # (JobConfig) -> GRPOTrainer | PPOTrainer | DPOTrainer
     return trainer
 
 
-def train(job) -> int:  # job: JobConfig
+def train(job: JobConfig) -> int:
     """Run a job to the end; returns the exit code."""
     if job.description:
         print(job.description, flush=True)
@@ -109,14 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper(),
                         format="%(asctime)s controller %(levelname)s %(name)s: %(message)s")  # fmt: skip
-    from rlfleet.common.errors import ConfigError, RlfleetError
-    from rlfleet.controller.errors import (
-        DatasetError,
-        LoggerUnavailable,
-        ModelNotFound,
-        RouteError,
-        Terminated,
-    )
+    from rlfleet.common.errors import Failure, UserError
+    from rlfleet.controller.errors import Terminated
 
     try:
         job = _load_job(args.config, args.overrides)
@@ -124,16 +129,21 @@ def _main(args: argparse.Namespace) -> int:
             print(job.model_dump_json(indent=2))
             return 0
         return train(job)
-    except (ConfigError, DatasetError, ModelNotFound, LoggerUnavailable, RouteError) as exc:  # user's to fix
-        print(f"rlfleet: {exc}", file=sys.stderr)
+    except UserError as exc:  # the user's to fix: the reason is enough
+        print(f"rlfleet: {_one_line(exc)}", file=sys.stderr)
         return 2
-    except RlfleetError as exc:  # a tier died or never came up, a request failed or timed out
-        print(f"rlfleet: {exc}", file=sys.stderr)
+    except Failure as exc:  # a tier died or never came up, a request failed or timed out
+        print(f"rlfleet: {_one_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:
         how = str(exc) if isinstance(exc, Terminated) else "interrupted"
         print(f"rlfleet: {how}; every process this run started has been stopped", file=sys.stderr)
         return 128 + exc.signum if isinstance(exc, Terminated) else 130
+    # anything else is a crash: it propagates, Python prints its traceback and exits 1
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

@@ -1,8 +1,13 @@
 """Typed configuration of a training run: :class:`TrainerConfig` and the CLI's :class:`JobConfig`.
 
-``TrainerConfig`` is what a library user passes to ``GRPOTrainer(config=...)``. A job file for
-``rlfleet train`` is a ``TrainerConfig`` plus what the library user passes as arguments (model,
-reward, data, epochs), so every field is reachable from the command line as ``a.b=value``.
+``TrainerConfig`` is what a library user passes to ``GRPOTrainer(config=...)``. Every setting a
+worker uses is declared once, in the schema of ``rlfleet.common`` (the trainer's model, update,
+algorithm and batch settings, the fleet address and placement, the rollout engine settings), and
+``TrainerConfig`` inherits those classes, so they stay flat top-level keys
+(``TrainerConfig(learning_rate=1e-5, beta=0.1)``, ``kl_coef=0.1`` on the command line). Only the
+controller's own settings (worker counts, lengths, outputs, reward tier, KL controller, pools) are
+declared here. A job file for ``rlfleet train`` is a ``TrainerConfig`` plus what the library user
+passes as arguments (model, reward, data, epochs), so every field is reachable as ``a.b=value``.
 """
 
 from __future__ import annotations
@@ -10,98 +15,142 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    SecretStr,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
-from rlfleet.common.carriers import CarrierSetting
-from rlfleet.controller.algo_config import OFFLINE_ALGORITHMS, AlgorithmFields, check_algorithm_fields
-
-
-class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class RolloutConfig(_Config):
-    """How the rollout tier generates."""
-
-    engine: Literal["hf", "vllm", "auto"] = Field(
-        default="hf", description="generation engine; auto = vLLM when importable, else HF transformers"
-    )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="engine dtype")
-    max_batch_size: int = Field(default=64, ge=1, description="sequences generated together by one worker")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling")
-    top_k: int = Field(default=-1, description="top-k sampling; -1 disables")
-    tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM: GPUs one engine shards over")
-    gpu_memory_utilization: float = Field(default=0.85, gt=0.0, le=1.0, description="vLLM: GPU memory share")
-    enforce_eager: bool | None = Field(
-        default=None, description="vLLM: skip torch.compile and CUDA graphs; None = eager on CPU only"
-    )
-    colocate: bool = Field(
-        default=False, description="vLLM sleeps between rollouts to share the GPU with training (not on CPU)"
-    )
-    sleep_level: Literal[1, 2] = Field(
-        default=1, description="vLLM sleep when colocated: 1 offloads weights to CPU, 2 discards them"
-    )
-
+from rlfleet.common.schema.algorithms import ALGORITHMS
+from rlfleet.common.schema.carriers import CarrierSetting
+from rlfleet.common.schema.config import ConfigModel
+from rlfleet.common.schema.rollout import RolloutSettings
+from rlfleet.common.schema.trainer import AlgorithmSettings, BatchSettings, ModelSettings, UpdateSettings
+from rlfleet.common.schema.worker import FleetAddress, Placement
 
 POOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 RESERVED_ROUTES = ("any", "text")
-"""Route names of :meth:`~rlfleet.controller.grpo.GRPOTrainer.set_rollout_fn` that no pool may take:
-``any`` (every pool serves) and ``text`` (the rollout fn wrote the response itself)."""
+"""Route names of :meth:`~rlfleet.controller.online.OnlineTrainer.set_rollout_fn` that no pool may
+take: ``any`` (every pool serves) and ``text`` (the rollout fn wrote the response itself)."""
 
 
-class RolloutPoolConfig(_Config):
-    """One named rollout pool: its size, and where it differs from ``rollout`` (None: the same)."""
-
-    workers: int = Field(default=1, ge=1, description="rollout worker processes in this pool")
-    engine: Literal["hf", "vllm", "auto"] | None = Field(default=None, description="engine of this pool")
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(default=None, description="engine dtype")
-    max_batch_size: int | None = Field(
-        default=None, ge=1, description="sequences one worker generates together"
-    )
-    tensor_parallel_size: int | None = Field(
-        default=None, ge=1, description="vLLM: GPUs one engine shards over"
-    )
-    gpu_memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0, description="vLLM: GPU share")
+KLControlKind = Literal["fixed", "adaptive", "scheduled"]
+KLSchedule = Literal["linear", "cosine"]
 
 
-class TrainerConfig(AlgorithmFields):
-    """Hyperparameters and run settings shared by the GRPO/PPO/DPO trainers.
+class KLControlFields(ConfigModel):
+    """The KL coefficient controller's settings; it starts at ``kl_coef`` (a field of the step settings).
 
-    The algorithm's own fields (``algorithm``, the KL controller, PPO's GAE and critic, DPO's
-    ``beta``) come from :class:`~rlfleet.controller.algo_config.AlgorithmFields`.
+    The controllers themselves run the online step program (:mod:`rlfleet.controller.online`).
     """
 
-    rollout_batch_size: int = Field(default=16, ge=1, description="prompts per step")
-    train_batch_size: int = Field(
-        default=16, ge=1, description="prompts per optimizer update; rollout_batch_size must be a multiple"
+    kl_ctrl: KLControlKind = Field(
+        default="fixed", description="KL coefficient controller; it starts at kl_coef"
     )
-    micro_batch_size: int = Field(default=8, ge=1, description="sequences per forward/backward pass")
-    group_size: int = Field(default=4, ge=1, description="samples per prompt (grpo and rloo need >= 2)")
+    kl_target: float | None = Field(default=None, gt=0.0, description="adaptive: the KL to steer towards")
+    kl_horizon: int = Field(
+        default=10000, ge=1, description="adaptive: how fast it reacts, in samples (Ziegler et al.)"
+    )
+    kl_end_coef: float = Field(default=0.0, ge=0.0, description="scheduled: the final coefficient")
+    kl_total_steps: int | None = Field(
+        default=None, ge=1, description="scheduled: samples over which kl_coef moves to kl_end_coef"
+    )
+    kl_schedule: KLSchedule = Field(default="linear", description="scheduled: the curve")
+
+
+def check_kl_fields(fields: KLControlFields, coef: float) -> None:
+    """Raise ValueError, saying what to set, when the controller cannot start at ``coef`` with ``fields``."""
+    if fields.kl_ctrl == "adaptive" and (fields.kl_target is None or coef <= 0.0):
+        raise ValueError(
+            "kl_ctrl 'adaptive' needs kl_target > 0 and kl_coef > 0 (a multiplicative controller started "
+            "at 0 stays at 0); set kl_target and kl_coef"
+        )
+    if fields.kl_ctrl == "scheduled" and fields.kl_total_steps is None:
+        raise ValueError("kl_ctrl 'scheduled' needs kl_total_steps (in samples); set kl_total_steps")
+
+
+class RolloutConfig(RolloutSettings):
+    """The rollout tier: its engine settings (sent to every rollout worker) and how the controller samples."""
+
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling")
+    top_k: int = Field(default=-1, description="top-k sampling; -1 disables")
+
+
+class RolloutPoolConfig(ConfigModel):
+    """One named rollout pool: its size, and the engine settings where it differs from ``rollout``.
+
+    Written flat, as ``{workers: 2, engine: vllm, max_batch_size: 32}``: every key but ``workers``
+    must be a :class:`~rlfleet.common.schema.rollout.RolloutSettings` field and goes to ``overrides``.
+    """
+
+    workers: int = Field(default=1, ge=1, description="rollout worker processes in this pool")
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="rollout engine settings of this pool (any RolloutSettings field)"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gather_overrides(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "overrides" not in data:
+            rest = {key: value for key, value in data.items() if key != "workers"}
+            data = {"workers": data.get("workers", 1), "overrides": rest}
+        return data
+
+    @field_validator("overrides")
+    @classmethod
+    def _check_overrides(cls, overrides: dict[str, Any]) -> dict[str, Any]:
+        known = RolloutSettings.model_fields
+        unknown = sorted(set(overrides) - set(known))
+        if unknown:
+            raise ValueError(
+                f"unknown rollout setting(s) {unknown}; a pool takes workers and any of: {', '.join(known)}"
+            )
+        try:
+            checked = RolloutSettings.model_validate(overrides)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise ValueError(f"{where} = {first.get('input')!r}: {first['msg']}") from None
+        return {name: getattr(checked, name) for name in overrides}
+
+    @model_serializer(mode="wrap")
+    def _flat(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        return {"workers": data["workers"], **data["overrides"]}
+
+    def settings(self, base: RolloutSettings) -> RolloutSettings:
+        """This pool's engine settings: ``base``'s (the run's ``rollout`` section) with its overrides."""
+        shared = base.model_dump(include=set(RolloutSettings.model_fields))
+        return RolloutSettings.model_validate({**shared, **self.overrides})
+
+
+class TrainerConfig(
+    FleetAddress, Placement, ModelSettings, KLControlFields, UpdateSettings, BatchSettings, AlgorithmSettings
+):
+    """Hyperparameters and run settings shared by the GRPO/PPO/DPO trainers.
+
+    Inherited, each declared once: the algorithm and its settings (``AlgorithmSettings``), batch
+    sizes (``BatchSettings``), optimizer and loss settings (``UpdateSettings``), the KL
+    controller (``KLControlFields``), how the trainer holds the model (``ModelSettings``), device
+    and seed (``Placement``), the fleet to join (``FleetAddress``). The rest are the controller's own.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
     num_rollout_workers: int = Field(default=1, ge=1, description="rollout worker processes")
     num_train_workers: int = Field(
         default=1, ge=1, description="trainer ranks (processes, one GPU each) sharing the model by FSDP2"
     )
-    sharding: Literal["auto", "full", "hybrid", "none"] = Field(
-        default="auto",
-        description="how the trainer ranks share the model: full (FSDP), hybrid (shard within a node, "
-        "replicate across nodes), none (replicate), auto (full on one node, hybrid on several)",
-    )
-    ppo_epochs: int = Field(default=1, ge=1, description="passes over each rollout batch")
-    kl_coef: float = Field(
-        default=0.05, ge=0.0, description="KL-to-reference coefficient (the KL controller's start value)"
-    )
-    clip_eps: float = Field(default=0.2, gt=0.0, description="PPO ratio clip range")
-    entropy_coef: float = Field(default=0.0, description="entropy bonus weight")
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
-        default="token-mean", description="how per-token losses are averaged"
-    )
-    max_grad_norm: float = Field(default=1.0, gt=0.0, description="gradient clipping norm")
-    learning_rate: float = Field(default=1e-6, gt=0.0, description="AdamW learning rate")
-    weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay")
     max_prompt_length: int = Field(default=512, ge=1, description="longest prompt in tokens")
     max_response_length: int = Field(default=128, ge=1, description="longest response in tokens")
-    temperature: float = Field(default=1.0, gt=0.0, description="sampling temperature")
-    seed: int = Field(default=42, description="seed for data order, sampling and init")
+    critic_model_name: str | None = Field(
+        default=None, description="PPO critic backbone (like model); None: initialised from the actor"
+    )
     output_dir: str = Field(default="outputs/run", description="metrics, logs and checkpoints go here")
     log_every: int = Field(default=1, ge=1, description="steps between [PROGRESS] lines")
     save_every: int = Field(
@@ -135,34 +184,12 @@ class TrainerConfig(AlgorithmFields):
     reward_token: SecretStr = Field(
         default=SecretStr(""), description="tenant token for the reward server; empty: $RLFLEET_REWARD_TOKEN"
     )
-    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="where the trainer runs")
-    trainable_layers: int | None = Field(
-        default=None,
-        ge=1,
-        description="train only the top N transformer blocks (+ final norm), embeddings frozen; "
-        "cheap on CPU. None trains every parameter",
-    )
-    mixed_precision: Literal["auto", "none", "bf16"] = Field(
-        default="auto",
-        description="trainer bf16 autocast with fp32 master weights; auto: bf16 on GPU, none (fp32) on CPU. "
-        "bf16 is also much faster on CPUs with AVX512-BF16 or AMX",
-    )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout tier settings")
     rollout_pools: dict[str, RolloutPoolConfig] = Field(
         default_factory=dict,
         description="named rollout pools (e.g. {small: {workers: 1, engine: hf}, fleet: {workers: 2}}) that "
         "a rollout fn routes prompts to (set_rollout_fn); empty: one pool 'default' of num_rollout_workers",
     )
-    rollout_cache_policy: Literal["lru", "none"] = Field(
-        default="lru", description="vLLM KV cache: lru = prefix caching with LRU eviction, none = off"
-    )
-    rollout_max_cache_len: int = Field(
-        default=2048, ge=2, description="vLLM: longest context (prompt + response) a request may use"
-    )
-    nats_url: str | None = Field(
-        default=None, description="join a running fleet at this NATS URL; None starts an embedded one"
-    )
-    cluster: str = Field(default="", description="cluster name; empty: a fresh name per run")
     startup_timeout_s: float = Field(default=180.0, gt=0, description="wait for workers to announce")
     request_timeout_s: float = Field(
         default=900.0, gt=0, description="longest a single tier request may take"
@@ -170,18 +197,18 @@ class TrainerConfig(AlgorithmFields):
     sample_table_size: int = Field(default=4, ge=0, description="prompts shown in the before/after table")
 
     @model_validator(mode="after")
-    def _check_batches(self) -> TrainerConfig:
-        if self.rollout_batch_size % self.train_batch_size:
-            raise ValueError(
-                f"rollout_batch_size ({self.rollout_batch_size}) must be a multiple of train_batch_size "
-                f"({self.train_batch_size}); set train_batch_size to a divisor of it"
-            )
-        if self.max_prompt_length + self.max_response_length > self.rollout_max_cache_len:
-            raise ValueError(
-                f"max_prompt_length ({self.max_prompt_length}) + max_response_length "
-                f"({self.max_response_length}) exceeds rollout_max_cache_len ({self.rollout_max_cache_len}); "
-                "raise rollout_max_cache_len or shorten prompts/responses (longer requests are refused)"
-            )
+    def _check_lengths(self) -> TrainerConfig:
+        longest = self.max_prompt_length + self.max_response_length
+        for name, (_, settings) in self.pools().items():
+            if longest > settings.max_cache_len:
+                where = (
+                    f"rollout_pools.{name}.max_cache_len" if self.rollout_pools else "rollout.max_cache_len"
+                )
+                raise ValueError(
+                    f"max_prompt_length ({self.max_prompt_length}) + max_response_length "
+                    f"({self.max_response_length}) exceeds {where} ({settings.max_cache_len}); raise "
+                    "it or shorten prompts/responses (longer requests are refused)"
+                )
         return self
 
     @model_validator(mode="after")
@@ -201,35 +228,49 @@ class TrainerConfig(AlgorithmFields):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_algorithm(self) -> TrainerConfig:
+        if ALGORITHMS[self.algorithm].uses_groups and self.group_size < 2:
+            raise ValueError(
+                f"group_size must be greater than or equal to 2 for {self.algorithm} (its advantages compare "
+                f"the samples of one prompt); got {self.group_size}"
+            )
+        check_kl_fields(self, self.kl_coef)
+        return self
+
+    def pools(self) -> dict[str, tuple[int, RolloutSettings]]:
+        """Each rollout pool's worker count and engine settings, in config order (no pools:
+        ``{'default': (num_rollout_workers, rollout's settings)}``)."""
+        if not self.rollout_pools:
+            base = self.rollout.model_dump(include=set(RolloutSettings.model_fields))
+            return {"default": (self.num_rollout_workers, RolloutSettings.model_validate(base))}
+        return {
+            name: (pool.workers, pool.settings(self.rollout)) for name, pool in self.rollout_pools.items()
+        }
+
     def pool_sizes(self) -> dict[str, int]:
         """Rollout workers per pool, in config order (no pools: ``{'default': num_rollout_workers}``)."""
-        if not self.rollout_pools:
-            return {"default": self.num_rollout_workers}
-        return {name: pool.workers for name, pool in self.rollout_pools.items()}
+        return {name: workers for name, (workers, _) in self.pools().items()}
 
     def publish_dtype(self) -> str:
         """The dtype weights are published in: the engines' when every pool runs one reduced dtype
         (they would cast to it on load anyway: half the bytes to move), else the trainer's own ("")."""
-        dtypes = {self.rollout.dtype}
-        for pool in (self.rollout_pools or {}).values():
-            dtypes.add(pool.dtype or self.rollout.dtype)
+        dtypes = {settings.dtype for _, settings in self.pools().values()}
         only = dtypes.pop() if len(dtypes) == 1 else ""
         return only if only in ("bfloat16", "float16") else ""
 
-    @model_validator(mode="after")
-    def _check_algorithm(self) -> TrainerConfig:
-        check_algorithm_fields(self.algorithm, self.group_size, self.kl_coef, self)
-        return self
+    def model_settings(self) -> ModelSettings:
+        """How the trainer must hold the model for this run (fixed for the run)."""
+        return ModelSettings.model_validate(self.model_dump(include=set(ModelSettings.model_fields)))
 
 
-class DataConfig(_Config):
-    """Where prompts come from."""
+class DataConfig(ConfigModel):
+    """Where prompts come from (their length limit is the run's ``max_prompt_length``)."""
 
     path: str = Field(description="JSONL, CSV or Parquet file of prompts")
     prompt_key: str = Field(default="prompt", description="column holding the prompt (text or chat messages)")
     chosen_key: str = Field(default="chosen", description="DPO: column holding the preferred response")
     rejected_key: str = Field(default="rejected", description="DPO: column holding the dispreferred response")
-    max_prompt_length: int | None = Field(default=None, description="overrides the trainer's when set")
     overlong: Literal["filter", "truncate", "error"] = Field(default="filter", description="overlong prompts")
     system_prompt: str | None = Field(default=None, description="system message for chat templates")
     num_workers: int = Field(default=1, ge=1, description="tokenizer threads")
@@ -254,9 +295,10 @@ class JobConfig(TrainerConfig):
 
     @model_validator(mode="after")
     def _online_needs_reward(self) -> JobConfig:
-        if self.reward is None and self.algorithm not in OFFLINE_ALGORITHMS:
+        online = ALGORITHMS[self.algorithm].online
+        if self.reward is None and online:
             raise ValueError(f"algorithm {self.algorithm} scores rollouts: set reward (a reward spec)")
-        if self.rollout_fn and self.algorithm in OFFLINE_ALGORITHMS:
+        if self.rollout_fn and not online:
             raise ValueError(f"rollout_fn routes rollouts; algorithm {self.algorithm} generates none")
         return self
 

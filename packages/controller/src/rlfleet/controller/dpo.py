@@ -3,29 +3,28 @@
 DPO is offline: no rollout tier, no reward tier, no weight publishing. The run starts only the
 trainer; each step the controller tokenizes a batch of pairs, puts it in its own TensorStore and
 sends the trainer a ref to it, the trainer fetches it (the preference-batch contract of
-``rlfleet.trainer.dpo_update``), computes the reference log-probs and takes its steps::
+``rlfleet.common.schema.batch``), computes the reference log-probs and takes its steps::
 
     pairs file ──PreferenceDataset──> batch ──collate──> controller TensorStore ──ref──┐
                                                                                      v
-                                       metrics <── trainer.step(algorithm="dpo") ◄───┘
+                   metrics <── trainer.step(settings: algorithm dpo, beta, ...) ◄────┘
 
 ``rollout_batch_size`` pairs make one step; ``train_batch_size`` pairs one optimizer update.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 from typing import Any
 
+from rlfleet.common.schema.trainer import StepSettings
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptItem
-from rlfleet.controller.launcher import WorkerSpec
-from rlfleet.controller.loop import StepLoop
+from rlfleet.controller.online import build_kl_controller
 from rlfleet.controller.preference import PreferenceDataset
-
-logger = logging.getLogger(__name__)
+from rlfleet.controller.run import FleetRun
+from rlfleet.controller.trainer_base import TrainerBase
 
 
 def dpo_config(config: TrainerConfig) -> TrainerConfig:
@@ -37,10 +36,32 @@ def dpo_config(config: TrainerConfig) -> TrainerConfig:
     return type(config).model_validate({**config.model_dump(), "algorithm": "dpo"})
 
 
-class DPOTrainer(StepLoop):
-    """DPO over a trainer tier alone; ``dataset`` is a :class:`PreferenceDataset` or a path to pairs."""
+class DPOStep:
+    """The DPO step program: a batch of pairs travels from the controller's own store to the trainer."""
 
-    uses_rollouts = False
+    def __init__(self, run: FleetRun, pairs: PreferenceDataset) -> None:
+        self.run = run
+        self.pairs = pairs
+        self.last_routes: dict[str, Any] = {}  # DPO generates nothing: no routes
+
+    async def step(self, batch: list[PromptItem]) -> dict[str, float]:
+        run = self.run
+        store = await run.store.get()
+        t0 = time.perf_counter()
+        key = f"dpo/{run.cluster}/{run.global_step + 1}"
+        ref = store.put_local(key, self.pairs.collate(batch))
+        settings = StepSettings.of(run.config, kl_coef=run.kl_coef)
+        try:
+            stepped = await run.fleet.train_step(run.global_step + 1, [ref], [], settings)
+        finally:
+            store.delete(key)
+        metrics = dict(stepped.metrics)
+        metrics["time/step_s"] = time.perf_counter() - t0
+        return metrics
+
+
+class DPOTrainer(TrainerBase):
+    """DPO over a trainer tier alone; ``dataset`` is a :class:`PreferenceDataset` or a path to pairs."""
 
     def __init__(
         self,
@@ -54,27 +75,7 @@ class DPOTrainer(StepLoop):
                 dataset, max_prompt_length=config.max_prompt_length,
                 max_response_length=config.max_response_length, seed=config.seed,
             )  # fmt: skip
-        super().__init__(actor_model_name, None, dataset, config)
+        kl_controller = build_kl_controller(config, config.kl_coef)  # steps carry it; DPO's loss has no KL
+        fleet_run = FleetRun(actor_model_name, dataset, config, kl_controller=kl_controller)
+        super().__init__(fleet_run, DPOStep(fleet_run, dataset))
         self.preferences: PreferenceDataset = dataset
-
-    def tier_counts(self) -> dict[str, int]:
-        return {"trainer": 1}
-
-    def worker_specs(self) -> list[WorkerSpec]:
-        """Only the trainer: DPO neither generates nor scores."""
-        return [spec for spec in super().worker_specs() if spec.tier == "trainer"]
-
-    async def _step(self, batch: list[PromptItem]) -> dict[str, float]:
-        cfg = self.config
-        store = await self.own_store()
-        t0 = time.perf_counter()
-        key = f"dpo/{self.cluster}/{self.global_step + 1}"
-        ref = store.put_local(key, self.preferences.collate(batch))
-        hyper: dict[str, Any] = {"num_updates": cfg.rollout_batch_size // cfg.train_batch_size}
-        try:
-            stepped = await self.fleet.train_step(self.global_step + 1, [ref], [], hyper, algorithm="dpo")
-        finally:
-            store.delete(key)
-        metrics = dict(stepped.metrics)
-        metrics["time/step_s"] = time.perf_counter() - t0
-        return metrics

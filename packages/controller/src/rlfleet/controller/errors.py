@@ -1,7 +1,9 @@
 """Errors the controller raises on its own: bad datasets and models, failed or missing workers.
 
-Each subclasses a builtin (``ValueError``, ``FileNotFoundError``) so callers can catch broadly,
-keeps its fields and builds its own message. Errors shared by every tier live in
+Each is a :class:`~rlfleet.common.errors.UserError` (the user can fix it: ``rlfleet`` exits 2 with
+its one-line message) or a :class:`~rlfleet.common.errors.Failure` (something broke at run time:
+exit 1), and also subclasses a builtin (``ValueError``, ``FileNotFoundError``) so callers can catch
+broadly; each keeps its fields and builds its own message. Errors shared by every tier live in
 ``rlfleet.common.errors``.
 """
 
@@ -11,10 +13,10 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from rlfleet.common.errors import RlfleetError
+from rlfleet.common.errors import Failure, UserError
 
 
-class DatasetError(RlfleetError, ValueError):
+class DatasetError(UserError, ValueError):
     """A prompt dataset cannot be read or used: missing file, unknown format, bad row, empty."""
 
     def __init__(self, path: str | Path, reason: str) -> None:
@@ -23,7 +25,7 @@ class DatasetError(RlfleetError, ValueError):
         super().__init__(f"dataset {self.path}: {reason}")
 
 
-class ModelNotFound(RlfleetError, FileNotFoundError):
+class ModelNotFound(UserError, FileNotFoundError):
     """A model spec names no local HF directory and no built-in model."""
 
     ACCEPTED = (
@@ -38,7 +40,7 @@ class ModelNotFound(RlfleetError, FileNotFoundError):
         super().__init__(f"model {spec!r}: {reason}. Accepted forms: {self.ACCEPTED}")
 
 
-class ModelConversionError(RlfleetError, RuntimeError):
+class ModelConversionError(Failure, RuntimeError):
     """A built-in model was found but could not be converted into a plain HF directory."""
 
     def __init__(self, spec: str, reason: str) -> None:
@@ -47,7 +49,7 @@ class ModelConversionError(RlfleetError, RuntimeError):
         super().__init__(f"model {spec!r}: conversion failed: {reason}")
 
 
-class TierDied(RlfleetError, RuntimeError):
+class TierDied(Failure, RuntimeError):
     """A process started by the embedded launcher exited while the run needed it.
 
     ``returncode`` is the process's exit status (negative: killed by that signal; None: unknown),
@@ -65,21 +67,42 @@ class TierDied(RlfleetError, RuntimeError):
         log_path: str | Path = "",
         log_tail: str = "",
     ) -> None:
-        self.tier = tier
-        self.worker_id = worker_id
-        self.returncode = returncode
-        self.error = error
-        self.log_path = str(log_path)
-        self.log_tail = log_tail
-        how = "exited" if returncode is None else f"exited with code {returncode}"
-        if returncode is not None and returncode < 0:
-            how = f"was killed by signal {_signal_name(-returncode)} (exit code {returncode})"
-        cause = f": {error}" if error else ""
-        where = f" (log: {self.log_path})" if self.log_path else ""
-        super().__init__(f"{tier} worker {worker_id} {how}{cause}{where}")
+        super().__init__(_tier_exit(self, tier, worker_id, returncode, error, log_path, log_tail))
 
 
-class TierNotReady(RlfleetError, TimeoutError):
+def _tier_exit(
+    exc: Exception, tier: str, worker_id: str, returncode: int | None, error: str, log_path: str | Path,
+    log_tail: str,
+) -> str:  # fmt: skip
+    """Set a worker exit's fields on ``exc`` and return its message."""
+    exc.tier, exc.worker_id, exc.returncode, exc.error = tier, worker_id, returncode, error  # type: ignore[attr-defined]
+    exc.log_path, exc.log_tail = str(log_path), log_tail  # type: ignore[attr-defined]
+    how = "exited" if returncode is None else f"exited with code {returncode}"
+    if returncode is not None and returncode < 0:
+        how = f"was killed by signal {_signal_name(-returncode)} (exit code {returncode})"
+    cause = f": {error}" if error else ""
+    where = f" (log: {log_path})" if log_path else ""
+    return f"{tier} worker {worker_id} {how}{cause}{where}"
+
+
+class TierRefused(UserError, RuntimeError):
+    """A worker exited with code 2: it refused its settings (a bad reward spec, a missing model...),
+    which is the user's to fix; ``error`` is its one-line reason. Same fields as :class:`TierDied`."""
+
+    def __init__(
+        self,
+        tier: str,
+        worker_id: str,
+        returncode: int | None,
+        *,
+        error: str = "",
+        log_path: str | Path = "",
+        log_tail: str = "",
+    ) -> None:
+        super().__init__(_tier_exit(self, tier, worker_id, returncode, error, log_path, log_tail))
+
+
+class TierNotReady(Failure, TimeoutError):
     """Workers did not announce themselves within ``startup_timeout_s``.
 
     ``missing`` describes each worker that never announced (its id, and for processes the
@@ -97,7 +120,7 @@ class TierNotReady(RlfleetError, TimeoutError):
         )
 
 
-class LoggerUnavailable(RlfleetError, ValueError):
+class LoggerUnavailable(UserError, ValueError):
     """A metric logger named in ``loggers`` needs a package that is not installed."""
 
     def __init__(self, logger_name: str, package: str) -> None:
@@ -124,7 +147,7 @@ def _signal_name(number: int) -> str:
         return str(number)
 
 
-class RewardFnNotPortable(RlfleetError, ValueError):
+class RewardFnNotPortable(UserError, ValueError):
     """``set_reward_fn`` got a reward function that cannot travel to a reward worker."""
 
     def __init__(self, fn: object, reason: str) -> None:
@@ -137,7 +160,7 @@ class RewardFnNotPortable(RlfleetError, ValueError):
         )
 
 
-class WorkerGone(RlfleetError, ConnectionError):
+class WorkerGone(Failure, ConnectionError):
     """A worker left or was declared dead while a request to it was in flight (its job moves on)."""
 
     def __init__(self, tier: str, worker_id: str, job_id: str = "") -> None:
@@ -148,7 +171,7 @@ class WorkerGone(RlfleetError, ConnectionError):
         super().__init__(f"{tier} worker {worker_id} left or died{job}")
 
 
-class CheckpointNotFound(RlfleetError, FileNotFoundError):
+class CheckpointNotFound(UserError, FileNotFoundError):
     """``resume_from`` names a directory that is not a complete run checkpoint."""
 
     def __init__(self, path: str, reason: str) -> None:
@@ -157,9 +180,33 @@ class CheckpointNotFound(RlfleetError, FileNotFoundError):
         super().__init__(f"cannot resume from {path!r}: {reason} (expected an output_dir/checkpoint-<step>)")
 
 
-class RouteError(RlfleetError, ValueError):
+class RouteError(UserError, ValueError):
     """What a rollout fn returned for a prompt cannot be used, or the fn raised (``item``: a PromptItem)."""
 
     def __init__(self, item: Any, problem: str) -> None:
         self.row = item.index
         super().__init__(f"rollout fn, prompt row {item.index} ({item.text[:40]!r}): {problem}")
+
+
+class SettingsConflict(UserError, ValueError):
+    """A worker refused the run because its fixed settings differ from the run's (``settings_conflict``).
+
+    ``detail`` is the worker's own account, naming each conflicting field and both values.
+    """
+
+    def __init__(self, tier: str, worker: str, detail: str) -> None:
+        self.tier = tier
+        self.worker = worker
+        self.detail = " ".join(detail.split())  # one line, whatever the worker wrote
+        super().__init__(
+            f"{tier} worker {worker} refuses this run's settings: {self.detail}. Set them in the job to the "
+            "worker's values, or restart the worker with the run's"
+        )
+
+
+class NoWorkerServed(Failure, RuntimeError):
+    """No rollout worker could serve a request: none holds the version, or every one failed the job."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        super().__init__(what)

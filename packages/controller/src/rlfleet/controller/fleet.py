@@ -9,6 +9,14 @@ tier that produced them to the tier that consumes them.
     generate ──► rollout workers ──(refs)──► score ──► reward tier ──(scores)──┐
         ▲                         └─────────(refs)──────────────────────────► train_step ──► trainer
         └──── load_weights(bucket refs) ◄── publish ◄─────────────────────────────────────────┘
+
+Sharing a step's prompts over the rollout fleet, and noticing a worker going:
+
+- :func:`split_by_capacity`: prompts split in contiguous chunks, one per worker, sized in
+  proportion to each worker's announced ``capacity`` (largest remainder, so sizes sum exactly).
+- :class:`GoneWatch`: one event per worker, set when the registry sees a :class:`WorkerLeave` or
+  declares the worker dead; :meth:`GoneWatch.request` races a request against that event so a
+  chunk on a dying worker is re-dispatched at once instead of after the full request timeout.
 """
 
 from __future__ import annotations
@@ -20,35 +28,99 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from rlfleet.common.carriers import CarrierSetting, WeightCarrier, carrier_for
-from rlfleet.common.errors import NoResponders, RemoteError, RequestTimeout
-from rlfleet.common.membership import WorkerRegistry
-from rlfleet.common.messages import (
+from rlfleet.common.control.membership import WorkerInfo, WorkerRegistry
+from rlfleet.common.control.messages import (
+    AnyMessage,
     CheckpointLoaded,
     GenerateRequest,
     GenerateResult,
     LoadCheckpoint,
     LoadWeights,
+    Message,
     PublishWeights,
     SamplingParams,
     SaveCheckpoint,
     Saved,
-    ScoreRequest,
     ScoreResult,
-    SetRewardSpec,
-    Shutdown,
+    TrainerConfigure,
+    TrainerConfigured,
     TrainStepRequest,
     TrainStepResult,
     WeightsLoaded,
     WeightsPublished,
 )
-from rlfleet.common.refs import TensorRef
-from rlfleet.common.subjects import subject
-from rlfleet.common.transport import Transport
-from rlfleet.controller.errors import WorkerGone
-from rlfleet.controller.rollout_dispatch import GoneWatch, split_by_capacity
+from rlfleet.common.control.transport import Transport, subject
+from rlfleet.common.errors import NoResponders, RemoteError, RemoteUserError, RequestTimeout
+from rlfleet.common.schema.carriers import CarrierSetting, WeightCarrier, carrier_for
+from rlfleet.common.schema.refs import TensorRef
+from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.controller.errors import NoWorkerServed, SettingsConflict, WorkerGone
 
 logger = logging.getLogger(__name__)
+
+
+# --- dispatch: chunk sizes, and workers that left -------------------------------------------------
+
+
+def split_by_capacity(total: int, capacities: Sequence[int]) -> list[int]:
+    """Chunk sizes (summing to ``total``) proportional to ``capacities``; zero-size chunks kept."""
+    if not capacities:
+        raise ValueError("split_by_capacity needs at least one worker capacity")
+    weight = sum(capacities)
+    exact = [total * c / weight for c in capacities]
+    sizes = [int(e) for e in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda i: (sizes[i] - exact[i], i))
+    for i in by_remainder[: total - sum(sizes)]:
+        sizes[i] += 1
+    return sizes
+
+
+class GoneWatch:
+    """Which workers left or died since the controller started, as awaitable events."""
+
+    def __init__(self) -> None:
+        self._gone: dict[str, asyncio.Event] = {}
+
+    def _event(self, worker_id: str) -> asyncio.Event:
+        return self._gone.setdefault(worker_id, asyncio.Event())
+
+    def mark_gone(self, info: WorkerInfo) -> None:
+        """Registry callback (``on_leave`` / ``on_dead``)."""
+        self._event(info.worker_id).set()
+
+    def mark_joined(self, info: WorkerInfo) -> None:
+        """Registry callback (``on_join``): a worker that comes back is usable again."""
+        self._gone.pop(info.worker_id, None)
+
+    def is_gone(self, worker_id: str) -> bool:
+        event = self._gone.get(worker_id)
+        return event is not None and event.is_set()
+
+    async def request(
+        self, transport: Transport, worker: WorkerInfo, message: Message, *, timeout: float, job_id: str = ""
+    ) -> AnyMessage:
+        """``transport.request`` to ``worker``'s own subject, abandoned with :class:`WorkerGone`
+        as soon as the worker leaves or is declared dead."""
+        gone = self._event(worker.worker_id)
+        if gone.is_set():
+            raise WorkerGone(worker.tier, worker.worker_id, job_id)
+        reply = asyncio.ensure_future(
+            transport.request(worker.subject, message, timeout=timeout, tier=worker.tier)
+        )
+        watch = asyncio.ensure_future(gone.wait())
+        try:
+            done, _ = await asyncio.wait({reply, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (reply, watch):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(reply, watch, return_exceptions=True)
+        if reply in done:
+            return reply.result()
+        raise WorkerGone(worker.tier, worker.worker_id, job_id)
+
+
+# --- the fleet ------------------------------------------------------------------------------------
 
 
 class Fleet:
@@ -158,7 +230,7 @@ class Fleet:
         workers = await self._admitted(pool, weight_version)
         if not workers:
             where = f" pool {pool!r} of" if pool is not None else ""
-            raise RuntimeError(
+            raise NoWorkerServed(
                 f"no rollout worker of{where} cluster {self.cluster} holds version {weight_version}"
             )
         sizes = split_by_capacity(len(prompts), [w.announce.capacity for w in workers])
@@ -190,7 +262,7 @@ class Fleet:
             candidates = [preferred] if preferred in alive and preferred not in tried else []
             candidates += [w for w in alive if w not in tried and w != preferred]
             if not candidates:
-                raise RuntimeError(
+                raise NoWorkerServed(
                     f"generate job {request.job_id}: every rollout worker failed it ({sorted(tried)})"
                 )
             worker = alive[candidates[0]]
@@ -234,7 +306,7 @@ class Fleet:
             worker.weight_version = reply.weight_version
             loaded.append(reply)
         if not loaded:
-            raise RuntimeError(f"no rollout worker loaded weight version {published.weight_version}")
+            raise NoWorkerServed(f"no rollout worker loaded weight version {published.weight_version}")
         return loaded
 
     # --- reward -----------------------------------------------------------------------------
@@ -243,54 +315,35 @@ class Fleet:
         self, results: Sequence[GenerateResult], metadata: Sequence[Sequence[dict[str, Any]]], endpoint: str
     ) -> list[ScoreResult]:
         """Score each rollout chunk on the reward tier; ``metadata[i]`` is chunk i's per-prompt metadata."""
-        if self.reward is not None:
-            job_ids = [self._job_id("score") for _ in results]
-            return list(await self.reward.score(results, metadata, endpoint, job_ids))
-        verb = subject(self.cluster, "reward", "score")
-        requests = [
-            ScoreRequest(job_id=self._job_id("score"), endpoint=endpoint, rollout=r.ref, metadata=list(meta))
-            for r, meta in zip(results, metadata, strict=True)
-        ]
-        replies = await asyncio.gather(
-            *(
-                self.transport.request(verb, req, timeout=self.request_timeout, tier="reward")
-                for req in requests
-            )
-        )
-        for reply in replies:
-            assert isinstance(reply, ScoreResult), reply
-        return list(replies)  # type: ignore[arg-type]
-
-    async def set_reward_spec(self, spec: str | dict[str, Any], endpoint: str) -> str:
-        """Switch an endpoint's reward spec on every reward worker; returns the new spec version."""
-        message = SetRewardSpec(endpoint=endpoint, spec=spec)
-        subjects = [w.subject for w in self.registry.workers("reward")]
-        subjects = subjects or [subject(self.cluster, "reward", "set_spec")]
-        replies = await asyncio.gather(
-            *(
-                self.transport.request(s, message, timeout=self.request_timeout, tier="reward")
-                for s in subjects
-            )
-        )
-        return str(getattr(replies[-1], "spec_version", ""))
+        assert self.reward is not None, "the run attaches its reward tier before scoring"
+        job_ids = [self._job_id("score") for _ in results]
+        return list(await self.reward.score(results, metadata, endpoint, job_ids))
 
     # --- trainer ----------------------------------------------------------------------------
 
     def _trainer(self, verb: str) -> str:
         return subject(self.cluster, "trainer", verb)
 
+    async def configure_trainer(self, message: TrainerConfigure) -> TrainerConfigured:
+        """Tell the trainer the run's fixed settings; a trainer whose own differ refuses, and
+        :class:`SettingsConflict` names it and each conflicting field."""
+        try:
+            reply = await self.transport.request(
+                self._trainer("configure"), message, timeout=self.request_timeout, tier="trainer"
+            )
+        except RemoteUserError as exc:
+            if exc.code != "settings_conflict":
+                raise
+            workers = ", ".join(w.worker_id for w in self.registry.workers("trainer")) or "(unknown)"
+            raise SettingsConflict("trainer", workers, exc.remote_message) from None
+        assert isinstance(reply, TrainerConfigured), reply
+        return reply
+
     async def train_step(
-        self,
-        step: int,
-        rollouts: Sequence[TensorRef],
-        scores: Sequence[float],
-        hyperparams: dict[str, Any],
-        *,
-        algorithm: str = "grpo",
+        self, step: int, rollouts: Sequence[TensorRef], scores: Sequence[float], settings: StepSettings
     ) -> TrainStepResult:
-        """One update of ``algorithm`` on the referenced batches (rollouts, or DPO preference pairs)."""
-        request = TrainStepRequest(step=step, rollouts=list(rollouts), scores=list(scores),
-                                   hyperparams=hyperparams, algorithm=algorithm)  # fmt: skip
+        """One update on the referenced batches (rollouts, or DPO preference pairs), as ``settings`` say."""
+        request = TrainStepRequest(step=step, rollouts=list(rollouts), scores=list(scores), settings=settings)
         reply = await self.transport.request(
             self._trainer("step"), request, timeout=self.request_timeout, tier="trainer"
         )
@@ -298,8 +351,9 @@ class Fleet:
         return reply
 
     def weight_carriers(self, setting: CarrierSetting) -> list[WeightCarrier]:
-        """The carriers the live rollout workers need from the trainer (one per link, see
-        :func:`~rlfleet.common.carriers.carrier_for`); ``cuda_ipc`` that cannot reach a worker raises."""
+        """The carriers the live rollout workers need from the trainer, one per link (see
+        :func:`~rlfleet.common.schema.carriers.carrier_for`); ``cuda_ipc`` that cannot reach a
+        worker raises."""
         trainers = self.registry.workers("trainer")
         trainer_gpus = trainers[0].announce.gpu_uuids if trainers else []
         chosen = {carrier_for(setting, trainer_gpus, w.announce.gpu_uuids) for w in self.rollout_workers()}
@@ -335,14 +389,3 @@ class Fleet:
         )  # fmt: skip
         assert isinstance(reply, CheckpointLoaded), reply
         return reply
-
-    async def shutdown(self, reason: str = "run finished") -> None:
-        """Ask every known worker to stop (embedded runs also stop their processes)."""
-        for tier in ("rollout", "reward", "trainer"):
-            for worker in self.registry.workers(tier):
-                try:
-                    await self.transport.request(
-                        worker.subject, Shutdown(reason=reason), timeout=5.0, tier=tier
-                    )
-                except (RequestTimeout, ConnectionError, RemoteError) as exc:
-                    logger.info("worker %s did not acknowledge shutdown: %s", worker.worker_id, exc)

@@ -1,15 +1,24 @@
-"""The embedded launcher: a private nats-server and every tier as a local process.
+"""Start and watch the worker processes, and the event loop that fails fast when one dies.
 
-Each worker is started through its console script (``rlfleet-rollout serve --config ...``), with
-its config written as YAML and its output captured in a log file under the run directory; the
-pids go to ``processes.json`` there. The launcher stops exactly the processes it started (each
-worker leads its own process group, so whatever a worker spawned goes with it): on normal exit,
-on Ctrl-C and on error. Workers also get SIGTERM from the kernel if the thread that started them
-dies (``PR_SET_PDEATHSIG``), so a controller killed outright does not leave them running.
+The embedded launcher runs a private nats-server and every tier as a local process. Each worker is
+started through its console script (``rlfleet-rollout serve --config ...``), with its config (the
+tier's schema object, validated, or a dict) written as YAML and its output captured in a log file
+under the run directory; the pids go to ``processes.json`` there. The launcher stops exactly the
+processes it started (each worker leads its own process group, so whatever a worker spawned goes
+with it): on normal exit, on Ctrl-C and on error. Workers also get SIGTERM from the kernel if the
+thread that started them dies (``PR_SET_PDEATHSIG``), so a controller killed outright does not
+leave them running.
+
+The controller's event loop (:class:`GuardedLoop`) turns synchronous calls into async fleet code:
+users drive training with plain calls (``trainer.steps()``, ``trainer.set_reward_fn(...)``); each
+runs a coroutine there to the end. While it runs, the processes the run started are checked four
+times a second (:meth:`EmbeddedFleet.check`), so a worker that dies ends the wait at once with its
+:class:`~rlfleet.controller.errors.TierDied` instead of a request timing out later.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -21,19 +30,22 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import yaml
+from pydantic import BaseModel
 
-from rlfleet.common.embedded_nats import EmbeddedNats
-from rlfleet.common.procs import die_with_parent
-from rlfleet.controller.errors import TierDied
+from rlfleet.common.control.embedded_nats import EmbeddedNats
+from rlfleet.common.control.procs import die_with_parent
+from rlfleet.common.control.worker import USER_ERROR_EXIT
+from rlfleet.controller.errors import TierDied, TierRefused
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The final line of a Python traceback: "pkg.mod.SomeError: what went wrong".
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Z]\w*): (\S.*)$")
@@ -42,7 +54,8 @@ _MAX_ERROR_CHARS = 400
 
 @dataclass
 class WorkerSpec:
-    """One worker process to start: its tier's console script and its config.
+    """One worker process to start: its tier's console script and its config (the tier's worker
+    config object, e.g. ``TrainerWorkerConfig``, or a plain dict for a tier without one).
 
     ``command`` replaces the console script (``[sys.executable, "-m", "mypkg.worker"]``, a wrapper
     such as a profiler); ``serve --config FILE`` is appended to it either way.
@@ -50,13 +63,20 @@ class WorkerSpec:
 
     tier: str
     worker_id: str
-    config: dict[str, Any]
+    config: BaseModel | dict[str, Any]
     env: dict[str, str] = field(default_factory=dict)
     command: list[str] | None = None
 
     @property
     def script(self) -> str:
         return f"rlfleet-{self.tier}"
+
+    def config_data(self, nats_url: str) -> dict[str, Any]:
+        """What the worker's config file holds: its config, joining ``nats_url`` as ``worker_id``."""
+        config = (
+            self.config.model_dump(mode="json") if isinstance(self.config, BaseModel) else dict(self.config)
+        )
+        return {**config, "nats_url": nats_url, "worker_id": self.worker_id}
 
 
 @dataclass
@@ -78,15 +98,17 @@ class WorkerProcess:
             return ""
         return "\n".join(text.strip().splitlines()[-lines:])
 
-    def died(self) -> TierDied | None:
+    def died(self) -> TierDied | TierRefused | None:
         """The error describing this worker's exit, or None while it runs."""
         code = self.process.poll()
         if code is None:
             return None
         tail = self.log_tail(40)
         error = "" if code < 0 else last_error_line(tail)
-        return TierDied(self.spec.tier, self.spec.worker_id, code, error=error, log_path=self.log_path,
-                        log_tail=tail)  # fmt: skip
+        kind = TierRefused if code == USER_ERROR_EXIT else TierDied  # exit 2: the worker refused its settings
+        return kind(
+            self.spec.tier, self.spec.worker_id, code, error=error, log_path=self.log_path, log_tail=tail
+        )
 
     def describe(self) -> str:
         """``rollout worker rollout-0 (pid 12, still running; log: ...)`` for error messages."""
@@ -172,8 +194,7 @@ class EmbeddedFleet:
         config_dir = self.run_dir / "workers"
         config_dir.mkdir(parents=True, exist_ok=True)
         config_path = config_dir / f"{spec.worker_id}.yaml"
-        config = {**spec.config, "nats_url": self.url, "worker_id": spec.worker_id}
-        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        config_path.write_text(yaml.safe_dump(spec.config_data(self.url), sort_keys=False))
         log_path = config_dir / f"{spec.worker_id}.log"
         program = list(spec.command) if spec.command else [find_script(spec.script)]
         command = [*program, "serve", "--config", str(config_path)]
@@ -262,7 +283,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def trainer_rank_specs(
-    config: dict[str, Any], num_ranks: int, worker_id: str = "trainer-0"
+    config: BaseModel | dict[str, Any], num_ranks: int, worker_id: str = "trainer-0"
 ) -> list[WorkerSpec]:
     """The trainer's processes: one worker, or ``num_ranks`` ranks on this host with the torchrun
     variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, and
@@ -277,3 +298,94 @@ def trainer_rank_specs(
         name = worker_id if rank == 0 else f"{worker_id}-rank{rank}"
         specs.append(WorkerSpec("trainer", name, config, env=env))
     return specs
+
+
+# --- the event loop: synchronous calls into async fleet code, watched for dying processes ---------
+
+
+class Watched(Protocol):
+    """What the loop watches: the embedded launcher (``check`` raises TierDied for a dead process)."""
+
+    def check(self) -> None: ...
+
+
+class GuardedLoop:
+    """One event loop for a run; ``watch()`` gives the launcher to check (None: nothing to watch)."""
+
+    def __init__(self, watch: Callable[[], Watched | None]) -> None:
+        self._watch = watch
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop (a new one once the last was closed)."""
+        if self._loop is None or self._loop.is_closed():
+            self._loop = asyncio.new_event_loop()
+        return self._loop
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine to its end, failing fast if a watched process dies."""
+        task = self.loop.create_task(self._guarded(coro))
+        self._tasks.add(task)  # kept if Ctrl-C leaves it pending, so close() can cancel it
+        result = self.loop.run_until_complete(task)
+        self._tasks.discard(task)
+        return result
+
+    def create_task(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+        """Start ``coro`` in the background; it progresses while later calls run the loop."""
+        return self.loop.create_task(coro, name=name)
+
+    async def _guarded(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` while watching; a request that fails because its worker died is reported as
+        that death (:class:`TierDied`, caused by the request's error), not as its own error."""
+        task = asyncio.ensure_future(coro)
+        try:
+            self._check()
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.25)
+                self._check()
+        finally:
+            if not task.done():
+                task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # also when Ctrl-C left it failed
+        error = None if task.cancelled() else task.exception()
+        if error is not None and self._watch() is not None:
+            try:
+                for _ in range(10):  # a worker's sockets close a moment before its exit is visible
+                    self._check()
+                    await asyncio.sleep(0.1)
+            except (TierDied, TierRefused) as died:
+                raise died from error
+        return task.result()
+
+    def _check(self) -> None:
+        watched = self._watch()
+        if watched is not None:
+            watched.check()
+
+    def shutdown(self, leave: Callable[[], Awaitable[None]] | None) -> None:
+        """Cancel what a Ctrl-C left running, await ``leave()`` (10 s at most), cancel what is left."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        _cancel(loop, list(self._tasks))
+        self._tasks.clear()
+        if leave is not None:
+            try:
+                loop.run_until_complete(asyncio.wait_for(leave(), timeout=10.0))
+            except (ConnectionError, RuntimeError, TimeoutError) as exc:
+                logger.debug("leaving the control plane: %s", exc)
+        _cancel(loop, list(asyncio.all_tasks(loop)))
+
+    def close(self) -> None:
+        """Close the loop (idempotent)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.close()
+
+
+def _cancel(loop: asyncio.AbstractEventLoop, tasks: list[asyncio.Task[Any]]) -> None:
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))

@@ -1,6 +1,7 @@
 """Metric sinks: console progress, metrics.jsonl, TensorBoard and Weights & Biases.
 
-Chosen by ``TrainerConfig.loggers``; each sink gets every step's flat ``{name: float}`` dict.
+Chosen by ``TrainerConfig.loggers``; each sink gets every step's flat ``{name: float}`` dict. A run
+holds one :class:`RunMetrics` (its sinks and progress bar).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,7 +27,8 @@ class MetricSink(Protocol):
 
 
 class JsonlSink:
-    """One JSON object per step in ``metrics.jsonl`` (a new run replaces the file)."""
+    """One JSON object per step in ``metrics.jsonl`` (a new run replaces the file): ``step``, ``time``
+    (when the step ended, seconds since the epoch) and the step's metrics."""
 
     def __init__(self, output_dir: Path) -> None:
         self.path = output_dir / "metrics.jsonl"
@@ -35,7 +38,7 @@ class JsonlSink:
         clean = {
             k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None) for k, v in metrics.items()
         }
-        self._file.write(json.dumps({"step": step, **clean}) + "\n")
+        self._file.write(json.dumps({"step": step, "time": round(time.time(), 3), **clean}) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -153,3 +156,46 @@ def make_sinks(names: list[str], output_dir: Path, config: dict[str, Any]) -> li
         elif name == "wandb":
             sinks.append(WandbSink(output_dir, config))
     return sinks
+
+
+class RunMetrics:
+    """A run's metric sinks and console progress, opened at the first step, closed with the run."""
+
+    def __init__(self, loggers: list[str], output_dir: Path, config: dict[str, Any], log_every: int) -> None:
+        check_loggers(loggers)  # before anything starts: a missing package fails in a second
+        self.loggers = list(loggers)
+        self.output_dir = output_dir
+        self.config = config
+        self.log_every = log_every
+        self._sinks: list[MetricSink] = []
+        self._progress: ConsoleProgress | None = None
+
+    def begin(self, total_steps: int, num_epochs: int) -> None:
+        """Open the sinks (once) for a run of ``total_steps`` over ``num_epochs``."""
+        if self._progress is None:
+            enabled = "console" in self.loggers
+            self._progress = ConsoleProgress(total_steps, num_epochs, self.log_every, enabled=enabled)
+            self._sinks = make_sinks(self.loggers, self.output_dir, self.config)
+
+    def log(self, step: int, epoch: int, metrics: dict[str, float]) -> None:
+        """One step's metrics to every sink and the progress line."""
+        for sink in self._sinks:
+            sink.log(step, metrics)
+        if self._progress is not None:
+            self._progress.update(step, epoch, metrics)
+
+    def say(self, text: str) -> None:
+        """Print ``text`` without breaking the progress bar."""
+        if self._progress is not None:
+            self._progress.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        """Close the sinks and the progress bar (idempotent)."""
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None

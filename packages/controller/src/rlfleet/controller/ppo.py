@@ -1,6 +1,6 @@
 """``PPOTrainer``: PPO with a critic over the rlfleet tiers, usable as a library.
 
-The controller's step is GRPO's (generate, score, train, publish); the trainer does the PPO part:
+The controller's step is online RL's (generate, score, train, publish); the trainer does the PPO part:
 reference and critic passes, the KL in the token rewards, GAE, then critic and policy steps.
 A reward model path becomes an ``rm`` component on the reward tier (``rm:path=...``, a
 sequence-classification model scoring each sample); any reward spec works as well::
@@ -20,16 +20,12 @@ field) names another model; only the actor's weights are published to the rollou
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptDataset
-from rlfleet.controller.grpo import GRPOTrainer
-from rlfleet.controller.models import resolve_model
-
-logger = logging.getLogger(__name__)
+from rlfleet.controller.online import OnlineTrainer
 
 
 def reward_model_spec(
@@ -64,7 +60,7 @@ def ppo_config(config: TrainerConfig) -> TrainerConfig:
     return type(config).model_validate({**config.model_dump(), "algorithm": "ppo"})
 
 
-class PPOTrainer(GRPOTrainer):
+class PPOTrainer(OnlineTrainer):
     """Proximal Policy Optimization with a critic (value model), GAE and a KL-penalised reward."""
 
     def __init__(
@@ -80,13 +76,11 @@ class PPOTrainer(GRPOTrainer):
         if dataset is None:
             raise ValueError("PPOTrainer needs a dataset: a PromptDataset or a path to a prompt file")
         spec = reward_model_spec(reward_model_name, reward)
-        config = ppo_config(config or TrainerConfig())
-        super().__init__(actor_model_name, spec, dataset, config)
-        critic = critic_model_name or config.critic_model_name
-        self.critic_model_path = resolve_model(critic, seed=config.seed) if critic else self.model_path
+        super().__init__(
+            actor_model_name, spec, dataset, ppo_config(config or TrainerConfig()), critic_model_name
+        )
 
-    def trainer_worker_config(self) -> dict[str, Any]:
-        """The trainer worker's settings, with the critic's backbone."""
-        settings = super().trainer_worker_config()
-        settings["algo"]["critic_model_path"] = str(self.critic_model_path)
-        return settings
+    @property
+    def critic_model_path(self) -> Path:
+        """The critic's backbone: ``critic_model_name`` (argument or config field), else the actor's."""
+        return self.fleet_run.critic_path

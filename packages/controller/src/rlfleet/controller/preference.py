@@ -10,7 +10,7 @@ rows also hold ``chosen`` and ``rejected`` responses::
 A response is a string, or a message list whose last message is the assistant's (its content is
 the response). Responses are tokenized without special tokens, end with the EOS token and are cut
 to ``max_response_length`` tokens. :meth:`PreferenceDataset.collate` turns a batch into the
-preference-batch tensors the trainer takes (see ``rlfleet.trainer.dpo_update``).
+preference-batch tensors the trainer takes (``rlfleet.common.schema.batch``).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-import torch
-
+from rlfleet.common.schema.batch import collate_pairs
 from rlfleet.controller.dataset import Overlong, PromptDataset, PromptItem, _Row
 from rlfleet.controller.errors import DatasetError
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,8 @@ class PreferenceDataset(PromptDataset):
         return chosen, rejected
 
     def collate(self, items: list[PromptItem]) -> dict[str, torch.Tensor]:
-        """The preference-batch tensors of ``items``: prompts left-padded, responses right-padded.
+        """The preference-batch tensors of ``items`` (the contract's
+        :func:`~rlfleet.common.schema.batch.collate_pairs`: prompts left-padded, responses right-padded).
 
         Returns:
             ``prompt_ids``/``prompt_mask`` (N, P), ``chosen_ids``/``chosen_mask`` (N, C),
@@ -124,24 +125,6 @@ class PreferenceDataset(PromptDataset):
         """
         if not items:
             raise ValueError("collate needs at least one item")
-        prompts = [list(item.token_ids or []) for item in items]
         pairs = [self.responses(item) for item in items]
-        out: dict[str, torch.Tensor] = {}
-        out["prompt_ids"], out["prompt_mask"] = _pad(prompts, self._pad_id, left=True)
-        out["chosen_ids"], out["chosen_mask"] = _pad([c for c, _ in pairs], self._pad_id, left=False)
-        out["rejected_ids"], out["rejected_mask"] = _pad([r for _, r in pairs], self._pad_id, left=False)
-        return out
-
-
-def _pad(rows: list[list[int]], pad_id: int, *, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> (N, L) ids and mask, padded on the left or the right with ``pad_id``."""
-    width = max(1, max(len(r) for r in rows))
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)
-    mask = torch.zeros((len(rows), width), dtype=torch.int64)
-    for i, row in enumerate(rows):
-        if not row:
-            continue
-        span = slice(width - len(row), width) if left else slice(0, len(row))
-        ids[i, span] = torch.tensor(row, dtype=torch.int64)
-        mask[i, span] = 1
-    return ids, mask
+        prompts = [list(item.token_ids or []) for item in items]
+        return collate_pairs(prompts, [c for c, _ in pairs], [r for _, r in pairs], self._pad_id)

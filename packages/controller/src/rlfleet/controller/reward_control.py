@@ -10,6 +10,8 @@ run's own, and sends ``reward_token`` with every request, in the ``Rlfleet-Token
     fleet.score ──► RewardControl.score ──(ScoreRequest, token header)──► reward.score queue group
     set_reward_fn / update_reward_model ──(SetRewardSpec)──► every reward worker's own subject
 
+:class:`RunReward` is the run's reward as it changes (hot swaps, what a checkpoint keeps of it).
+
 Reward functions travel as specs, never as code (:func:`describe_reward_fn`). Every score carries
 the version of the endpoint that produced it; :meth:`RewardControl.step_metrics` turns the
 versions a step saw into metrics (``reward/spec_revision``, ``reward/spec_version_changed``) and
@@ -25,8 +27,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rlfleet.common.membership import WorkerRegistry
-from rlfleet.common.messages import (
+from rlfleet.common.control.membership import WorkerRegistry
+from rlfleet.common.control.messages import (
     GenerateResult,
     RewardSpecSet,
     RewardStats,
@@ -35,8 +37,8 @@ from rlfleet.common.messages import (
     ScoreResult,
     SetRewardSpec,
 )
-from rlfleet.common.subjects import subject
-from rlfleet.common.transport import TOKEN_HEADER, Transport
+from rlfleet.common.control.transport import TOKEN_HEADER, Transport, subject
+from rlfleet.controller.checkpoints import reward_to_restore
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.errors import RewardFnNotPortable, TierNotReady
 
@@ -135,7 +137,7 @@ class RewardControl:
         reward_cluster = config.reward_cluster or "default"
         owned: list[Any] = []
         if config.reward_url != url:
-            from rlfleet.common.nats_transport import NatsTransport
+            from rlfleet.common.control.nats_transport import NatsTransport
 
             transport = await NatsTransport.connect(config.reward_url, name="rlfleet-controller-reward",
                                                     tier="controller")  # fmt: skip
@@ -270,47 +272,46 @@ def model_swap(new_rm: Any, component: str | None) -> dict[str, Any]:
     return describe_reward_fn(new_rm)
 
 
-class RewardControls:
-    """The trainers' reward methods between steps (mixed into :class:`~rlfleet.controller.runner.FleetRunner`,
-    which supplies ``fleet``, ``run``, ``config`` and the event loop)."""
+class RunReward:
+    """The reward a run scores with, as it changes: the spec in force and the one it started with,
+    hot swaps, statistics, and what a checkpoint keeps of it. Each call takes the run's
+    :class:`RewardControl` (the reward tier it is connected to)."""
 
-    fleet: Any
-    config: TrainerConfig
-    reward_spec: Any
-    _loop: asyncio.AbstractEventLoop | None
+    def __init__(self, spec: str | dict[str, Any] | None, endpoint: str) -> None:
+        self.spec = spec
+        self.initial_spec = spec  # spec follows set_reward_fn; a resume compares the two
+        self.endpoint = endpoint
 
-    def run(self, coro: Any) -> Any:  # supplied by FleetRunner
-        raise NotImplementedError
+    async def switch(self, control: RewardControl, wire: Mapping[str, Any]) -> RewardSpecSet:
+        """Send ``wire`` (from :func:`describe_reward_fn` or :func:`model_swap`) to every reward worker."""
+        done = await control.set_reward(wire, self.endpoint)
+        if "spec" in wire:
+            self.spec = wire["spec"]
+        return done
 
-    def set_reward_fn(self, fn: Any) -> str:
-        """Switch the reward for the next steps (progressive rewards); returns the new reward version.
+    async def stats(self, control: RewardControl) -> RewardStats:
+        """This run's view of its reward endpoint (version, counts, scaler state)."""
+        return await control.stats(self.endpoint)
 
-        ``fn``: a spec (str or dict), a ``package.module:function`` name or an importable top-level
-        function, or a ``CompositeReward`` / ``RewardScaler`` built from a spec (or its
-        ``compute_reward``); see :func:`rlfleet.controller.reward_control.describe_reward_fn`. Works
-        with the run's own reward worker and with a shared server (``reward_url``).
-        """
-        wire = describe_reward_fn(fn)
-        done = self.run(self.fleet.reward.set_reward(wire, self.config.reward_endpoint))
-        self.reward_spec = wire["spec"]
-        return done.spec_version
+    async def checkpoint_state(self, control: RewardControl) -> dict[str, Any]:
+        """What a checkpoint keeps: the spec in force, the starting one, and the endpoint's
+        ``RewardScaler`` options and running statistics when one is set."""
+        stats = (await self.stats(control)).endpoints.get(self.endpoint)
+        scaler = None
+        if stats is not None and stats.scaler is not None:
+            scaler = {"scaler": stats.scaler, "scaler_state": stats.scaler_state}
+        return {"reward_spec": self.spec, "initial_reward_spec": self.initial_spec, "reward_scaler": scaler}
 
-    def update_reward_model(self, new_rm: Any, *, component: str | None = None, wait: bool = True) -> Any:
-        """Hot-swap the reward model: the reward tier loads it in the background, the old one keeps
-        serving until the switch, and scores name the version that made them (``reward/spec_revision``).
-
-        ``new_rm``: a reward model directory (the endpoint's ``rm`` component, or the one labelled
-        ``component``, is pointed at it; the rest of the spec stays) or anything :meth:`set_reward_fn`
-        takes. ``wait=True`` returns the new version once switched; ``wait=False`` returns at once with
-        an ``asyncio.Task`` that completes while later steps run.
-        """
-        wire = model_swap(new_rm, component)
-        swap = self.fleet.reward.set_reward(wire, self.config.reward_endpoint)
-        if wait:
-            return self.run(swap).spec_version
-        assert self._loop is not None
-        return self._loop.create_task(swap, name="reward-model-swap")
-
-    def reward_stats(self) -> Any:
-        """This run's view of its reward endpoint (``RewardStats``: version, counts, scaler state)."""
-        return self.run(self.fleet.reward.stats(self.config.reward_endpoint))
+    async def restore(self, control: RewardControl, state: dict[str, Any]) -> None:
+        """Re-apply the checkpoint's reward where the resumed run should continue with it: a spec
+        switched mid-run (:func:`~rlfleet.controller.checkpoints.reward_to_restore`), and a
+        ``RewardScaler``'s options and running statistics."""
+        restore = reward_to_restore(state, self.spec)
+        scaler = state.get("reward_scaler")
+        in_force = state.get("reward_spec")
+        if restore is None and (scaler is None or self.spec != in_force):
+            return
+        logger.info(
+            "re-applying the checkpoint's reward %r%s", in_force, " with its scaler" if scaler else ""
+        )
+        await self.switch(control, {"spec": in_force, **(scaler or {})})

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from rlfleet.common.batch import RolloutBatch, pad_left, pad_right
-from rlfleet.common.messages import GenerateResult, SamplingParams
-from rlfleet.common.tensor_server import TensorStoreServer
+from rlfleet.common.control.messages import GenerateResult, SamplingParams
+from rlfleet.common.schema.batch import RolloutBatch, pad_left, pad_right
+from rlfleet.common.tensors.server import TensorStoreServer
 from rlfleet.controller.dataset import PromptItem
 from rlfleet.controller.errors import RouteError
 
@@ -168,9 +168,9 @@ def text_batch(
             response_texts.append(text)
             groups.append(group)
     prompt_ids, prompt_mask = pad_left(prompts, pad)
-    response_ids, response_mask = pad_right(responses, pad, torch.int64)
+    response_ids, response_mask = pad_right(responses, pad)
     unknown = [[math.nan] * len(ids) for ids in responses]  # no engine logprob: NaN, 0 at padding
-    logprobs, _ = pad_right(unknown, 0.0, torch.float32)
+    logprobs, _ = pad_right(unknown, 0.0, "float32")
     batch = RolloutBatch(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask,
         response_ids=response_ids, response_mask=response_mask,
@@ -178,6 +178,19 @@ def text_batch(
         prompt_text=tokenizer.batch_decode(prompts, skip_special_tokens=True), response_text=response_texts,
     )  # fmt: skip
     return batch.to_tensors(), sum(len(ids) for ids in responses)
+
+
+def chunk_metadata(
+    items: Sequence[PromptItem], results: Sequence[GenerateResult]
+) -> list[list[dict[str, Any]]]:
+    """Per-prompt metadata (for the reward tier), split the way the results split the prompts:
+    ``results[i]`` answers the next ``num_prompts`` of ``items``, in order."""
+    out: list[list[dict[str, Any]]] = []
+    start = 0
+    for result in results:
+        out.append([dict(item.metadata) for item in items[start : start + result.num_prompts]])
+        start += result.num_prompts
+    return out
 
 
 @dataclass

@@ -7,34 +7,41 @@ never does.
 from __future__ import annotations
 
 import textwrap
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-from rlfleet.common.messages import SamplingParams
-
-if TYPE_CHECKING:
-    from rlfleet.controller.dataset import PromptItem
+from rlfleet.common.control.messages import GenerateResult, SamplingParams
+from rlfleet.common.schema.batch import unpack_texts
+from rlfleet.common.tensors.store import TensorStoreClient
+from rlfleet.controller.config import TrainerConfig
+from rlfleet.controller.dataset import PromptItem
+from rlfleet.controller.fleet import Fleet
+from rlfleet.controller.routing import chunk_metadata
 
 
 class SampleTable:
     """Greedy answers of the current policy to ``items``, captured under labels."""
 
-    def __init__(self, runner: Any, items: list[PromptItem]) -> None:
-        self.runner = runner
+    def __init__(self, items: list[PromptItem], config: TrainerConfig) -> None:
         self.items = items
+        self.config = config
         self.captures: dict[str, list[dict[str, Any]]] = {}
 
-    async def capture(self, label: str) -> list[dict[str, Any]]:
-        from rlfleet.common.batch import unpack_texts
-        from rlfleet.common.tensor_store import TensorStoreClient
+    async def capture(
+        self,
+        label: str,
+        fleet: Fleet,
+        weight_version: int,
+        release: Callable[[list[GenerateResult]], Awaitable[None]],
+    ) -> list[dict[str, Any]]:
+        """Generate, score and read back the answers at ``weight_version``; keep them as ``label``.
 
-        runner = self.runner
-        cfg = runner.config
+        ``release`` frees the rollout batches once read (the run's ``OwnStore.release``).
+        """
+        cfg = self.config
         sampling = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.max_response_length, seed=cfg.seed)
-        results = await runner.fleet.generate(
-            [it.token_ids for it in self.items], sampling, runner.weight_version
-        )
-        metadata = runner._chunk_metadata(self.items, results)
-        scored = await runner.fleet.score(results, metadata, cfg.reward_endpoint)
+        results = await fleet.generate([it.token_ids for it in self.items], sampling, weight_version)
+        scored = await fleet.score(results, chunk_metadata(self.items, results), cfg.reward_endpoint)
         texts: list[str] = []
         for result in results:
             client = TensorStoreClient(result.ref.address)
@@ -43,7 +50,7 @@ class SampleTable:
             finally:
                 await client.close()
             texts.extend(unpack_texts(got["response_text"], got["response_text_offsets"]))
-        await runner._release(results)
+        await release(results)
         scores = [s for result in scored for s in result.scores]
         rows = [
             {"prompt": _question(item), "answer": text, "words": len(text.split()), "reward": score}

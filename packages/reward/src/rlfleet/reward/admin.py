@@ -21,9 +21,9 @@ import os
 import sys
 from collections.abc import Sequence
 
+from rlfleet.common.control.messages import Message, RewardStatsRequest, SetRewardSpec
+from rlfleet.common.control.transport import TOKEN_HEADER
 from rlfleet.common.errors import RemoteError, RequestTimeout
-from rlfleet.common.messages import Message, RewardStatsRequest, SetRewardSpec
-from rlfleet.common.transport import TOKEN_HEADER
 
 TOKEN_ENV = "RLFLEET_REWARD_TOKEN"
 
@@ -65,8 +65,8 @@ def message_for(args: argparse.Namespace) -> Message:
 async def send_to_all(url: str, cluster: str, message: Message, timeout: float, token: str = "") -> int:
     """Send ``message`` (``token`` in its ``Rlfleet-Token`` header) to every reward worker of ``cluster``;
     print the replies; return the exit code."""
-    from rlfleet.common.membership import WorkerRegistry
-    from rlfleet.common.nats_transport import NatsTransport
+    from rlfleet.common.control.membership import WorkerRegistry
+    from rlfleet.common.control.nats_transport import NatsTransport
 
     transport = await NatsTransport.connect(url, name="rlfleet-reward-admin", tier="controller")
     registry = WorkerRegistry(transport, cluster)

@@ -27,26 +27,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from rlfleet.common.messages import EndpointStats
+from rlfleet.common.control.messages import EndpointStats
+from rlfleet.common.schema.reward import EndpointConfig, ScalerConfig, Spec
 from rlfleet.reward.composite import CompositeReward
 from rlfleet.reward.errors import RewardSpecError, UnknownEndpoint
 from rlfleet.reward.registry import build_reward
-from rlfleet.reward.scaler import RewardScaler, ScalerConfig
+from rlfleet.reward.scaler import RewardScaler
 
 logger = logging.getLogger(__name__)
-
-Spec = str | dict[str, Any]
-
-
-class EndpointConfig(BaseModel):
-    """One endpoint of a reward server: its reward spec and, optionally, a scaler."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    spec: Spec = Field(description="reward spec (text or dict form), e.g. '0.7*rm:path=/m + 0.3*concise'")
-    scaler: ScalerConfig | None = Field(default=None, description="RewardScaler options applied to totals")
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from rlfleet.common.errors import RlfleetError
+from rlfleet.common.errors import UserError
 
 
-class RewardError(RlfleetError):
+class RewardError(UserError):
     """Marker base for every rlfleet-reward error; never raised on its own."""
 
 

@@ -15,10 +15,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return admin_main(args[1:])
     # Reward models load from local directories only; never let transformers reach for a hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from rlfleet.common.service import run_worker_main
-    from rlfleet.reward.service import RewardServiceConfig, RewardWorker
+    from rlfleet.common.control.worker import run_worker_main
+    from rlfleet.common.schema.reward import RewardWorkerConfig
+    from rlfleet.reward.service import RewardWorker
 
-    return run_worker_main("rlfleet-reward", RewardServiceConfig, RewardWorker, args)
+    return run_worker_main("rlfleet-reward", RewardWorkerConfig, RewardWorker, args)
 
 
 if __name__ == "__main__":

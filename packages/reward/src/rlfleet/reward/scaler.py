@@ -34,8 +34,9 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
+from rlfleet.common.schema.reward import ScalerConfig
 from rlfleet.reward.composite import ScoreBatch
 from rlfleet.reward.errors import NoScorer, NotPortable, RewardInputError
 
@@ -43,29 +44,6 @@ logger = logging.getLogger(__name__)
 
 BatchScorer = Callable[..., Sequence[float] | ScoreBatch]
 """``(prompts, responses, **kw) -> (N,) scores``, e.g. a :class:`CompositeReward`."""
-
-
-class ScalerConfig(BaseModel):
-    """The options of a :class:`RewardScaler`."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
-
-    model_name: str | None = Field(default=None, description="reward model the scores come from, if any")
-    temperature: float = Field(
-        default=1.0, gt=0, allow_inf_nan=False, description="raw scores are divided by it"
-    )
-    min_reward: float | None = Field(default=None, allow_inf_nan=False, description="floor applied last")
-    clip: float | None = Field(default=None, gt=0, allow_inf_nan=False, description="clip to [-clip, clip]")
-    normalize: bool = Field(default=False, description="running mean/std normalization")
-    eps: float = Field(default=1e-6, gt=0, allow_inf_nan=False, description="added to std before dividing")
-
-    @model_validator(mode="after")
-    def _floor_below_clip(self) -> ScalerConfig:
-        if self.clip is not None and self.min_reward is not None and self.min_reward > self.clip:
-            raise ValueError(
-                f"min_reward ({self.min_reward}) above clip ({self.clip}) would make every reward equal"
-            )
-        return self
 
 
 class ScalerState(BaseModel):

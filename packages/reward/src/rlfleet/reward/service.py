@@ -7,7 +7,7 @@ Subjects (``rlfleet.<cluster>.reward.*``)::
                             RewardStatsRequest -> RewardStats, ScoreRequest, Shutdown
 
 Every request names an endpoint and carries a token in its ``Rlfleet-Token`` header
-(:data:`rlfleet.common.transport.TOKEN_HEADER`; a message's own ``token`` field, which clients of
+(:data:`rlfleet.common.control.transport.TOKEN_HEADER`; a message's own ``token`` field, which clients of
 protocol 1.1 filled, is read when the header is absent). With tenants in the
 config, the token says who is asking (:mod:`rlfleet.reward.tenants`): a tenant scores and reads
 statistics only on its own endpoints, within its quota, and hot-swaps only its own endpoints; the
@@ -22,9 +22,7 @@ import asyncio
 import logging
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
-
-from rlfleet.common.messages import (
+from rlfleet.common.control.messages import (
     AnyMessage,
     RewardSpecSet,
     RewardStats,
@@ -33,11 +31,11 @@ from rlfleet.common.messages import (
     ScoreResult,
     SetRewardSpec,
 )
-from rlfleet.common.service import ServiceConfig, Worker
-from rlfleet.common.subjects import subject
-from rlfleet.common.transport import TOKEN_HEADER, request_headers
-from rlfleet.reward.endpoints import EndpointConfig, Endpoints
-from rlfleet.reward.tenants import TenantConfig, TenantTable, TokenSource
+from rlfleet.common.control.transport import TOKEN_HEADER, request_headers, subject
+from rlfleet.common.control.worker import Worker
+from rlfleet.common.schema.reward import RewardWorkerConfig
+from rlfleet.reward.endpoints import Endpoints
+from rlfleet.reward.tenants import TenantTable
 
 logger = logging.getLogger(__name__)
 
@@ -49,51 +47,7 @@ def credential(message: SetRewardSpec | ScoreRequest | RewardStatsRequest) -> st
     return request_headers().get(TOKEN_HEADER) or message.token
 
 
-class RewardServiceConfig(ServiceConfig):
-    """Settings of a reward worker (and of a shared reward server: tenants, admin token, state)."""
-
-    endpoints: dict[str, EndpointConfig] = Field(
-        default_factory=lambda: {"default": EndpointConfig(spec="concise:max_words=50")},
-        description="endpoint name -> {spec, scaler}; a bare spec (text or dict form) means {spec: ...}",
-    )
-    tenants: list[TenantConfig] = Field(
-        default_factory=list, description="who may use which endpoints; none: open"
-    )
-    admin: TokenSource | None = Field(
-        default=None, description="the operators' token (token / token_sha256 / token_env)"
-    )
-    max_concurrency: int = Field(default=4, ge=1, description="score requests handled at once")
-    state_dir: str | None = Field(default=None, description="keep endpoint specs and scaler statistics here")
-    state_save_s: float = Field(default=30.0, gt=0, description="seconds between saves of the state")
-
-    @field_validator("endpoints", mode="before")
-    @classmethod
-    def _bare_specs(cls, value: Any) -> Any:
-        if not isinstance(value, dict):
-            return value
-        return {
-            name: {"spec": cfg}
-            if isinstance(cfg, str) or (isinstance(cfg, dict) and "spec" not in cfg)
-            else cfg
-            for name, cfg in value.items()
-        }
-
-    @model_validator(mode="after")
-    def _tenants_fit(self) -> RewardServiceConfig:
-        names = [t.name for t in self.tenants]
-        if len(set(names)) != len(names):
-            raise ValueError(f"tenant names must be unique, got {names}")
-        for tenant in self.tenants:
-            unknown = [e for e in tenant.endpoints if e not in self.endpoints]
-            if unknown:
-                raise ValueError(
-                    f"tenant {tenant.name!r} names endpoints {unknown} that are not in endpoints "
-                    f"({sorted(self.endpoints)}); add them there"
-                )
-        return self
-
-
-class RewardWorker(Worker[RewardServiceConfig]):
+class RewardWorker(Worker[RewardWorkerConfig]):
     """Serves ``reward.score`` for its endpoints, to the tenants allowed on each."""
 
     tier = "reward"
@@ -191,8 +145,8 @@ class RewardWorker(Worker[RewardServiceConfig]):
         return RewardStats(worker_id=self.worker_id, tenant=who, endpoints=endpoints, refused=refused)
 
     async def _texts(self, request: ScoreRequest) -> tuple[list[str], list[str], list[int]]:
-        from rlfleet.common.batch import unpack_texts
-        from rlfleet.common.tensor_store import TensorStoreClient
+        from rlfleet.common.schema.batch import unpack_texts
+        from rlfleet.common.tensors.store import TensorStoreClient
 
         address = request.rollout.address
         client = self._clients.get(address)

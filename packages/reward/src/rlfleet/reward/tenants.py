@@ -14,19 +14,15 @@ naming the tenant, never the token.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import math
-import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
+from rlfleet.common.schema.reward import TenantConfig, TokenSource, token_digest
 from rlfleet.reward.errors import (
     BatchTooLarge,
     ForbiddenEndpoint,
@@ -40,58 +36,6 @@ logger = logging.getLogger(__name__)
 
 ADMIN = "admin"
 OPEN = ""
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-
-
-def token_digest(token: str) -> bytes:
-    """SHA-256 of a token: what is compared, so every comparison has the same length."""
-    return hashlib.sha256(token.encode()).digest()
-
-
-class TokenSource(BaseModel):
-    """Exactly one of ``token``, ``token_sha256`` or ``token_env``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    token: str | None = Field(default=None, min_length=8, description="the API token (plain text)")
-    token_sha256: str | None = Field(default=None, description="hex SHA-256 of the token")
-    token_env: str | None = Field(default=None, min_length=1, description="environment variable holding it")
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> TokenSource:
-        given = [name for name in ("token", "token_sha256", "token_env") if getattr(self, name)]
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of token, token_sha256, token_env (got {given or 'none'})")
-        if self.token_sha256 is not None and not _HEX64.match(self.token_sha256):
-            raise ValueError("token_sha256 must be 64 lowercase hex digits (sha256sum of the token)")
-        return self
-
-    def digest(self, who: str) -> bytes:
-        """The token's SHA-256, reading ``token_env`` now; ValueError if that variable is unset."""
-        if self.token is not None:
-            return token_digest(self.token)
-        if self.token_sha256 is not None:
-            return bytes.fromhex(self.token_sha256)
-        assert self.token_env is not None
-        value = os.environ.get(self.token_env, "")
-        if len(value) < 8:
-            raise ValueError(
-                f"{who}: environment variable {self.token_env} is unset or shorter than 8 characters"
-            )
-        return token_digest(value)
-
-
-class TenantConfig(TokenSource):
-    """One tenant of the reward server."""
-
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="tenant name (logs, stats)")
-    endpoints: list[str] = Field(default_factory=list, description="endpoints this tenant may use")
-    requests_per_s: float | None = Field(
-        default=None, gt=0, description="score requests per second; None: no cap"
-    )
-    burst: int | None = Field(default=None, ge=1, description="requests allowed at once; None: max(1, rate)")
-    max_batch: int | None = Field(default=None, ge=1, description="samples per request; None: no cap")
-    can_update: bool = Field(default=True, description="may hot-swap the reward of its own endpoints")
 
 
 @dataclass

@@ -14,10 +14,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
+from rlfleet.common.control.messages import LatestWeights, LoadWeights, WeightsLoaded, WeightsPublished
+from rlfleet.common.control.transport import Transport, subject
 from rlfleet.common.errors import NoResponders, RequestTimeout, TensorError
-from rlfleet.common.messages import LatestWeights, LoadWeights, WeightsLoaded, WeightsPublished
-from rlfleet.common.subjects import subject
-from rlfleet.common.transport import Transport
 from rlfleet.rollout.errors import NoUsableCarrier
 
 logger = logging.getLogger(__name__)

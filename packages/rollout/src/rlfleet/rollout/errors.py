@@ -1,18 +1,19 @@
 """Every error rlfleet-rollout raises, in one place.
 
-Each error subclasses a builtin (and :class:`~rlfleet.common.errors.RlfleetError`), keeps its
-fields and builds its own message. User mistakes (a bad prompt, an unknown engine or weight name)
-are ``ValueError``/``KeyError`` s; using an engine after ``close()`` is a ``RuntimeError``.
+Each error subclasses a builtin and one of :class:`~rlfleet.common.errors.UserError` (a bad prompt,
+an unknown engine or weight name, a missing or unsupported vLLM) or
+:class:`~rlfleet.common.errors.Failure` (an engine used after ``close()``, stale or discarded
+weights, a publish cut short). Each keeps its fields and builds its own message.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rlfleet.common.errors import RlfleetError
+from rlfleet.common.errors import Failure, UserError
 
 
-class UnknownEngine(RlfleetError, ValueError):
+class UnknownEngine(UserError, ValueError):
     """``make_engine`` was asked for an engine name that is not registered."""
 
     def __init__(self, name: str, known: Sequence[str]) -> None:
@@ -21,7 +22,7 @@ class UnknownEngine(RlfleetError, ValueError):
         super().__init__(f"unknown rollout engine {name!r}; registered engines: {', '.join(self.known)}")
 
 
-class InvalidPrompt(RlfleetError, ValueError):
+class InvalidPrompt(UserError, ValueError):
     """A prompt given to ``generate`` is empty or holds token ids outside the vocabulary."""
 
     def __init__(self, index: int, reason: str) -> None:
@@ -30,7 +31,7 @@ class InvalidPrompt(RlfleetError, ValueError):
         super().__init__(f"prompt {index}: {reason}")
 
 
-class UnknownWeight(RlfleetError, KeyError):
+class UnknownWeight(UserError, KeyError):
     """``load_weights`` got tensor names the model does not have."""
 
     def __init__(
@@ -53,7 +54,7 @@ class UnknownWeight(RlfleetError, KeyError):
         return str(self.args[0])
 
 
-class WeightShapeMismatch(RlfleetError, ValueError):
+class WeightShapeMismatch(UserError, ValueError):
     """A tensor given to ``load_weights`` has another shape than the parameter it targets."""
 
     def __init__(self, name: str, expected: tuple[int, ...], actual: tuple[int, ...]) -> None:
@@ -66,7 +67,7 @@ class WeightShapeMismatch(RlfleetError, ValueError):
         )
 
 
-class WeightDtypeMismatch(RlfleetError, TypeError):
+class WeightDtypeMismatch(UserError, TypeError):
     """A tensor cannot be cast to its parameter's dtype (e.g. integers into a float parameter)."""
 
     def __init__(self, name: str, expected: str, actual: str) -> None:
@@ -79,7 +80,7 @@ class WeightDtypeMismatch(RlfleetError, TypeError):
         )
 
 
-class EngineClosed(RlfleetError, RuntimeError):
+class EngineClosed(Failure, RuntimeError):
     """An engine was used after ``close()``."""
 
     def __init__(self, model_id: str) -> None:
@@ -87,7 +88,7 @@ class EngineClosed(RlfleetError, RuntimeError):
         super().__init__(f"rollout engine for {model_id!r} is closed")
 
 
-class StaleWeights(RlfleetError, RuntimeError):
+class StaleWeights(Failure, RuntimeError):
     """A generate request asked for a weight version this worker does not hold (yet)."""
 
     code = "stale_weights"
@@ -102,11 +103,11 @@ class StaleWeights(RlfleetError, RuntimeError):
         )
 
 
-class ContextTooLong(RlfleetError, ValueError):
-    """A prompt plus ``max_tokens`` does not fit the engine's context cap (``rollout_max_cache_len``).
+class ContextTooLong(UserError, ValueError):
+    """A prompt plus ``max_tokens`` does not fit the engine's context cap (``rollout.max_cache_len``).
 
     The policy is to refuse, never to truncate: a truncated prompt would silently train on text
-    the user did not write. Shorten prompts (``data.max_prompt_length``) or raise the cap.
+    the user did not write. Shorten prompts (``max_prompt_length``) or raise the cap.
     """
 
     def __init__(self, index: int, prompt_len: int, max_tokens: int, cap: int) -> None:
@@ -116,12 +117,12 @@ class ContextTooLong(RlfleetError, ValueError):
         self.cap = cap
         super().__init__(
             f"prompt {index} has {prompt_len} tokens; with max_tokens={max_tokens} it needs "
-            f"{prompt_len + max_tokens} > the context cap of {cap} tokens (rollout_max_cache_len, "
+            f"{prompt_len + max_tokens} > the context cap of {cap} tokens (rollout.max_cache_len, "
             "bounded by the model's max_position_embeddings); shorten prompts or raise the cap"
         )
 
 
-class IncompleteWeights(RlfleetError, ValueError):
+class IncompleteWeights(Failure, ValueError):
     """A weight version was set while a fused block still missed some of its tensors.
 
     vLLM fuses several HF tensors into one kernel tensor (q/k/v, gate/up), so it loads a
@@ -139,7 +140,7 @@ class IncompleteWeights(RlfleetError, ValueError):
         )
 
 
-class WeightsDiscarded(RlfleetError, RuntimeError):
+class WeightsDiscarded(Failure, RuntimeError):
     """The engine slept at level 2 (weights discarded) and has not received a full publish since."""
 
     def __init__(self, model_id: str, missing: int) -> None:
@@ -151,7 +152,7 @@ class WeightsDiscarded(RlfleetError, RuntimeError):
         )
 
 
-class EngineUnavailable(RlfleetError, ImportError):
+class EngineUnavailable(UserError, ImportError):
     """The requested engine cannot run here (its package is missing or built for another device)."""
 
     def __init__(self, name: str, reason: str) -> None:
@@ -160,7 +161,7 @@ class EngineUnavailable(RlfleetError, ImportError):
         super().__init__(f"rollout engine {name!r} is unavailable: {reason}")
 
 
-class IpcUnavailable(RlfleetError, ValueError):
+class IpcUnavailable(UserError, ValueError):
     """A CUDA IPC weight bucket cannot be used here (another GPU, no CUDA, a malformed handle)."""
 
     def __init__(self, reason: str) -> None:
@@ -168,7 +169,7 @@ class IpcUnavailable(RlfleetError, ValueError):
         super().__init__(f"cannot load weights over CUDA IPC: {reason}")
 
 
-class NoUsableCarrier(RlfleetError, ValueError):
+class NoUsableCarrier(Failure, ValueError):
     """A weight load offered no carrier this worker can use (IPC buckets for another GPU, no gRPC ones)."""
 
     def __init__(self, worker_id: str, version: int, reason: str) -> None:
@@ -178,7 +179,7 @@ class NoUsableCarrier(RlfleetError, ValueError):
         super().__init__(f"rollout worker {worker_id} cannot load weight version {version}: {reason}")
 
 
-class UnsupportedVLLM(RlfleetError, ImportError):
+class UnsupportedVLLM(UserError, ImportError):
     """The installed vLLM is outside the range this engine is tested with."""
 
     def __init__(self, version: str, supported: str) -> None:

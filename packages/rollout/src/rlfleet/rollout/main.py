@@ -2,7 +2,7 @@
 
 ``--model PATH`` is short for the override ``model_path=PATH``; the other flags (``--nats``,
 ``--cluster``, ``--worker-id``, ``--pool``, ``--config``) are every worker's (see
-:func:`rlfleet.common.service.parse_service_args`).
+:func:`rlfleet.common.control.worker.parse_service_args`).
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ def model_flag_to_override(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from rlfleet.common.service import run_worker_main
-    from rlfleet.rollout.service import RolloutServiceConfig, RolloutWorker
+    from rlfleet.common.control.worker import run_worker_main
+    from rlfleet.common.schema.rollout import RolloutWorkerConfig
+    from rlfleet.rollout.service import RolloutWorker
 
     args = model_flag_to_override(sys.argv[1:] if argv is None else argv)
-    return run_worker_main("rlfleet-rollout", RolloutServiceConfig, RolloutWorker, args)
+    return run_worker_main("rlfleet-rollout", RolloutWorkerConfig, RolloutWorker, args)
 
 
 if __name__ == "__main__":

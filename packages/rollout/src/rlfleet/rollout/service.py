@@ -2,9 +2,21 @@
 
 Results stay in the worker's own TensorStore; the reply carries only a :class:`TensorRef`, so the
 reward and trainer tiers stream them straight from here. Weights arrive by the carrier that
-suits this worker (:mod:`rlfleet.common.carriers`): CUDA IPC from a trainer on the same GPU,
+suits this worker (:mod:`rlfleet.common.schema.carriers`): CUDA IPC from a trainer on the same GPU,
 else the trainer's TensorStore over gRPC. A generate request pinned to a weight
 version this worker does not hold is refused as retryable, never served on stale weights.
+
+Completions are packed (:func:`to_rollout_tensors`) into the rollout-batch tensor contract shared
+by rollout, reward and trainer; N = number of completions (prompt-major, as ``Engine.generate``
+returns them):
+
+- ``prompt_ids`` (N, P) int64, left-padded with ``pad_token_id``; ``prompt_mask`` (N, P) int64
+- ``response_ids`` (N, R) int64, right-padded; ``response_mask`` (N, R) int64 (a generated stop
+  token counts as real); ``rollout_logprobs`` (N, R) float32, 0 at padding
+- ``group_index`` (N,) int64: the prompt each sample answers
+- ``prompt_text`` / ``response_text`` uint8 (total utf-8 bytes,) with ``*_offsets`` (N+1,) int64
+
+Texts are packed with :func:`rlfleet.common.schema.batch.pack_texts` (read back with ``unpack_texts``).
 """
 
 from __future__ import annotations
@@ -12,54 +24,73 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any
 
 import torch
-from pydantic import Field
 
-from rlfleet.common.messages import AnyMessage, GenerateRequest, GenerateResult, LoadWeights, WeightsLoaded
-from rlfleet.common.service import ServiceConfig, Worker
-from rlfleet.common.subjects import subject
-from rlfleet.common.tensor_store import TensorStoreClient, TensorStoreServer
+from rlfleet.common.control.messages import (
+    AnyMessage,
+    GenerateRequest,
+    GenerateResult,
+    LoadWeights,
+    WeightsLoaded,
+)
+from rlfleet.common.control.transport import subject
+from rlfleet.common.control.worker import Worker
+from rlfleet.common.schema.batch import pack_texts, pad_left, pad_right
+from rlfleet.common.schema.rollout import RolloutWorkerConfig
+from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer
 from rlfleet.rollout.catch_up import catch_up
+from rlfleet.rollout.engines.base import Completion
 from rlfleet.rollout.engines.registry import make_engine, resolve_engine_name
-from rlfleet.rollout.engines.tensors import to_rollout_tensors
 from rlfleet.rollout.errors import NoUsableCarrier, StaleWeights
 
 logger = logging.getLogger(__name__)
 
 
-class RolloutServiceConfig(ServiceConfig):
-    """Settings of a rollout worker."""
+def to_rollout_tensors(
+    completions: Sequence[Completion], pad_token_id: int, tokenizer: Any | None = None
+) -> dict[str, torch.Tensor]:
+    """Pack completions (prompt-major) into the rollout-batch tensor dict (see the module docstring).
 
-    model_path: str = Field(description="local HF model directory to serve")
-    engine: Literal["hf", "vllm", "auto"] = Field(default="hf", description="generation engine")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="engine dtype")
-    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: CUDA when available")
-    max_batch_size: int = Field(default=64, ge=1, description="sequences generated together")
-    seed: int = Field(default=0, description="sampling seed")
-    capacity: int = Field(default=1, ge=1, description="generate jobs taken at once")
-    store_capacity_mb: float = Field(default=4096, gt=0, description="TensorStore capacity for results")
-    store_ttl_s: float = Field(default=1800, gt=0, description="results not fetched by then are dropped")
-    tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM: GPUs one engine shards over")
-    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1, description="vLLM: GPU memory share")
-    enforce_eager: bool | None = Field(
-        default=None, description="vLLM: no torch.compile / CUDA graphs; None = eager on CPU only"
-    )
-    cache_policy: Literal["lru", "none"] = Field(
-        default="lru", description="vLLM KV cache: lru = prefix caching (LRU eviction), none = off"
-    )
-    max_cache_len: int = Field(
-        default=2048, ge=2, description="vLLM: longest prompt + response; longer requests are refused"
-    )
-    colocate: bool = Field(default=False, description="vLLM: sleep between rollouts (GPU shared)")
-    sleep_level: Literal[1, 2] = Field(default=1, description="vLLM sleep level when colocated")
-    catch_up_timeout_s: float = Field(
-        default=10.0, gt=0, description="late join: wait this long for the trainer's latest weights"
-    )
+    ``tokenizer`` decodes the prompts for ``prompt_text`` (``skip_special_tokens=True``, like the
+    responses); without one, every prompt text is empty. ``response_text`` is each
+    ``Completion.text``. Completions without logprobs get 0 over their whole response.
+    """
+    if not completions:
+        raise ValueError("to_rollout_tensors needs at least one completion")
+    for c in completions:
+        if c.logprobs and len(c.logprobs) != len(c.token_ids):
+            raise ValueError(
+                f"completion (prompt {c.prompt_index}, sample {c.sample_index}) has {len(c.token_ids)} "
+                f"tokens but {len(c.logprobs)} logprobs"
+            )
+    prompt_ids, prompt_mask = pad_left([c.prompt_token_ids for c in completions], pad_token_id)
+    response_ids, response_mask = pad_right([c.token_ids for c in completions], pad_token_id)
+    logprob_rows = [c.logprobs if c.logprobs else [0.0] * len(c.token_ids) for c in completions]
+    logprobs, _ = pad_right(logprob_rows, 0.0, "float32")
+    if tokenizer is not None:
+        prompts = tokenizer.batch_decode([c.prompt_token_ids for c in completions], skip_special_tokens=True)
+    else:
+        prompts = [""] * len(completions)
+    prompt_text, prompt_offsets = pack_texts(prompts)
+    response_text, response_offsets = pack_texts([c.text for c in completions])
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "response_ids": response_ids,
+        "response_mask": response_mask,
+        "rollout_logprobs": logprobs,
+        "group_index": torch.tensor([c.prompt_index for c in completions], dtype=torch.int64),
+        "prompt_text": prompt_text,
+        "prompt_text_offsets": prompt_offsets,
+        "response_text": response_text,
+        "response_text_offsets": response_offsets,
+    }
 
 
-def engine_kwargs(cfg: RolloutServiceConfig, engine: str, device: str) -> dict[str, Any]:
+def engine_kwargs(cfg: RolloutWorkerConfig, engine: str, device: str) -> dict[str, Any]:
     """Constructor arguments of ``engine`` (a resolved engine name) from the worker's config."""
     kwargs: dict[str, Any] = {"dtype": cfg.dtype, "device": device, "seed": cfg.seed,
                               "max_batch_size": cfg.max_batch_size}  # fmt: skip
@@ -73,7 +104,7 @@ def engine_kwargs(cfg: RolloutServiceConfig, engine: str, device: str) -> dict[s
     return kwargs
 
 
-class RolloutWorker(Worker[RolloutServiceConfig]):
+class RolloutWorker(Worker[RolloutWorkerConfig]):
     """Serves ``rollout.generate`` (queue group and own subject) and ``rollout.load_weights``."""
 
     tier = "rollout"
@@ -87,7 +118,7 @@ class RolloutWorker(Worker[RolloutServiceConfig]):
         )  # fmt: skip
         self.weight_version = self.engine.weight_version
         self.gpu_uuids: list[str] = list(getattr(self.engine, "gpu_uuids", []))
-        self.store = TensorStoreServer(capacity_bytes=int(cfg.store_capacity_mb * 2**20),
+        self.store = TensorStoreServer(capacity_bytes=int(cfg.results_store_mb * 2**20),
                                        ttl_s=cfg.store_ttl_s)  # fmt: skip
         self.data_address = await self.store.start()
         self._clients: dict[str, TensorStoreClient] = {}

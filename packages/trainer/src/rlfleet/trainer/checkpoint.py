@@ -18,33 +18,21 @@ import json
 import logging
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from rlfleet.trainer.actor import Actor
-    from rlfleet.trainer.critic import Critic
+from rlfleet.trainer.loop import Trainable
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
-
-
-class Trainable(Protocol):
-    """What a checkpoint holds of an actor or a critic."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    steps: int
 
 
 def _distributed() -> bool:
@@ -80,7 +68,7 @@ def _load_part(part: Trainable, path: Path) -> None:
 
 
 def _schedule_state(part: Trainable) -> dict[str, Any]:
-    """The scheduler's plain fields (its lambdas are code, rebuilt from the config) and the step count."""
+    """The scheduler's plain fields (its lambdas are code, rebuilt with the model) and the step count."""
     sched = {k: v for k, v in part.scheduler.state_dict().items() if k != "lr_lambdas"}
     return {"scheduler": sched, "steps": part.steps}
 
@@ -173,7 +161,7 @@ def load_training_state(
 
 
 def save_checkpoint(
-    path: str | Path, actor: Actor, critic: Critic | None, mode: Literal["hf", "full"] = "hf"
+    path: str | Path, actor: Actor, critic: Trainable | None, mode: Literal["hf", "full"] = "hf"
 ) -> Path:
     """What ``trainer.save`` does on every rank: an HF export in ``path`` (``hf``), or in ``path/hf``
     with the training state in ``path/trainer`` (``full``)."""
@@ -181,10 +169,10 @@ def save_checkpoint(
         return actor.save_hf(path)
     root = Path(path)
     actor.save_hf(root / "hf")
-    save_training_state(root / "trainer", actor, critic, generator=actor._generator)
+    save_training_state(root / "trainer", actor, critic, generator=actor.generator)
     return root
 
 
-def load_checkpoint(path: str | Path, actor: Actor, critic: Critic | None) -> int:
+def load_checkpoint(path: str | Path, actor: Actor, critic: Trainable | None) -> int:
     """What ``trainer.load`` does on every rank: restore ``path/trainer``; returns the actor's step."""
-    return load_training_state(Path(path) / "trainer", actor, critic, generator=actor._generator)
+    return load_training_state(Path(path) / "trainer", actor, critic, generator=actor.generator)

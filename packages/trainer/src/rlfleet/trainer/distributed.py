@@ -1,4 +1,4 @@
-"""Trainer ranks: NCCL settings, process-group start from a torchrun environment, the device mesh.
+"""Trainer ranks: NCCL, the process group and device mesh, FSDP2 sharding, and each rank's rows.
 
 A trainer of W ranks runs one process per rank (per GPU), started by ``torchrun``, by the
 embedded launcher, or by any orchestrator that sets the torchrun variables::
@@ -8,29 +8,49 @@ embedded launcher, or by any orchestrator that sets the torchrun variables::
     LOCAL_WORLD_SIZE          ranks per node (optional: default WORLD_SIZE, i.e. one node)
     MASTER_ADDR, MASTER_PORT  where rank 0 listens for the rendezvous
 
-Sharding (``sharding`` in the actor's config): ``full`` shards every parameter over all ranks
+Sharding (``sharding`` of the trainer's ModelSettings): ``full`` shards every parameter over all ranks
 (FSDP/ZeRO-3); ``hybrid`` shards within a node and replicates across nodes (HSDP, a 2-D mesh
 ``(replicate=nodes, shard=ranks per node)``: all-gathers stay on NVLink, only the gradient
 all-reduce crosses nodes); ``none`` replicates the whole model on every rank (a
 ``(replicate=W, shard=1)`` mesh: DDP-like); ``auto`` is ``full`` on one node, ``hybrid`` on more.
 With W = 1 there is no process group and no FSDP at all.
+
+FSDP2: each decoder block is its own FSDP unit (one all-gather before its forward, one
+reduce-scatter after its backward), and the root takes what is left (embeddings, final norm,
+lm_head; a tied lm_head is one parameter with the embedding). On GPU the policy is bf16
+parameters for compute with float32 gradient reduction and float32 master weights and optimizer
+state; on CPU everything stays float32 (CPU matmuls in bf16 gain little under gloo and lose
+exactness).
+
+Rows: the whole batch is on every rank; rank r takes rows ``order[r::W]`` where ``order`` sorts
+the rows by length (longest first, ties by index), so ranks get similar token counts and a
+micro-batch holds rows of similar length. All ranks must run the same number of forwards (each
+one all-gathers), so a rank with fewer rows pads with copies of a real row of weight 0.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from rlfleet.common.schema.trainer import Sharding
+from rlfleet.trainer.forward import PolicyInputs
+from rlfleet.trainer.model_io import decoder_layers, save_hf
+from rlfleet.trainer.weights import iter_weight_buckets
 
 logger = logging.getLogger(__name__)
 
-Sharding = Literal["auto", "full", "hybrid", "none"]
 
 TIMEOUT_ENV = "RLFLEET_DIST_TIMEOUT_MINUTES"
 """Where :func:`setup_nccl` leaves the collective timeout for :func:`init_distributed` to read."""
@@ -104,10 +124,6 @@ class DistContext:
     def is_main(self) -> bool:
         """Rank 0: the one that talks to NATS and stages published weights."""
         return self.rank == 0
-
-    @property
-    def num_nodes(self) -> int:
-        return self.world_size // self.local_world_size
 
 
 def resolve_sharding(sharding: Sharding, num_nodes: int) -> Literal["full", "hybrid", "none"]:
@@ -203,3 +219,114 @@ def shared_seed(seed: int | None, ctx: DistContext) -> int:
     if ctx.distributed:
         dist.broadcast(drawn, src=0)
     return int(drawn.item())
+
+
+# --- FSDP2: sharding a model, and each rank's rows ------------------------------------------------
+
+
+def mixed_precision_policy(device: torch.device, bf16: bool) -> MixedPrecisionPolicy:
+    """bf16 compute with float32 gradient reduction on GPU when ``bf16``; float32 otherwise."""
+    if bf16 and device.type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_model(
+    model: nn.Module, ctx: DistContext, *, bf16: bool, reshard_after_forward: bool = True
+) -> None:
+    """Apply ``fully_shard`` to every decoder block, then to the root (nothing with one rank).
+
+    Parameters become DTensor shards on the rank's device (moved there from the CPU copy that
+    every rank loaded). ``reshard_after_forward`` frees each block's gathered weights after its
+    forward (ZeRO-3); False keeps them until backward (more memory, fewer all-gathers).
+    ``bf16`` selects :func:`mixed_precision_policy`'s bf16 compute (on GPU only).
+    """
+    if ctx.mesh is None:
+        return
+    policy = mixed_precision_policy(ctx.device, bf16)
+    for block in decoder_layers(model):
+        fully_shard(block, mesh=ctx.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=ctx.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+
+@dataclass(frozen=True)
+class LocalRows:
+    """One rank's share of a set of batch rows.
+
+    Attributes:
+        rows: (K,) int64 row indices into the batch, padded to the same K on every rank.
+        weights: (K,) float32, 1 for the rank's own rows, 0 for padding copies.
+    """
+
+    rows: Tensor
+    weights: Tensor
+
+    @property
+    def real(self) -> Tensor:
+        """(K,) bool: the rows that are this rank's own (not padding)."""
+        return self.weights > 0
+
+
+def local_rows(rows: Tensor, lengths: Tensor, rank: int, world_size: int) -> LocalRows:
+    """Rank ``rank``'s rows of ``rows`` (M,) given every row's token count ``lengths`` (N,).
+
+    With one rank the rows come back unchanged (same order). Otherwise the rows are sorted by
+    length, longest first (stable), and dealt out ``rank::world_size``; every rank gets
+    ``ceil(M / world_size)`` rows, the last ones padding (weight 0) where M does not divide.
+    """
+    if world_size == 1:
+        return LocalRows(rows, torch.ones(len(rows), dtype=torch.float32, device=rows.device))
+    if len(rows) == 0:
+        raise ValueError("cannot split an empty set of rows over ranks")
+    order = torch.sort(lengths[rows].cpu(), descending=True, stable=True).indices
+    mine = rows[order.to(rows.device)][rank::world_size]
+    target = -(-len(rows) // world_size)
+    weights = torch.ones(target, dtype=torch.float32, device=rows.device)
+    if len(mine) < target:
+        weights[len(mine) :] = 0.0
+        filler = rows[:1].expand(target - len(mine))
+        mine = torch.cat([mine, filler])
+    return LocalRows(mine, weights)
+
+
+@torch.no_grad()
+def forward_rows(
+    inputs: PolicyInputs, micro_batch_size: int, ctx: DistContext, forward: Callable[[PolicyInputs], Tensor]
+) -> Tensor:
+    """``forward`` of every row without grad: inputs (N, P + R) -> (N, R) float32, 0 at padding.
+
+    Each rank runs its rows (:func:`local_rows`; the same number of forwards on every rank) in
+    micro-batches, and the results are summed over ranks, so every rank returns all N rows.
+    """
+    device = inputs.input_ids.device
+    share = local_rows(torch.arange(inputs.num_samples, device=device), inputs.attention_mask.sum(dim=-1),
+                       ctx.rank, ctx.world_size)  # fmt: skip
+    out = torch.zeros(inputs.response_mask.shape, dtype=torch.float32, device=device)
+    for chunk, weight in zip(share.rows.split(micro_batch_size), share.weights.split(micro_batch_size),
+                             strict=True):  # fmt: skip
+        mb = inputs.select(chunk)
+        real = weight > 0
+        out[chunk[real]] = (forward(mb) * mb.response_mask)[real]
+    return all_reduce_sum(out, ctx)
+
+
+def save_hf_sharded(
+    model: nn.Module,
+    path: str | Path,
+    is_main: bool,
+    *,
+    source_dir: str | Path | None = None,
+    bucket_bytes: int = 1 << 28,
+) -> Path:
+    """Save an FSDP model in HF format; every rank calls it, rank 0 (``is_main``) writes.
+
+    The weights are gathered a bucket at a time into rank 0's host memory, which holds the
+    whole state dict while it writes; the other ranks keep nothing.
+    """
+    state: dict[str, Tensor] = {}
+    for bucket in iter_weight_buckets(model, bucket_bytes, include_tied=True, keep=is_main):
+        state.update(bucket)
+    if is_main:
+        save_hf(model, path, source_dir=source_dir, state_dict=state)  # type: ignore[arg-type]
+    torch.distributed.barrier()
+    return Path(path)

@@ -1,24 +1,16 @@
-"""Errors of rlfleet-trainer; shared ones (ConfigError, ...) live in ``rlfleet.common.errors``."""
+"""Errors of rlfleet-trainer; shared ones (ConfigError, BatchContractError, ...) live in
+``rlfleet.common.errors``. Every one is a :class:`UserError` (the user can fix it); the codes of
+those that cross the wire come from :data:`~rlfleet.common.errors.WIRE_CODES`.
+"""
 
 from __future__ import annotations
 
-from rlfleet.common.errors import RlfleetError
+from collections.abc import Sequence
+
+from rlfleet.common.errors import UserError
 
 
-class TrainerError(RlfleetError):
-    """Marker base for trainer errors; never raised on its own."""
-
-
-class InvalidBatch(TrainerError, ValueError):
-    """A rollout batch does not follow the tensor contract (missing key, bad shape or dtype)."""
-
-    def __init__(self, key: str, reason: str) -> None:
-        self.key = key
-        self.reason = reason
-        super().__init__(f"rollout batch field {key!r}: {reason}")
-
-
-class ModelLoadError(TrainerError, FileNotFoundError):
+class ModelLoadError(UserError, FileNotFoundError):
     """A model directory is missing or holds no HF config."""
 
     def __init__(self, path: str, reason: str) -> None:
@@ -27,10 +19,48 @@ class ModelLoadError(TrainerError, FileNotFoundError):
         super().__init__(f"cannot load a causal LM from {path!r}: {reason}")
 
 
-class CheckpointError(TrainerError, FileNotFoundError):
+class CheckpointError(UserError, FileNotFoundError):
     """A training checkpoint directory is missing a part, or does not fit this run."""
 
     def __init__(self, path: object, reason: str) -> None:
         self.path = str(path)
         self.reason = reason
         super().__init__(f"training checkpoint {self.path!r} {reason}")
+
+
+class SettingsConflict(UserError, ValueError):
+    """A run asks for fixed settings this trainer worker does not have (model, device, critic...).
+
+    ``conflicts`` holds ``(field, run's value, worker's value)``, each value already written for people.
+    """
+
+    code = "settings_conflict"
+
+    def __init__(self, worker: str, conflicts: Sequence[tuple[str, str, str]]) -> None:
+        self.worker = worker
+        self.conflicts = list(conflicts)
+        details = "; ".join(f"{field}: run {run}, worker {mine}" for field, run, mine in self.conflicts)
+        super().__init__(f"{worker} refuses the run: {details}")
+
+
+class UnexpectedMessage(UserError, TypeError):
+    """A trainer subject received a message of another kind than the one it serves."""
+
+    code = "bad_request"
+
+    def __init__(self, subject: str, expected: str, got: str) -> None:
+        self.subject = subject
+        self.expected = expected
+        self.got = got
+        super().__init__(f"{subject} takes {expected} messages, got {got!r}")
+
+
+class CarrierUnavailable(UserError, ValueError):
+    """A publish asks for a weight carrier this trainer cannot serve (CUDA IPC from a CPU trainer)."""
+
+    code = "bad_request"
+
+    def __init__(self, carrier: str, reason: str) -> None:
+        self.carrier = carrier
+        self.reason = reason
+        super().__init__(f"the {carrier} weight carrier {reason}")

@@ -1,43 +1,53 @@
 """A trainer rank other than 0: builds the same models, then runs each command rank 0 sends.
 
-See :mod:`rlfleet.trainer.ranks` for the protocol. A follower answers nobody: rank 0 replies to
-the controller. An error that every rank meets alike before any collective (a malformed batch)
-is logged and the follower waits for the next command, as rank 0 does after replying with it;
-any other error ends the process, which the launcher reports, and rank 0's next collective fails.
+See :mod:`rlfleet.trainer.service` for the protocol. A follower answers nobody: rank 0 replies to
+the controller. A step carries the settings rank 0 resolved for it, so every rank trains alike.
+An error that every rank meets alike before any collective (a malformed batch, an algorithm whose
+critic the trainer does not hold) is logged and the follower waits for the next command, as rank
+0 does after replying with it; any other error ends the process, which the launcher reports, and
+rank 0's next collective fails.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from rlfleet.common.messages import TrainStepRequest
-from rlfleet.common.refs import TensorRef
-from rlfleet.common.tensor_store import TensorStoreClient
+from rlfleet.common.control.messages import TrainStepRequest
+from rlfleet.common.errors import BatchContractError
+from rlfleet.common.schema.trainer import TrainerWorkerConfig
 from rlfleet.trainer.checkpoint import load_checkpoint, save_checkpoint
-from rlfleet.trainer.errors import InvalidBatch
-from rlfleet.trainer.ranks import CommandChannel, use_rank_thread
-from rlfleet.trainer.service import TrainerServiceConfig, build_models
-from rlfleet.trainer.updates import merge_batch, run_update
+from rlfleet.trainer.errors import SettingsConflict
+from rlfleet.trainer.service import (
+    CommandChannel,
+    StoreClients,
+    build_models,
+    merge_batch,
+    rank_from_env,
+    run_step,
+    use_rank_thread,
+)
 
 logger = logging.getLogger(__name__)
 
 
 class Follower:
-    """Rank r > 0 of a trainer: the actor's shards, and a loop over rank 0's commands."""
+    """Rank r > 0 of a trainer: the models' shards, and a loop over rank 0's commands."""
 
-    def __init__(self, config: TrainerServiceConfig) -> None:
+    def __init__(self, config: TrainerWorkerConfig) -> None:
         self.config = config
-        self._clients: dict[str, TensorStoreClient] = {}
+        self.stores = StoreClients()
 
     async def run(self) -> None:
         """Build the models (collectively with rank 0), then follow commands until ``stop``."""
-        cfg = self.config
-        use_rank_thread(asyncio.get_running_loop(), cfg.device)
-        self.dist, self.actor, self.critic = await asyncio.to_thread(build_models, cfg)
+        use_rank_thread(asyncio.get_running_loop(), self.config.device)
+        self.dist, self.actor, self.critic = await asyncio.to_thread(build_models, self.config)
         self.channel = CommandChannel(self.dist)
         logger.info("trainer rank %d of %d ready", self.dist.rank, self.dist.world_size)
         try:
@@ -48,8 +58,7 @@ class Follower:
                     return
                 await self.handle(command)
         finally:
-            for client in self._clients.values():
-                await client.close()
+            await self.stores.close()
 
     async def handle(self, command: dict[str, Any]) -> None:
         """Run one command: ``step``, ``publish``, ``save`` or ``load``."""
@@ -57,10 +66,11 @@ class Follower:
         if op == "step":
             request = TrainStepRequest.model_validate(command["request"])
             try:
-                chunks = await asyncio.gather(*(self._fetch(ref) for ref in request.rollouts))
-                batch = merge_batch(request.algorithm, chunks)
-                await asyncio.to_thread(run_update, self.actor, self.critic, self.config, batch, request)
-            except InvalidBatch as exc:  # rank 0 met it too, before any collective
+                batch = merge_batch(request.settings.algorithm, await self.stores.fetch(request.rollouts))
+                await asyncio.to_thread(
+                    run_step, self.actor, self.critic, batch, request.scores, request.settings
+                )
+            except (BatchContractError, SettingsConflict) as exc:  # rank 0 met it too, before any collective
                 logger.warning("step %d refused: %s", request.step, exc)
         elif op == "publish":
             await asyncio.to_thread(
@@ -79,8 +89,23 @@ class Follower:
         for _ in self.actor.iter_weight_buckets(bucket_bytes, dtype=getattr(torch, dtype) if dtype else None):
             pass
 
-    async def _fetch(self, ref: TensorRef) -> dict[str, torch.Tensor]:
-        client = self._clients.get(ref.address)
-        if client is None:
-            client = self._clients[ref.address] = TensorStoreClient(ref.address)
-        return await client.fetch(ref)
+
+def follower_main(prog: str, argv: Sequence[str] | None = None) -> int:
+    """``main()`` of ranks 1..W-1: same config as rank 0, no NATS; follow commands until stop."""
+    from rlfleet.common.control.worker import cli_overrides, configure_logging, parse_service_args
+    from rlfleet.common.errors import ConfigError
+    from rlfleet.common.schema.config import load_config
+
+    args = parse_service_args(prog, argv)
+    try:
+        config = load_config(TrainerWorkerConfig, args.config, cli_overrides(args))
+    except ConfigError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_level, config.log_json, f"{prog}[rank {rank_from_env()}]")
+    try:
+        asyncio.run(Follower(config).run())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

@@ -2,7 +2,7 @@
 
 A bucket from :func:`~rlfleet.trainer.weights.iter_weight_buckets` with ``on_device=True`` is a
 set of views of one flat buffer on the trainer's GPU. :func:`share_bucket` describes that buffer as
-an :class:`~rlfleet.common.carriers.IpcBucket`: torch's CUDA storage sharing gives the
+an :class:`~rlfleet.common.schema.carriers.IpcBucket`: torch's CUDA storage sharing gives the
 allocation's IPC handle, the storage's offset in it, a cross-process reference counter and the
 event that orders the receiver after the copies that filled the buffer. The receiving engine maps
 it (:mod:`rlfleet.rollout.engines.cuda_ipc`) and copies the weights out on the device.
@@ -20,7 +20,7 @@ import base64
 import torch
 from torch import Tensor
 
-from rlfleet.common.carriers import IPC_DTYPES, IpcBucket, IpcTensor
+from rlfleet.common.schema.carriers import IPC_DTYPES, IpcBucket, IpcTensor
 
 _DTYPE_NAMES = {getattr(torch, name): name for name in IPC_DTYPES}
 

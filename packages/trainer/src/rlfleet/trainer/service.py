@@ -1,24 +1,57 @@
-"""The trainer tier's worker: policy updates on rollout refs, weight publishing, checkpoints.
+"""The trainer worker: what every rank runs (models, commands, one train step) and rank 0's service.
 
-A train step pulls its rollout chunks straight from the rollout workers' stores, turns the
-reward tier's scores into advantages, and runs one update. Publishing stages the weights as
-versioned buckets for the carriers the controller asks for: in the trainer's own TensorStore
-(gRPC; rollout workers pull them from there, and one that joins late catches up on the latest
-version) and/or on its GPU, shared by CUDA IPC with a colocated engine.
+Rank 0 runs the :class:`TrainerWorker` and alone talks to NATS; ranks 1..W-1 run a
+:class:`~rlfleet.trainer.follower.Follower`. Both build their models with :func:`build_models`.
+Before rank 0 starts a step, a publish or a save, it sends the command to the other ranks over
+:class:`CommandChannel`; every rank then does the same work in the same order (the FSDP
+collectives pair up)::
+
+    rank 0:  NATS request ──> channel.send({"op": "step", "request": {...}}) ──> fetch, update
+    rank r:                   channel.receive() ───────────────────────────────> fetch, update
+
+Each rank fetches the rollout chunks itself from the rollout workers' TensorStores (no central
+gather; the token ids are small). Commands are JSON sent as a uint8 tensor over a gloo group of
+their own, whose timeout is long: followers wait in it for as long as the trainer is idle.
+
+One train step (:func:`run_step`), as every rank runs it once the batch is merged::
+
+    settings.learning_rate, weight_decay ──> the optimizers (actor; critic: critic_learning_rate)
+    FAMILIES[ALGORITHMS[settings.algorithm].policy_loss]          ppo_clip: ppo | grpo | rloo | reinforce_pp
+        (actor, critic, batch, scores, settings) ──> Plan           dpo: dpo
+    train_loop(plan) ──> metrics (+ time, throughput and the settings used)
+
+Everything a step may refuse (a batch off the contract, scores that do not match it, an algorithm
+whose critic this worker does not hold) is refused before the first collective, on every rank
+alike, so that the other ranks never wait for one that gave up.
+
+Rank 0's service: ``trainer.configure`` compares the run's fixed settings (ModelSettings, device,
+critic, model fingerprint) with the worker's and refuses the run, naming each field that differs.
+A train step pulls its rollout chunks straight from the rollout workers' stores and runs one
+update with the settings the request carries (``trainer.step`` -> :func:`run_step` ->
+:func:`rlfleet.trainer.loop.train_loop`); ranks 1..W-1 get the same request. Publishing stages
+the weights as versioned buckets for the carriers the controller asks for: in the trainer's own
+TensorStore (gRPC; rollout workers pull them from there, and one that joins late catches up on the
+latest version) and/or on its GPU, shared by CUDA IPC with a colocated engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
+import os
 import time
-from typing import Literal
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch
-from pydantic import Field
+import torch.distributed as dist
+from torch import Tensor
 
-from rlfleet.common.carriers import IpcBucket
-from rlfleet.common.messages import (
+from rlfleet.common.control.messages import (
     AnyMessage,
     CheckpointLoaded,
     LatestWeights,
@@ -26,94 +59,195 @@ from rlfleet.common.messages import (
     PublishWeights,
     SaveCheckpoint,
     Saved,
+    TrainerConfigure,
+    TrainerConfigured,
     TrainStepRequest,
     TrainStepResult,
     WeightsPublished,
 )
-from rlfleet.common.refs import TensorRef
-from rlfleet.common.service import ServiceConfig, Worker
-from rlfleet.common.subjects import subject
-from rlfleet.common.tensor_store import TensorStoreClient, TensorStoreServer
+from rlfleet.common.control.transport import subject
+from rlfleet.common.control.worker import Worker
+from rlfleet.common.schema.algorithms import ALGORITHMS
+from rlfleet.common.schema.batch import merge_preferences, merge_rollouts
+from rlfleet.common.schema.carriers import IpcBucket
+from rlfleet.common.schema.refs import TensorRef
+from rlfleet.common.schema.trainer import (
+    ModelSettings,
+    StepSettings,
+    TrainerWorkerConfig,
+    model_fingerprint,
+    resolve_precision,
+)
+from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer
 from rlfleet.trainer.actor import Actor
-from rlfleet.trainer.algo_config import AlgorithmSettings
-from rlfleet.trainer.algorithms import ALGORITHMS, AlgorithmName
+from rlfleet.trainer.algorithms import dpo_family, ppo_family
 from rlfleet.trainer.checkpoint import load_checkpoint, save_checkpoint
-from rlfleet.trainer.config import ActorConfig, OptimizerConfig
 from rlfleet.trainer.critic import Critic
-from rlfleet.trainer.distributed import DistContext, Sharding, init_distributed
+from rlfleet.trainer.distributed import DistContext, init_distributed
+from rlfleet.trainer.errors import CarrierUnavailable, SettingsConflict, UnexpectedMessage
 from rlfleet.trainer.ipc_share import gpu_uuid, share_bucket
-from rlfleet.trainer.ranks import CommandChannel, use_rank_thread
-from rlfleet.trainer.updates import build_critic, merge_batch, run_update
+from rlfleet.trainer.loop import Plan, batch_sizes, train_loop
 from rlfleet.trainer.weights import to_host
 
 logger = logging.getLogger(__name__)
 
 
-class TrainerServiceConfig(ServiceConfig):
-    """Settings of a trainer worker (the controller writes them from its TrainerConfig)."""
+# --- every rank: models, commands, rollout fetches ------------------------------------------------
 
-    model_path: str = Field(description="local HF model directory of the actor")
-    algorithm: AlgorithmName = Field(default="grpo", description="ppo | grpo | rloo | reinforce_pp | dpo")
-    algo: AlgorithmSettings = Field(
-        default_factory=AlgorithmSettings, description="KL placement, PPO (GAE, critic) and DPO settings"
-    )
-    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: CUDA when available")
-    dtype: Literal["float32", "bfloat16"] = Field(default="float32", description="parameter dtype")
-    mixed_precision: Literal["auto", "none", "bf16"] = Field(
-        default="auto", description="bf16 autocast with fp32 master weights; auto: bf16 on GPU, none on CPU"
-    )
-    trainable_layers: int | None = Field(default=None, ge=1, description="train only the top N blocks")
-    sharding: Sharding = Field(
-        default="auto",
-        description="with several ranks: auto | full | hybrid | none (rlfleet.trainer.distributed)",
-    )
-    gradient_checkpointing: bool = Field(default=False, description="recompute activations in backward")
-    threads: int = Field(default=0, ge=0, description="torch CPU threads; 0 keeps torch's default")
-    learning_rate: float = Field(default=1e-6, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    micro_batch_size: int = Field(default=8, ge=1)
-    max_grad_norm: float = Field(default=1.0, gt=0)
-    clip_eps: float = Field(default=0.2, gt=0)
-    kl_coef: float = Field(default=0.0, ge=0)
-    entropy_coef: float = Field(default=0.0)
-    loss_agg: str = Field(default="token-mean")
-    ppo_epochs: int = Field(default=1, ge=1)
-    temperature: float = Field(default=1.0, gt=0)
-    seed: int = Field(default=0)
-    store_capacity_mb: float = Field(
-        default=16384, gt=0, description="TensorStore capacity for weight buckets"
-    )
+IDLE_TIMEOUT = timedelta(days=30)
+"""How long a follower waits for rank 0's next command (the trainer may idle for long)."""
 
 
-def actor_config(cfg: TrainerServiceConfig, device: str) -> ActorConfig:
-    """The actor's settings from the worker's (``device``: this rank's, e.g. ``cuda:1``)."""
-    on_gpu = device.startswith("cuda")
-    return ActorConfig(
-        model_path=cfg.model_path, dtype=cfg.dtype, device=device, temperature=cfg.temperature, seed=cfg.seed,
-        use_reference=ALGORITHMS[cfg.algorithm].uses_reference(cfg.kl_coef),
-        trainable_layers=cfg.trainable_layers, sharding=cfg.sharding,
-        gradient_checkpointing=cfg.gradient_checkpointing,
-        mixed_precision=(("bf16" if on_gpu else "none") if cfg.mixed_precision == "auto"
-                         else cfg.mixed_precision),
-        optim=OptimizerConfig(lr=cfg.learning_rate, weight_decay=cfg.weight_decay),
-    )  # fmt: skip
+class CommandChannel:
+    """Rank 0 sends JSON commands, every other rank receives them in order (no pickle)."""
+
+    def __init__(self, ctx: DistContext, timeout: timedelta = IDLE_TIMEOUT) -> None:
+        self.ctx = ctx
+        # every rank creates it at the same point (new_group is collective)
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if ctx.distributed else None
+
+    def send(self, command: dict[str, Any]) -> None:
+        """Rank 0: hand ``command`` to every other rank (a no-op with one rank)."""
+        if self.group is None:
+            return
+        data = json.dumps(command).encode()
+        dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), src=0, group=self.group)
+        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=self.group)
+
+    def receive(self) -> dict[str, Any]:
+        """Ranks 1..W-1: the next command rank 0 sent (blocks until it comes)."""
+        if self.group is None:
+            raise RuntimeError("a single-process trainer has no commands to receive")
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.group)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(data, src=0, group=self.group)
+        command: dict[str, Any] = json.loads(data.numpy().tobytes())
+        return command
 
 
-def build_models(cfg: TrainerServiceConfig) -> tuple[DistContext, Actor, Critic | None]:
+def use_rank_thread(loop: asyncio.AbstractEventLoop, device: str) -> None:
+    """Run this process's ``asyncio.to_thread`` work on one thread bound to the rank's CUDA device.
+
+    The current CUDA device is per thread; a pool thread would start on device 0, so every rank
+    but the first would put its work on the wrong GPU. One thread also keeps every collective of
+    a rank in one order.
+    """
+    initializer = None
+    if device != "cpu" and torch.cuda.is_available():
+        initializer = functools.partial(torch.cuda.set_device, int(os.environ.get("LOCAL_RANK", "0")))
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-rank", initializer=initializer)
+    loop.set_default_executor(pool)
+
+
+def rank_from_env() -> int:
+    """This process's trainer rank (``RANK``; 0 when unset)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def build_models(cfg: TrainerWorkerConfig) -> tuple[DistContext, Actor, Critic | None]:
     """Join the trainer ranks (torchrun environment; one process without it), build actor and critic.
 
-    Every rank calls it, in the same order of collectives.
+    Every rank calls it, in the same order of collectives. The worker's ``algorithm`` and
+    ``kl_coef`` decide what is loaded up front: a critic for PPO, the reference when the algorithm
+    uses one (it is loaded on first use otherwise).
     """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     ctx = init_distributed(cfg.device, cfg.sharding)
-    device = str(ctx.device)
-    actor = Actor(actor_config(cfg, device), ctx)
-    return ctx, actor, build_critic(cfg, device, ctx)
+    spec = ALGORITHMS[cfg.algorithm]
+    actor = Actor(cfg.model_path, cfg, ctx, seed=cfg.seed, learning_rate=cfg.learning_rate,
+                  weight_decay=cfg.weight_decay)  # fmt: skip
+    if spec.uses_reference(cfg.kl_coef):
+        actor.reference()
+    critic = None
+    if spec.needs_critic:
+        critic = Critic(cfg.critic_model_path or cfg.model_path, cfg, ctx, seed=cfg.seed,
+                        learning_rate=cfg.critic_learning_rate or cfg.learning_rate,
+                        weight_decay=cfg.weight_decay)  # fmt: skip
+    return ctx, actor, critic
 
 
-class TrainerWorker(Worker[TrainerServiceConfig]):
-    """Serves ``trainer.step``, ``trainer.publish``, ``trainer.save`` and ``trainer.load``."""
+class StoreClients:
+    """One TensorStore client per address this rank fetches rollouts from (rank 0 and followers alike)."""
+
+    def __init__(self) -> None:
+        self._clients: dict[str, TensorStoreClient] = {}
+
+    async def fetch(self, refs: Sequence[TensorRef]) -> list[dict[str, torch.Tensor]]:
+        """The tensors of every ref, fetched concurrently, in order."""
+        return list(await asyncio.gather(*(self._client(ref.address).fetch(ref) for ref in refs)))
+
+    def _client(self, address: str) -> TensorStoreClient:
+        client = self._clients.get(address)
+        if client is None:
+            client = self._clients[address] = TensorStoreClient(address)
+        return client
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()
+
+
+# --- one train step, on every rank ----------------------------------------------------------------
+
+Family = Callable[[Actor, Critic | None, Mapping[str, Tensor], Tensor, StepSettings], Plan]
+
+FAMILIES: dict[str, Family] = {"ppo_clip": ppo_family.plan, "dpo": dpo_family.plan}
+"""An algorithm spec's ``policy_loss`` -> the family that plans its step."""
+
+
+def merge_batch(algorithm: str, chunks: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """One training batch from the fetched chunks: preference pairs for DPO, rollouts otherwise."""
+    if ALGORITHMS[algorithm].online:
+        return merge_rollouts(chunks)
+    return merge_preferences(chunks)
+
+
+def run_step(
+    actor: Actor,
+    critic: Critic | None,
+    batch: Mapping[str, Tensor],
+    scores: Sequence[float],
+    settings: StepSettings,
+) -> dict[str, float]:
+    """One train step of ``settings.algorithm`` on ``batch`` (and the rollouts' ``scores``); its metrics.
+
+    Raises:
+        SettingsConflict: the algorithm trains a critic and this trainer holds none.
+        BatchContractError: the batch breaks its contract, or the scores do not match it.
+    """
+    spec = ALGORITHMS[settings.algorithm]
+    if spec.needs_critic and critic is None:
+        raise SettingsConflict(
+            "this trainer", [("critic", f"{settings.algorithm} trains one", "holds none (start it with "
+                              f"algorithm={settings.algorithm} so that it loads one)")],
+        )  # fmt: skip
+    t0 = time.perf_counter()
+    actor.set_rates(settings.learning_rate, settings.weight_decay)
+    if critic is not None:
+        critic.set_rates(settings.critic_learning_rate or settings.learning_rate, settings.weight_decay)
+    plan = FAMILIES[spec.policy_loss](
+        actor, critic, batch, torch.tensor(scores, dtype=torch.float32), settings
+    )
+    metrics = train_loop(plan)
+    seconds = time.perf_counter() - t0
+    tokens = float(sum(batch[key].sum().item() for key in batch if key.endswith("_mask")))
+    metrics["time/update_s"] = seconds
+    metrics["throughput/train_tok_s"] = tokens / max(seconds, 1e-9)
+    metrics["settings/clip_eps"] = settings.clip_eps
+    metrics["settings/micro_batch_size"] = float(batch_sizes(settings, plan.num_items)[1])
+    return metrics
+
+
+# --- rank 0: the NATS service ---------------------------------------------------------------------
+
+M = TypeVar("M")
+
+
+class TrainerWorker(Worker[TrainerWorkerConfig]):
+    """Serves ``trainer.configure``, ``step``, ``publish``, ``save``, ``load`` and ``latest``."""
 
     tier = "trainer"
 
@@ -121,22 +255,26 @@ class TrainerWorker(Worker[TrainerServiceConfig]):
         cfg = self.config
         use_rank_thread(asyncio.get_running_loop(), cfg.device)
         self.dist, self.actor, self.critic = await asyncio.to_thread(build_models, cfg)
-        self.channel = CommandChannel(self.dist)  # to trainer ranks 1..W-1 (see ranks.py)
+        self.channel = CommandChannel(self.dist)  # to trainer ranks 1..W-1 (see the module docstring)
+        self.fingerprint = model_fingerprint(cfg.model_path)
         self.weight_version = 0
-        self.store = TensorStoreServer(capacity_bytes=int(cfg.store_capacity_mb * 2**20), ttl_s=7 * 24 * 3600)
+        self.store = TensorStoreServer(capacity_bytes=int(cfg.weights_store_mb * 2**20), ttl_s=7 * 24 * 3600)
         self.data_address = await self.store.start()
-        self._clients: dict[str, TensorStoreClient] = {}
+        self.stores = StoreClients()  # the rollout workers' stores this rank fetches from
         self._published: list[TensorRef] = []
         self._shared: list[IpcBucket] = []  # the current version by CUDA IPC, when it was asked for
         self._shared_buffers: list[dict[str, torch.Tensor]] = []  # kept alive for the receivers
         self._lock = asyncio.Lock()
-        for verb, handler in (
-            ("step", self._on_step),
-            ("publish", self._on_publish),
-            ("save", self._on_save),
-            ("load", self._on_load),
-            ("latest", self._on_latest),
-        ):
+        handlers: list[tuple[str, type, Callable[..., Awaitable[AnyMessage]]]] = [
+            ("configure", TrainerConfigure, self.configure),
+            ("step", TrainStepRequest, self.step),
+            ("publish", PublishWeights, self.publish),
+            ("save", SaveCheckpoint, self.save),
+            ("load", LoadCheckpoint, self.load),
+            ("latest", LatestWeights, self.latest),
+        ]
+        for verb, kind, method in handlers:
+            handler = _expecting(verb, kind, method)
             await self.transport.subscribe(subject(cfg.cluster, "trainer", verb), handler, queue="trainer",
                                            max_concurrency=1)  # fmt: skip
 
@@ -145,68 +283,87 @@ class TrainerWorker(Worker[TrainerServiceConfig]):
         gpus = [gpu_uuid(device)] if device.type == "cuda" else []  # rank 0's: where IPC buckets live
         return {"data_address": self.data_address, "model_id": self.config.model_path, "gpu_uuids": gpus}
 
-    async def _on_step(self, message: AnyMessage) -> AnyMessage:
-        if not isinstance(message, TrainStepRequest):
-            raise ValueError(f"trainer.step takes train-step requests, got {message.kind!r}")
-        return await self.step(message)
+    async def configure(self, request: TrainerConfigure) -> TrainerConfigured:
+        """Accept the run's fixed settings when they are this worker's; else refuse, naming each field."""
+        conflicts = self.conflicts(request)
+        if conflicts:
+            raise SettingsConflict(self.worker_id, conflicts)
+        return TrainerConfigured(worker_id=self.worker_id, weight_version=self.weight_version)
 
-    async def _on_publish(self, message: AnyMessage) -> AnyMessage:
-        if not isinstance(message, PublishWeights):
-            raise ValueError(f"trainer.publish takes publish requests, got {message.kind!r}")
-        return await self.publish(message)
+    def conflicts(self, request: TrainerConfigure) -> list[tuple[str, str, str]]:
+        """``(field, run's value, worker's value)`` for every fixed setting the run asks otherwise.
 
-    async def _on_save(self, message: AnyMessage) -> AnyMessage:
-        if not isinstance(message, SaveCheckpoint):
-            raise ValueError(f"trainer.save takes save requests, got {message.kind!r}")
-        async with self._lock:
-            command = {"op": "save", "path": message.path, "mode": message.mode}
-            await asyncio.to_thread(self.channel.send, command)
-            actor, critic = self.actor, self.critic
-            path = await asyncio.to_thread(save_checkpoint, message.path, actor, critic, message.mode)
-        return Saved(path=str(path))
+        ``auto`` devices and precisions compare as what they resolve to on this worker's device (a
+        precision that differs only through the device is the device's conflict); the model is compared
+        by the fingerprint of its ``config.json`` when both sides have one.
+        """
+        mine = ModelSettings.model_validate(self.config.model_dump(include=set(ModelSettings.model_fields)))
+        device = self.actor.device.type
+        run_device = device if request.device == "auto" else request.device
+        found = [(name, repr(run), repr(ours)) for name, (run, ours) in request.model.conflicts(mine).items()
+                 if name != "mixed_precision"]  # fmt: skip
+        theirs, ours = request.model.mixed_precision, mine.mixed_precision
+        if resolve_precision(theirs, device) != resolve_precision(ours, device):  # as they run here
+            resolved = f" ({resolve_precision(ours, device)} on {device})" if ours == "auto" else ""
+            found.append(("mixed_precision", repr(theirs), f"{ours!r}{resolved}"))
+        if run_device != device:
+            auto = f" ({device})" if self.config.device == "auto" else ""
+            found.append(("device", repr(request.device), f"{self.config.device!r}{auto}"))
+        if request.model_fingerprint and self.fingerprint and request.model_fingerprint != self.fingerprint:
+            found.append(("model", f"fingerprint {request.model_fingerprint}",
+                          f"fingerprint {self.fingerprint} ({self.config.model_path})"))  # fmt: skip
+        if request.critic != (self.critic is not None):
+            found.append(("critic", "trains one" if request.critic else "trains none",
+                          f"holds {'one' if self.critic is not None else 'none'} "
+                          f"(algorithm {self.config.algorithm})"))  # fmt: skip
+        return found
 
-    async def _on_load(self, message: AnyMessage) -> AnyMessage:
-        if not isinstance(message, LoadCheckpoint):
-            raise ValueError(f"trainer.load takes load requests, got {message.kind!r}")
-        async with self._lock:
-            await asyncio.to_thread(self.channel.send, {"op": "load", "path": message.path})
-            steps = await asyncio.to_thread(load_checkpoint, message.path, self.actor, self.critic)
-            self.weight_version = message.weight_version
-        return CheckpointLoaded(path=message.path, steps=steps, weight_version=self.weight_version)
-
-    async def _on_latest(self, message: AnyMessage) -> AnyMessage:
-        """The current version's buckets, for a rollout worker that joins late (no lock: the pair
-        ``_published``/``weight_version`` is swapped without an await in between)."""
-        if not isinstance(message, LatestWeights):
-            raise ValueError(f"trainer.latest takes latest-weights requests, got {message.kind!r}")
-        refs, shared = list(self._published), list(self._shared)
-        return WeightsPublished(weight_version=self.weight_version, buckets=refs, ipc_buckets=shared,
-                                nbytes=sum(r.nbytes for r in refs) or sum(b.nbytes for b in shared),
-                                seconds=0.0)  # fmt: skip
-
-    async def _fetch(self, ref: TensorRef) -> dict[str, torch.Tensor]:
-        client = self._clients.get(ref.address)
-        if client is None:
-            client = self._clients[ref.address] = TensorStoreClient(ref.address)
-        return await client.fetch(ref)
+    def step_settings(self, request: TrainStepRequest) -> StepSettings:
+        """The request's settings; the worker's own when the request carries none."""
+        return request.settings if "settings" in request.model_fields_set else StepSettings.of(self.config)
 
     async def step(self, request: TrainStepRequest) -> TrainStepResult:
-        """One policy update on the referenced rollouts and their scores."""
+        """One update on the referenced rollouts and their scores, with the step's settings."""
+        request = request.model_copy(update={"settings": self.step_settings(request)})
         async with self._lock:
             self.busy += 1
-            try:
+            try:  # the other ranks fetch for themselves, and train with the same settings
                 command = {"op": "step", "request": request.model_dump(mode="json")}
-                await asyncio.to_thread(self.channel.send, command)  # the other ranks fetch for themselves
-                chunks = await asyncio.gather(*(self._fetch(ref) for ref in request.rollouts))
-                batch = merge_batch(request.algorithm, chunks)
+                await asyncio.to_thread(self.channel.send, command)
+                batch = merge_batch(request.settings.algorithm, await self.stores.fetch(request.rollouts))
                 metrics = await asyncio.to_thread(self._update, batch, request)
             finally:
                 self.busy -= 1
         return TrainStepResult(step=request.step, metrics=metrics, weight_version=self.weight_version)
 
     def _update(self, batch: dict[str, torch.Tensor], request: TrainStepRequest) -> dict[str, float]:
-        """One update of ``request.algorithm``; see :func:`rlfleet.trainer.updates.run_update`."""
-        return run_update(self.actor, self.critic, self.config, batch, request)
+        """One update with ``request.settings``; see :func:`run_step`."""
+        return run_step(self.actor, self.critic, batch, request.scores, request.settings)
+
+    async def save(self, request: SaveCheckpoint) -> Saved:
+        """Save an HF export (``hf``) or the full training state (``full``); every rank takes part."""
+        async with self._lock:
+            command = {"op": "save", "path": request.path, "mode": request.mode}
+            await asyncio.to_thread(self.channel.send, command)
+            actor, critic = self.actor, self.critic
+            path = await asyncio.to_thread(save_checkpoint, request.path, actor, critic, request.mode)
+        return Saved(path=str(path))
+
+    async def load(self, request: LoadCheckpoint) -> CheckpointLoaded:
+        """Restore a full checkpoint on every rank; the weights are then ``request.weight_version``."""
+        async with self._lock:
+            await asyncio.to_thread(self.channel.send, {"op": "load", "path": request.path})
+            steps = await asyncio.to_thread(load_checkpoint, request.path, self.actor, self.critic)
+            self.weight_version = request.weight_version
+        return CheckpointLoaded(path=request.path, steps=steps, weight_version=self.weight_version)
+
+    async def latest(self, request: LatestWeights) -> WeightsPublished:
+        """The current version's buckets, for a rollout worker that joins late (no lock: the pair
+        ``_published``/``weight_version`` is swapped without an await in between)."""
+        refs, shared = list(self._published), list(self._shared)
+        return WeightsPublished(weight_version=self.weight_version, buckets=refs, ipc_buckets=shared,
+                                nbytes=sum(r.nbytes for r in refs) or sum(b.nbytes for b in shared),
+                                seconds=0.0)  # fmt: skip
 
     async def publish(self, request: PublishWeights) -> WeightsPublished:
         """Stage the current weights as a new version, bucket by bucket, for the carriers asked for.
@@ -215,9 +372,7 @@ class TrainerWorker(Worker[TrainerServiceConfig]):
         shared by IPC handle (:mod:`rlfleet.trainer.ipc_share`) until the next publish.
         """
         if "cuda_ipc" in request.carriers and self.actor.device.type != "cuda":
-            raise ValueError(
-                "the cuda_ipc weight carrier needs the trainer on a GPU; this trainer runs on CPU"
-            )
+            raise CarrierUnavailable("cuda_ipc", "needs the trainer on a GPU; this trainer runs on CPU")
         async with self._lock:
             t0 = time.perf_counter()
             version = request.weight_version if request.weight_version >= 0 else self.weight_version + 1
@@ -267,8 +422,7 @@ class TrainerWorker(Worker[TrainerServiceConfig]):
 
     async def teardown(self) -> None:
         await self._stop_followers()
-        for client in self._clients.values():
-            await client.close()
+        await self.stores.close()
         await self.store.stop()
 
     async def _stop_followers(self) -> None:
@@ -279,3 +433,16 @@ class TrainerWorker(Worker[TrainerServiceConfig]):
             await asyncio.wait_for(asyncio.to_thread(self.channel.send, {"op": "stop"}), timeout=10)
         except (RuntimeError, TimeoutError) as exc:
             logger.warning("could not tell the other trainer ranks to stop: %s", exc)
+
+
+def _expecting(
+    verb: str, kind: type[M], method: Callable[[M], Awaitable[AnyMessage]]
+) -> Callable[[AnyMessage], Awaitable[AnyMessage]]:
+    """The handler of ``trainer.<verb>``: ``method`` for messages of ``kind``, a refusal for others."""
+
+    async def handle(message: AnyMessage) -> AnyMessage:
+        if not isinstance(message, kind):
+            raise UnexpectedMessage(f"trainer.{verb}", kind.__name__, message.kind)
+        return await method(message)
+
+    return handle

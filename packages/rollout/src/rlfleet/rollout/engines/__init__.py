@@ -3,7 +3,6 @@
 from rlfleet.rollout.engines.base import Completion, Engine, FinishReason, WeightsInput
 from rlfleet.rollout.engines.hf import HFEngine
 from rlfleet.rollout.engines.registry import ENGINES, make_engine
-from rlfleet.rollout.engines.tensors import pad_left, pad_right, to_rollout_tensors
 
 __all__ = [
     "ENGINES",
@@ -13,7 +12,4 @@ __all__ = [
     "HFEngine",
     "WeightsInput",
     "make_engine",
-    "pad_left",
-    "pad_right",
-    "to_rollout_tensors",
 ]

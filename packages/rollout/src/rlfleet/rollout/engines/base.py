@@ -20,7 +20,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
-from rlfleet.common.messages import SamplingParams
+from rlfleet.common.control.messages import SamplingParams
 
 FinishReason = Literal["stop", "length"]
 

@@ -1,7 +1,7 @@
 """The receiving half of the ``cuda_ipc`` weight carrier: map a trainer's GPU buckets in place.
 
 A colocated trainer keeps each published bucket as one flat buffer on its GPU and sends an
-:class:`~rlfleet.common.carriers.IpcBucket` describing it (the CUDA IPC handle, the storage's
+:class:`~rlfleet.common.schema.carriers.IpcBucket` describing it (the CUDA IPC handle, the storage's
 size and offset, the tensors' names, dtypes, shapes and byte offsets). :func:`open_bucket` maps
 the buffer into this process and returns views of it, which an engine copies into its weights.
 
@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from rlfleet.common.carriers import IpcBucket
+from rlfleet.common.schema.carriers import IpcBucket
 from rlfleet.rollout.errors import IpcUnavailable
 
 DTYPES: dict[str, torch.dtype] = {

@@ -1,14 +1,21 @@
-"""RL algorithm pieces as pure tensor functions, and the registries that name them.
+"""RL algorithm pieces as pure tensor functions, the registries that name them, and the families.
+
+The math is here and in the modules beside this one. What a step of each family does with it
+(advantages, objectives for the update loop) is in ``ppo_family`` (ppo, grpo, rloo, reinforce_pp)
+and ``dpo_family``; they are not imported here (they need the models).
 
 Registries are plain dicts keyed by the config's discriminator: ``ADVANTAGES["grpo"]`` is
 ``grpo_advantages``. Every advantage function has the signature
 ``fn(rewards (N,), group_index (N,), **kwargs) -> (N,)``; PPO's token-level GAE
 (``gae_advantages``) is named ``"gae"`` and lives apart because it needs a critic.
 
-- ``ALGORITHMS``: algorithm name -> :class:`AlgorithmSpec` (critic? reference? groups? loss?);
+- ``ALGORITHMS``: algorithm name -> :class:`AlgorithmSpec` (critic? reference? groups? loss?), the
+  shared table of :mod:`rlfleet.common.schema.algorithms`;
 - ``POLICY_LOSSES``: loss name -> function (``ppo_clip``, ``dpo``);
-- ``KL_ESTIMATORS``: ``k1 | k2 | k3``; ``KL_CONTROLLERS``: ``fixed | adaptive | scheduled``;
-- ``DPO_LOSSES``: ``sigmoid | ipo``; ``LOSS_AGG_MODES``: the aggregation modes.
+- ``KL_ESTIMATORS``: ``k1 | k2 | k3`` (the KL controllers are the controller's, in
+  ``rlfleet.controller.online``);
+- ``DPO_LOSSES``: ``sigmoid | ipo``; ``LOSS_AGG_MODES``: the aggregation modes (all three and the
+  loss terms are in ``losses``).
 """
 
 from __future__ import annotations
@@ -26,13 +33,6 @@ from rlfleet.trainer.algorithms.advantages import (
     reinforce_pp_baseline_advantages,
     rloo_advantages,
 )
-from rlfleet.trainer.algorithms.aggregation import (
-    LOSS_AGG_MODES,
-    LossAgg,
-    aggregate,
-    masked_mean,
-    masked_sum,
-)
 from rlfleet.trainer.algorithms.dpo import (
     DPO_LOSS_TYPES,
     DPO_LOSSES,
@@ -49,20 +49,19 @@ from rlfleet.trainer.algorithms.gae import (
     masked_whiten,
     token_level_rewards,
 )
-from rlfleet.trainer.algorithms.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3
-from rlfleet.trainer.algorithms.kl_control import (
-    KL_CONTROLLERS,
-    AdaptiveKLController,
-    FixedKLController,
-    KLControlConfig,
-    KLController,
-    ScheduledKLController,
-    build_kl_controller,
-)
 from rlfleet.trainer.algorithms.losses import (
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    LossAgg,
+    aggregate,
     approx_kl,
     entropy_from_logits,
+    kl_k1,
+    kl_k2,
+    kl_k3,
     masked_entropy,
+    masked_mean,
+    masked_sum,
     ppo_clip_loss,
     ppo_policy_loss,
 )
@@ -89,26 +88,19 @@ __all__ = [
     "ADVANTAGES",
     "ALGORITHMS",
     "ALGORITHM_NAMES",
-    "AdaptiveKLController",
     "AlgorithmName",
     "AlgorithmSpec",
     "DPOLossType",
     "DPO_LOSSES",
     "DPO_LOSS_TYPES",
-    "FixedKLController",
     "GAE",
-    "KLControlConfig",
-    "KLController",
-    "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "LossAgg",
     "POLICY_LOSSES",
-    "ScheduledKLController",
     "aggregate",
     "approx_kl",
     "broadcast_to_tokens",
-    "build_kl_controller",
     "clipped_value_loss",
     "discounted_returns",
     "dpo_loss",

@@ -1,21 +1,151 @@
-"""Policy-gradient loss terms: the PPO clipped surrogate, its health metrics, and entropy.
+"""The loss terms: the PPO clipped policy loss, KL estimators, entropy, and masked aggregation.
 
-Every function is elementwise over tokens and returns (N, R) tensors; reduce them with
-:func:`rlfleet.trainer.algorithms.aggregation.aggregate` so that the loss and its metrics share
-one mask and one aggregation mode.
+Every term is elementwise over tokens: any shape in, the same shape out ((N, R) for a batch of N
+responses of width R). Mask and reduce them afterwards with :func:`aggregate`, so that the loss
+and its metrics share one mask and one aggregation mode.
+
+Aggregation: reducing a per-token quantity (N, R) over a response mask to one scalar, in one of
+three modes, named as in verl:
+
+- ``token-mean`` (default, DAPO): sum over every real token of the batch / number of real tokens;
+  every token weighs the same, so long responses weigh more.
+- ``seq-mean-token-sum``: sum over each sequence's tokens, then mean over sequences (Dr. GRPO
+  without its constant normalizer).
+- ``seq-mean-token-mean``: mean over each sequence's tokens, then mean over sequences (original
+  GRPO); every sequence weighs the same.
+
+For gradient accumulation the divisor must be the one of the whole (mini-)batch, not of each
+micro-batch: pass ``num_tokens`` (token-mean) or ``num_seqs`` (seq-mean-*) of the whole batch and
+the micro-batch results then *sum* to the full-batch value exactly.
+
+KL estimators of KL(pi || ref), per token, from the log-probabilities of the sampled tokens. With
+samples drawn from pi and ``log_ratio = logp - ref_logp`` (Schulman, "Approximating KL
+divergence", 2020):
+
+- ``k1 = log_ratio``: unbiased, high variance, can be negative per token;
+- ``k2 = 0.5 * log_ratio**2``: biased, low variance, always >= 0; its gradient is that of the true KL
+  at first order;
+- ``k3 = exp(-log_ratio) + log_ratio - 1 = exp(ref - logp) - (ref - logp) - 1``: unbiased, >= 0,
+  low variance (GRPO's "low_var_kl").
+
+k3 exponentiates, so one token whose log-ratio is large (a token the reference finds very
+unlikely) would overflow or dominate the loss. ``clamp`` bounds the log-ratio to [-clamp, clamp]
+before the exponential (default 20, as verl does): the value stays finite in float32 and the
+gradient is zero beyond the bound. k1 and k2 do not need it; ``clamp=None`` disables it for k3.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import get_args
 
 import torch
 from torch import Tensor
 
-from rlfleet.trainer.algorithms.aggregation import aggregate, masked_mean
-from rlfleet.trainer.algorithms.kl import kl_k3
+from rlfleet.common.errors import ConfigError
+from rlfleet.common.schema.trainer import LossAgg
 
 logger = logging.getLogger(__name__)
+
+
+# --- aggregation ----------------------------------------------------------------------------------
+
+LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAgg)
+
+
+def masked_sum(values: Tensor, mask: Tensor) -> Tensor:
+    """Sum of ``values`` where ``mask`` is 1: (N, R) x (N, R) -> scalar."""
+    return (values * mask.to(values.dtype)).sum()
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``values`` over the real tokens: (N, R) x (N, R) -> scalar (0 when the mask is empty)."""
+    return masked_sum(values, mask) / mask.sum().clamp(min=1).to(values.dtype)
+
+
+def check_loss_agg(mode: str) -> LossAgg:
+    """Return ``mode`` if it is a known aggregation mode; raise :class:`ConfigError` otherwise."""
+    if mode not in LOSS_AGG_MODES:
+        raise ConfigError("loss_agg", mode, f"expected one of {', '.join(LOSS_AGG_MODES)}")
+    return mode  # type: ignore[return-value]
+
+
+def aggregate(
+    values: Tensor,
+    mask: Tensor,
+    mode: str = "token-mean",
+    *,
+    num_tokens: float | Tensor | None = None,
+    num_seqs: float | Tensor | None = None,
+) -> Tensor:
+    """Reduce per-token ``values`` to a scalar according to ``mode``.
+
+    Args:
+        values: (N, R) per-token values (e.g. a per-token loss).
+        mask: (N, R) 1 for real tokens, 0 for padding.
+        mode: one of :data:`LOSS_AGG_MODES`.
+        num_tokens: token-mean divisor; defaults to ``mask.sum()`` (pass the whole batch's count
+            when ``values`` is one micro-batch of it).
+        num_seqs: seq-mean-* divisor; defaults to N.
+
+    Returns:
+        scalar tensor.
+    """
+    mode = check_loss_agg(mode)
+    weights = mask.to(values.dtype)
+    if mode == "token-mean":
+        divisor = weights.sum().clamp(min=1.0) if num_tokens is None else num_tokens
+        return (values * weights).sum() / divisor
+    per_seq = (values * weights).sum(dim=-1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / weights.sum(dim=-1).clamp(min=1.0)
+    divisor = max(values.shape[0], 1) if num_seqs is None else num_seqs
+    return per_seq.sum() / divisor
+
+
+# --- KL estimators --------------------------------------------------------------------------------
+
+DEFAULT_LOG_RATIO_CLAMP = 20.0
+"""Bound on |logp - ref_logp| inside k3 (see the module docstring)."""
+
+
+def kl_k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k1 = logp - ref_logp, elementwise: (...) x (...) -> (...)."""
+    return logprobs - ref_logprobs
+
+
+def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k2 = 0.5 * (logp - ref_logp)^2, elementwise: (...) x (...) -> (...)."""
+    return 0.5 * (logprobs - ref_logprobs) ** 2
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, *, clamp: float | None = DEFAULT_LOG_RATIO_CLAMP) -> Tensor:
+    """k3 = exp(ref - logp) - (ref - logp) - 1, elementwise: (...) x (...) -> (...).
+
+    Args:
+        logprobs: (...) log-probabilities of the sampled tokens under the policy.
+        ref_logprobs: (...) the same tokens under the reference model.
+        clamp: bound on |ref - logp| before the exponential; None for none.
+
+    Returns:
+        (...) non-negative per-token estimates.
+    """
+    log_ratio = ref_logprobs - logprobs
+    if clamp is not None:
+        log_ratio = log_ratio.clamp(min=-clamp, max=clamp)
+    return log_ratio.exp() - log_ratio - 1.0
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "k1": kl_k1,
+    "k2": kl_k2,
+    "k3": kl_k3,
+}
+"""Estimator name -> function(logprobs, ref_logprobs) -> per-token KL."""
+
+
+# --- policy loss and entropy ----------------------------------------------------------------------
 
 
 def ppo_clip_loss(
@@ -103,7 +233,7 @@ def ppo_policy_loss(
     Args:
         logprobs, old_logprobs, advantages, mask: (N, R).
         clip_eps_low, clip_eps_high, clip_ratio_c: see :func:`ppo_clip_loss`.
-        loss_agg: aggregation mode (see :mod:`~rlfleet.trainer.algorithms.aggregation`).
+        loss_agg: aggregation mode (see the module docstring).
 
     Returns:
         the scalar loss, and metrics ``clip_frac`` and ``approx_kl`` (token means, detached scalars).

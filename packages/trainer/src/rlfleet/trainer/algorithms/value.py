@@ -6,7 +6,7 @@ prediction may not move the loss down by more than ``clip_eps`` away from the ro
     v_clip = clip(v, old_v - eps, old_v + eps)
     loss_t = 0.5 * max((v - R)^2, (v_clip - R)^2)
 
-Per-token terms reduce with :func:`~rlfleet.trainer.algorithms.aggregation.aggregate`, so the
+Per-token terms reduce with :func:`~rlfleet.trainer.algorithms.losses.aggregate`, so the
 critic uses the same aggregation modes (and micro-batch divisors) as the policy loss.
 """
 
@@ -17,7 +17,7 @@ import logging
 import torch
 from torch import Tensor
 
-from rlfleet.trainer.algorithms.aggregation import aggregate, masked_mean
+from rlfleet.trainer.algorithms.losses import aggregate, masked_mean
 
 logger = logging.getLogger(__name__)
 

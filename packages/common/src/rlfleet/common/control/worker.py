@@ -1,0 +1,233 @@
+"""What every tier's worker process shares: connect, announce, heartbeat, serve, leave.
+
+A tier subclasses :class:`Worker`, subscribes its handlers in :meth:`Worker.setup`, and its
+console script's ``main()`` calls :func:`run_worker_main`. Workers announce on the cluster's
+membership subject, send heartbeats, answer :class:`Ping` with a fresh announce, stop on
+:class:`Shutdown`, SIGTERM or SIGINT, and say :class:`WorkerLeave` on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import ClassVar, Generic, TypeVar
+
+from rlfleet.common.control.membership import Heartbeater, WorkerStatus
+from rlfleet.common.control.messages import (
+    Ack,
+    AnyMessage,
+    Shutdown,
+    WorkerAnnounce,
+)
+from rlfleet.common.control.transport import Transport, worker_subject
+from rlfleet.common.schema.worker import ServiceConfig
+
+logger = logging.getLogger(__name__)
+
+USER_ERROR_EXIT = 2
+"""A worker's exit status when its settings cannot work (the launcher reports it as the user's to fix)."""
+
+
+C = TypeVar("C", bound=ServiceConfig)
+
+
+class Worker(Generic[C]):
+    """Base of a tier's worker: lifecycle and membership; subclasses add handlers in ``setup``."""
+
+    tier: ClassVar[str] = ""
+
+    def __init__(self, config: C, transport: Transport) -> None:
+        self.config = config
+        self.transport = transport
+        self.worker_id = config.worker_id or f"{self.tier}-{socket.gethostname()}-{os.getpid()}"
+        self.weight_version = -1
+        self.busy = 0
+        self._stopped = asyncio.Event()
+        self._membership: Heartbeater | None = None
+        self._set_up = False
+
+    # --- to override ----------------------------------------------------------------------
+
+    async def setup(self) -> None:
+        """Start resources and subscribe handlers; called before the first announce.
+
+        If it raises, :meth:`teardown` is not called (the process is about to exit with the error).
+        """
+
+    async def teardown(self) -> None:
+        """Release resources; called after the leave message, only if :meth:`setup` completed."""
+
+    def announce_fields(self) -> dict[str, object]:
+        """Extra WorkerAnnounce fields (data_address, capacity, model_id...)."""
+        return {}
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def own_subject(self) -> str:
+        return worker_subject(self.config.cluster, self.tier, self.worker_id)
+
+    def announcement(self) -> WorkerAnnounce:
+        return WorkerAnnounce(
+            tier=self.tier,  # type: ignore[arg-type]
+            worker_id=self.worker_id,
+            subject=self.own_subject,
+            weight_version=self.weight_version,
+            pool=self.config.pool,
+            pid=os.getpid(),
+            **self.announce_fields(),  # type: ignore[arg-type]
+        )
+
+    async def start(self) -> None:
+        await self.setup()
+        self._set_up = True
+        await self.transport.subscribe(self.own_subject, self._on_own)
+        self._membership = Heartbeater(
+            self.transport, self.config.cluster, self.announcement, interval=self.config.heartbeat_s,
+            status=lambda: WorkerStatus(self.weight_version, self.busy),
+        )  # fmt: skip
+        await self._membership.start()
+        logger.info("%s worker %s is up on cluster %s", self.tier, self.worker_id, self.config.cluster)
+
+    async def _on_own(self, message: AnyMessage) -> AnyMessage | None:
+        if isinstance(message, Shutdown):
+            logger.info("shutdown asked: %s", message.reason or "no reason given")
+            self._stopped.set()
+            return Ack(detail=f"{self.worker_id} stopping")
+        return await self.handle_own(message)
+
+    async def handle_own(self, message: AnyMessage) -> AnyMessage | None:
+        """Messages addressed to this worker alone (besides Shutdown)."""
+        raise ValueError(f"{self.tier} worker does not handle {message.kind!r} messages")
+
+    def request_stop(self) -> None:
+        self._stopped.set()
+
+    async def serve_forever(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self, reason: str = "") -> None:
+        self._stopped.set()
+        if self._membership is not None:
+            await self._membership.stop(reason)  # heartbeats end, WorkerLeave goes out
+            self._membership = None
+        if self._set_up:  # a failed setup must not be masked by a teardown of half-made resources
+            self._set_up = False
+            await self.teardown()
+
+
+# --- entry points ---------------------------------------------------------------------------
+
+
+def configure_logging(level: str, as_json: bool, name: str) -> None:
+    """Set up the root logger; only ever called from a ``main()``."""
+    handler = logging.StreamHandler(sys.stderr)
+    if as_json:
+        handler.setFormatter(_JsonFormatter(name))
+    else:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+class _JsonFormatter(logging.Formatter):
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": self.formatTime(record),
+            "service": self.service,
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def parse_service_args(prog: str, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``PROG serve [--config FILE] [--nats URL] [--cluster NAME] [--worker-id ID] [key=value ...]``."""
+    parser = argparse.ArgumentParser(prog=prog, description=f"run a {prog} worker")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start a worker and join a cluster")
+    serve.add_argument("--config", type=Path, default=None, help="YAML or TOML worker config")
+    serve.add_argument("--nats", dest="nats_url", default=None, help="NATS URL (overrides the config)")
+    serve.add_argument("--cluster", default=None, help="cluster name (overrides the config)")
+    serve.add_argument("--worker-id", default=None, help="worker id (overrides the config)")
+    serve.add_argument("--pool", default=None, help="pool name (overrides the config)")
+    serve.add_argument("overrides", nargs="*", help="config overrides a.b.c=value")
+    return parser.parse_args(argv)
+
+
+def cli_overrides(args: argparse.Namespace) -> list[str]:
+    """Turn the common flags into ``key=value`` overrides, after the free-form ones."""
+    extra = [
+        f"{key}={value}"
+        for key, value in (
+            ("nats_url", args.nats_url),
+            ("cluster", args.cluster),
+            ("worker_id", args.worker_id),
+            ("pool", args.pool),
+        )
+        if value is not None
+    ]
+    return [*args.overrides, *extra]
+
+
+async def serve(worker: Worker[C]) -> None:
+    """Run ``worker`` until Shutdown, SIGTERM or SIGINT, then leave cleanly."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.request_stop)
+    try:
+        await worker.start()
+        await worker.serve_forever()
+    finally:
+        await worker.stop("shutdown")
+
+
+def run_worker_main(
+    prog: str,
+    config_cls: type[C],
+    make_worker: Callable[[C, Transport], Worker[C]],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """The whole ``main()`` of a tier's console script."""
+    from rlfleet.common.control.nats_transport import NatsTransport
+    from rlfleet.common.errors import ConfigError, UserError
+    from rlfleet.common.schema.config import load_config
+
+    args = parse_service_args(prog, argv)
+    try:
+        config = load_config(config_cls, args.config, cli_overrides(args))
+    except ConfigError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return USER_ERROR_EXIT
+    configure_logging(config.log_level, config.log_json, prog)
+
+    async def _main() -> None:
+        transport = await NatsTransport.connect(
+            config.nats_url, name=prog, tier=prog.removeprefix("rlfleet-")
+        )
+        try:
+            await serve(make_worker(config, transport))
+        finally:
+            await transport.close()
+
+    try:
+        asyncio.run(_main())
+    except UserError as exc:  # the worker's settings cannot work (a bad spec, a missing model...)
+        logger.error("%s refused to serve", prog)
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)  # the line the launcher reports
+        return USER_ERROR_EXIT
+    return 0

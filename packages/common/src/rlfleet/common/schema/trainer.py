@@ -1,0 +1,193 @@
+"""The trainer tier's settings, in three groups by when they may change.
+
+- :class:`ModelSettings`: how the trainer holds the model (device, precision, sharding, trained
+  layers). Fixed for a run: a trainer worker whose own differ refuses to join it, naming each field.
+- :class:`UpdateSettings` and :class:`AlgorithmSettings`: how a step updates the policy. The
+  controller sends them with every step (:class:`StepSettings` inside ``TrainStepRequest``) and
+  the trainer applies them, learning rate and weight decay included; a worker's own values are
+  only its defaults for requests that carry none.
+
+The controller's ``TrainerConfig`` is built from the same classes (it inherits them), so a job
+file's ``learning_rate`` is this class's field, defined once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from rlfleet.common.schema.algorithms import ALGORITHMS, AlgorithmName, KLMode
+from rlfleet.common.schema.config import ConfigModel
+from rlfleet.common.schema.worker import ModelWorkerConfig
+
+KLEstimator = Literal["k1", "k2", "k3"]
+LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+Precision = Literal["auto", "none", "bf16"]
+Sharding = Literal["auto", "full", "hybrid", "none"]
+
+
+def resolve_precision(setting: Precision, device: str) -> Literal["none", "bf16"]:
+    """``auto`` is bf16 autocast on a GPU and none (fp32) on a CPU; the others are themselves."""
+    if setting != "auto":
+        return setting
+    return "bf16" if str(device).startswith("cuda") else "none"
+
+
+class ModelSettings(ConfigModel):
+    """How the trainer holds the model; fixed for a run (see the module docstring)."""
+
+    param_dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="trainer parameter dtype (float32 master weights by default)"
+    )
+    mixed_precision: Precision = Field(
+        default="auto",
+        description="trainer bf16 autocast with fp32 master weights; auto: bf16 on GPU, none (fp32) on CPU. "
+        "bf16 is also much faster on CPUs with AVX512-BF16 or AMX",
+    )
+    trainable_layers: int | None = Field(
+        default=None,
+        ge=1,
+        description="train only the top N transformer blocks (+ final norm), embeddings frozen; "
+        "cheap on CPU. None trains every parameter",
+    )
+    sharding: Sharding = Field(
+        default="auto",
+        description="how the trainer ranks share the model: full (FSDP), hybrid (shard within a node, "
+        "replicate across nodes), none (replicate), auto (full on one node, hybrid on several)",
+    )
+    gradient_checkpointing: bool = Field(default=False, description="recompute activations in backward")
+
+    def conflicts(self, other: ModelSettings) -> dict[str, tuple[object, object]]:
+        """``{field: (mine, theirs)}`` for every field that differs from ``other``'s."""
+        return {
+            name: (getattr(self, name), getattr(other, name))
+            for name in ModelSettings.model_fields
+            if getattr(self, name) != getattr(other, name)
+        }
+
+
+class UpdateSettings(ConfigModel):
+    """How one step updates the policy: optimizer, loss and batching."""
+
+    learning_rate: float = Field(default=1e-6, gt=0.0, description="AdamW learning rate")
+    weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay")
+    micro_batch_size: int = Field(default=8, ge=1, description="sequences per forward/backward pass")
+    max_grad_norm: float = Field(default=1.0, gt=0.0, description="gradient clipping norm")
+    ppo_epochs: int = Field(default=1, ge=1, description="passes over each rollout batch")
+    clip_eps: float = Field(default=0.2, gt=0.0, description="PPO ratio clip range")
+    kl_coef: float = Field(
+        default=0.05, ge=0.0, description="KL-to-reference coefficient (the KL controller's start value)"
+    )
+    entropy_coef: float = Field(default=0.0, description="entropy bonus weight")
+    loss_agg: LossAgg = Field(default="token-mean", description="how per-token losses are averaged")
+    temperature: float = Field(default=1.0, gt=0.0, description="sampling temperature (logprobs use it too)")
+
+
+class AlgorithmSettings(ConfigModel):
+    """Which algorithm runs, and its settings beyond the policy loss shared by all."""
+
+    algorithm: AlgorithmName = Field(default="grpo", description="ppo | grpo | rloo | reinforce_pp | dpo")
+    kl_mode: KLMode | None = Field(
+        default=None,
+        description="KL in the loss or in the reward; None: the algorithm's default "
+        "(reward for ppo, rloo, reinforce_pp; loss for grpo)",
+    )
+    kl_estimator: KLEstimator | None = Field(
+        default=None, description="per-token KL estimator; None: k1 in the reward, k3 in the loss"
+    )
+    gamma: float = Field(default=1.0, ge=0.0, le=1.0, description="discount (PPO GAE, REINFORCE++)")
+    lam: float = Field(default=0.95, ge=0.0, le=1.0, description="PPO GAE lambda")
+    whiten_advantages: bool = Field(default=True, description="PPO: whiten GAE advantages over the batch")
+    value_clip: float | None = Field(default=0.2, gt=0.0, description="PPO critic value clip; None: off")
+    critic_learning_rate: float | None = Field(
+        default=None, gt=0.0, description="critic AdamW learning rate; None: learning_rate"
+    )
+    beta: float = Field(default=0.1, gt=0.0, description="DPO: inverse temperature of the implicit reward")
+    dpo_loss: Literal["sigmoid", "ipo"] = Field(default="sigmoid", description="DPO loss type")
+    label_smoothing: float = Field(
+        default=0.0, ge=0.0, lt=0.5, description="conservative DPO: probability a label is flipped"
+    )
+
+    def resolved_kl_mode(self) -> KLMode:
+        """Where the KL term goes: the configured mode or the algorithm's default."""
+        if self.kl_mode is not None:
+            return self.kl_mode
+        return ALGORITHMS[self.algorithm].default_kl_mode or "loss"
+
+    def resolved_kl_estimator(self) -> KLEstimator:
+        """The configured estimator, else k1 for a KL in the reward and k3 for one in the loss."""
+        if self.kl_estimator is not None:
+            return self.kl_estimator
+        return "k1" if self.resolved_kl_mode() == "reward" else "k3"
+
+
+class BatchSettings(ConfigModel):
+    """How many prompts a step takes and how they are split into optimizer updates."""
+
+    rollout_batch_size: int = Field(default=16, ge=1, description="prompts per step")
+    train_batch_size: int = Field(
+        default=16, ge=1, description="prompts per optimizer update; rollout_batch_size must be a multiple"
+    )
+    group_size: int = Field(default=4, ge=1, description="samples per prompt (grpo and rloo need >= 2)")
+
+    @model_validator(mode="after")
+    def _check_batches(self) -> BatchSettings:
+        if self.rollout_batch_size % self.train_batch_size:
+            raise ValueError(
+                f"rollout_batch_size ({self.rollout_batch_size}) must be a multiple of train_batch_size "
+                f"({self.train_batch_size}); set train_batch_size to a divisor of it"
+            )
+        return self
+
+    @property
+    def num_updates(self) -> int:
+        """Optimizer steps per step's batch (each over ``train_batch_size`` prompts)."""
+        return self.rollout_batch_size // self.train_batch_size
+
+
+class StepSettings(UpdateSettings, AlgorithmSettings, BatchSettings):
+    """Everything one train step needs besides its data, as the controller sends it with each step.
+
+    On the wire: unknown fields (a newer controller's) are ignored, as in every message.
+    """
+
+    model_config = ConfigDict(extra="ignore", validate_assignment=True)
+
+    @classmethod
+    def of(cls, settings: object, **extra: object) -> StepSettings:
+        """The step settings carried by ``settings`` (any object with these fields), plus ``extra``."""
+        values = {name: getattr(settings, name) for name in cls.model_fields if hasattr(settings, name)}
+        return cls(**{**values, **extra})
+
+
+class TrainerWorkerConfig(ModelWorkerConfig, ModelSettings, StepSettings):
+    """A trainer worker's config (``rlfleet-trainer serve --config``): its model, how it holds it, and
+    the step settings it uses for requests that carry none."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    critic_model_path: str | None = Field(
+        default=None, description="PPO critic backbone (local HF dir); None: the actor's checkpoint"
+    )
+    threads: int = Field(default=0, ge=0, description="torch CPU threads; 0 keeps torch's default")
+    weights_store_mb: float = Field(
+        default=16384, gt=0, description="TensorStore capacity for published weight buckets (MiB)"
+    )
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """A short hash of a model directory's ``config.json`` (same architecture and shapes, same hash).
+
+    The controller and a trainer compare it to know they hold the same model even at different
+    paths; "" when the file is missing or unreadable.
+    """
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]

@@ -1,0 +1,63 @@
+"""Settings every worker process takes (and the controller's own fleet address).
+
+:class:`FleetAddress` says which fleet to join: the controller's config and every worker's share
+it. :class:`Placement` says where a process computes and how its randomness is seeded: the job's
+``device`` and ``seed`` reach each worker the launcher starts. :class:`ServiceConfig` is the base of
+every tier's worker config; :class:`ModelWorkerConfig` adds the model a trainer or rollout worker holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from rlfleet.common.schema.config import ConfigModel
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+Device = Literal["auto", "cpu", "cuda"]
+
+
+class FleetAddress(ConfigModel):
+    """Which fleet: the NATS server and the cluster name (the second token of every subject)."""
+
+    nats_url: str | None = Field(
+        default=None,
+        description="NATS server of the fleet; None: the controller starts an embedded one "
+        f"(a worker started alone then joins {DEFAULT_NATS_URL})",
+    )
+    cluster: str = Field(
+        default="", description="cluster name; empty: a fresh run-<id> (controller), 'default' (worker)"
+    )
+
+
+class Placement(ConfigModel):
+    """Where a process computes and how its randomness is seeded."""
+
+    device: Device = Field(default="auto", description="cpu, cuda, or auto (CUDA when available)")
+    seed: int = Field(default=42, description="seed for data order, sampling, init and shuffling")
+
+
+class ServiceConfig(FleetAddress, Placement):
+    """Settings every worker process takes; an unset NATS URL or cluster is the default one."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = dict(data)
+            data["nats_url"] = data.get("nats_url") or DEFAULT_NATS_URL
+            data["cluster"] = data.get("cluster") or "default"
+        return data
+
+    worker_id: str = Field(default="", description="unique worker id; empty: <tier>-<host>-<pid>")
+    pool: str = Field(default="default", description="pool this worker serves (rollout routing)")
+    heartbeat_s: float = Field(default=2.0, gt=0, description="seconds between heartbeats")
+    log_level: str = Field(default="INFO", description="logging level")
+    log_json: bool = Field(default=False, description="log one JSON object per line")
+
+
+class ModelWorkerConfig(ServiceConfig):
+    """A worker that holds a model (trainer, rollout)."""
+
+    model_path: str = Field(description="local HF model directory")

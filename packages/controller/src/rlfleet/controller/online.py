@@ -1,0 +1,381 @@
+"""Online RL (GRPO, RLOO, REINFORCE++, PPO): the step program, its KL controllers, and its trainer handle.
+
+One step, as the controller runs it (the controller moves refs, never tensors)::
+
+    prompts ──► fleet.generate ──► rollout refs ──► fleet.score ──► scores
+                                        │                              │
+                                        └──────► fleet.train_step ◄────┘ ──► metrics
+    rollout workers ◄── fleet.load_weights ◄── fleet.publish_weights (version + 1)
+
+``fleet.train_step`` carries the step's settings (``StepSettings``: the algorithm, its settings,
+the KL controller's current coefficient); the algorithms differ only in what the trainer does
+with them (advantages, critic, where the KL goes). After the step the KL controller is fed the KL
+the trainer measured.
+
+The KL-to-reference term enters either the reward (``kl_mode: reward``: ``r_t -= coef * kl_t``, PPO
+as in OpenRLHF/verl) or the loss (``kl_mode: loss``: ``+ coef * kl``, GRPO). Its coefficient comes
+from a controller, built from the config's :class:`~rlfleet.controller.config.KLControlFields` and
+the start value ``kl_coef`` (:func:`build_kl_controller`):
+
+- :class:`FixedKLController`: a constant;
+- :class:`AdaptiveKLController`: Ziegler et al. (2019), moves the coefficient so the measured KL
+  approaches ``target``: ``err = clip(kl / target - 1, -0.2, 0.2)``,
+  ``coef *= 1 + err * n_steps / horizon``;
+- :class:`ScheduledKLController`: linear or cosine from ``start`` to ``end`` over ``total_steps``.
+
+Every controller has ``.value`` (settable between steps, as ``trainer.kl_coef = x``),
+``.update(current_kl, n_steps)`` once per step, and ``state_dict()`` / ``load_state_dict()`` that
+round-trip exactly (plain Python numbers, JSON-safe) for resume. ``n_steps`` is whatever unit the
+caller counts in (verl and OpenRLHF pass the number of samples of the step); ``horizon`` and
+``total_steps`` are in that same unit. The run holds the controller
+(:class:`~rlfleet.controller.run.KLController`); every step sends the trainer its current value
+and :func:`advance_kl_controller` feeds it the KL the trainer measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from rlfleet.common.control.messages import SamplingParams, ScoreResult, WeightsLoaded, WeightsPublished
+from rlfleet.common.errors import ConfigError
+from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.controller.config import KLControlFields, KLSchedule, TrainerConfig, check_kl_fields
+from rlfleet.controller.dataset import PromptDataset, PromptItem
+from rlfleet.controller.reward_control import describe_reward_fn, model_swap
+from rlfleet.controller.routing import RolloutFn, RolloutRouter, RouteSummary, chunk_metadata
+from rlfleet.controller.run import FleetRun
+from rlfleet.controller.trainer_base import TrainerBase
+
+logger = logging.getLogger(__name__)
+
+
+# --- the step program -----------------------------------------------------------------------------
+
+
+class OnlineStep:
+    """The step program of online RL over ``run``; ``router`` sends each prompt to its rollout pool."""
+
+    def __init__(self, run: FleetRun, router: RolloutRouter) -> None:
+        self.run = run
+        self.router = router
+        self.last_routes: dict[str, RouteSummary] = {}
+
+    def sampling(self) -> SamplingParams:
+        """How this step samples: ``group_size`` samples a prompt, seeded by the step."""
+        cfg = self.run.config
+        return SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.rollout.top_p,
+                              top_k=cfg.rollout.top_k, max_tokens=cfg.max_response_length,
+                              seed=cfg.seed + self.run.global_step)  # fmt: skip
+
+    async def step(self, batch: list[PromptItem]) -> dict[str, float]:
+        run, cfg = self.run, self.run.config
+        fleet = run.fleet
+        t0 = time.perf_counter()
+        routed = await self.router.generate(fleet, batch, self.sampling(), run.weight_version)
+        results, self.last_routes = routed.results, routed.routes
+        t1 = time.perf_counter()
+        scored = await fleet.score(results, chunk_metadata(routed.items, results), cfg.reward_endpoint)
+        scores = [s for result in scored for s in result.scores]
+        t2 = time.perf_counter()
+        settings = StepSettings.of(cfg, kl_coef=run.kl_coef)
+        stepped = await fleet.train_step(run.global_step + 1, [r.ref for r in results], scores, settings)
+        t3 = time.perf_counter()
+        published, loaded = await run.publish()
+        t4 = time.perf_counter()
+        await run.store.release(results)
+        metrics = dict(stepped.metrics)
+        metrics.update(reward_metrics(scores, scored))
+        metrics.update(routed.metrics())
+        metrics.update(publish_metrics(published, loaded))
+        generated = sum(r.num_tokens for r in results if r.worker_id != "controller")  # not fn-written
+        metrics.update({
+            "kl_coef": float(settings.kl_coef),  # the one this step used; the controller moves on below
+            "time/generate_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2,
+            "time/publish_s": t4 - t3, "time/step_s": t4 - t0,
+            "throughput/gen_tok_s": generated / max(t1 - t0, 1e-9),
+        })  # fmt: skip
+        advance_kl_controller(run.kl_controller, metrics, len(scores))
+        return metrics
+
+
+def reward_metrics(scores: list[float], scored: list[ScoreResult]) -> dict[str, float]:
+    """Mean, spread and range of a step's scores, and the mean of each reward component."""
+    metrics = {
+        "reward/mean": statistics.fmean(scores),
+        "reward/std": statistics.pstdev(scores) if len(scores) > 1 else 0.0,
+        "reward/max": max(scores),
+        "reward/min": min(scores),
+    }
+    names = {name for result in scored for name in result.components}
+    for name in sorted(names):
+        values = [v for result in scored for v in result.components.get(name, [])]
+        if values:
+            metrics[f"reward/{name}"] = statistics.fmean(values)
+    return metrics
+
+
+def publish_metrics(published: WeightsPublished, loaded: list[WeightsLoaded]) -> dict[str, float]:
+    """What a step's weight publish moved, how fast, and the version every rollout worker holds."""
+    mb = published.nbytes / 2**20
+    return {
+        "weight_version": float(published.weight_version),
+        "rollout/weight_version_min": float(min(r.weight_version for r in loaded)),
+        "rollout/load_s_max": max(r.seconds for r in loaded),
+        "publish/ipc_workers": float(sum(r.carrier == "cuda_ipc" for r in loaded)),
+        "publish/mb": mb,
+        "publish/trainer_s": published.seconds,
+        "publish/mb_s": mb / max(published.seconds, 1e-9),
+    }
+
+
+# --- KL coefficient controllers -------------------------------------------------------------------
+
+ADAPTIVE_ERROR_CLIP = 0.2
+"""Bound on the proportional error of the adaptive controller (Ziegler et al.)."""
+
+
+def _check_kind(state: dict[str, Any], kind: str, keys: tuple[str, ...]) -> None:
+    """Raise ConfigError when a saved state is of another controller kind or lacks a key."""
+    saved = state.get("kind")
+    if saved != kind:
+        raise ConfigError(
+            "kl_ctrl", kind, f"the checkpoint holds a {saved!r} KL controller but the config builds {kind!r}"
+        )
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise ConfigError("kl_ctrl", sorted(state), f"saved {kind} controller state lacks {missing}")
+
+
+class FixedKLController:
+    """A constant coefficient; ``update`` does nothing."""
+
+    kind = "fixed"
+
+    def __init__(self, coef: float) -> None:
+        self.value = float(coef)
+
+    def update(self, current_kl: float, n_steps: int = 1) -> None:
+        """Nothing to adapt."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_kind(state, self.kind, ("value",))
+        self.value = float(state["value"])
+
+    @classmethod
+    def from_fields(cls, fields: KLControlFields, coef: float) -> FixedKLController:
+        return cls(coef)
+
+
+class AdaptiveKLController:
+    """Ziegler et al.'s proportional controller towards a target KL."""
+
+    kind = "adaptive"
+
+    def __init__(self, init_coef: float, target: float, horizon: int) -> None:
+        if target <= 0.0 or horizon <= 0:
+            raise ValueError(f"adaptive KL needs target > 0 and horizon > 0; got {target} and {horizon}")
+        self.value = float(init_coef)
+        self.target = float(target)
+        self.horizon = int(horizon)
+
+    def update(self, current_kl: float, n_steps: int = 1) -> None:
+        """``coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon``."""
+        error = min(max(float(current_kl) / self.target - 1.0, -ADAPTIVE_ERROR_CLIP), ADAPTIVE_ERROR_CLIP)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_kind(state, self.kind, ("value", "target", "horizon"))
+        self.value = float(state["value"])
+        self.target = float(state["target"])
+        self.horizon = int(state["horizon"])
+
+    @classmethod
+    def from_fields(cls, fields: KLControlFields, coef: float) -> AdaptiveKLController:
+        assert fields.kl_target is not None  # check_kl_fields requires it for kl_ctrl=adaptive
+        return cls(coef, fields.kl_target, fields.kl_horizon)
+
+
+class ScheduledKLController:
+    """A coefficient that follows a linear or cosine schedule from ``start`` to ``end``.
+
+    Setting ``value`` by hand pins it: the schedule stops and the set value holds (and is saved)
+    from then on.
+    """
+
+    kind = "scheduled"
+
+    def __init__(self, start: float, end: float, total_steps: int, schedule: KLSchedule = "linear") -> None:
+        if total_steps <= 0:
+            raise ValueError(f"scheduled KL needs total_steps > 0; got {total_steps}")
+        if schedule not in ("linear", "cosine"):
+            raise ValueError(f"schedule must be 'linear' or 'cosine'; got {schedule!r}")
+        self.start, self.end = float(start), float(end)
+        self.total_steps = int(total_steps)
+        self.schedule: KLSchedule = schedule
+        self.step = 0
+        self.pinned: float | None = None
+
+    @property
+    def value(self) -> float:
+        """The coefficient at the current step (or the pinned value)."""
+        if self.pinned is not None:
+            return self.pinned
+        frac = min(self.step / self.total_steps, 1.0)
+        if self.schedule == "linear":
+            return self.start + (self.end - self.start) * frac
+        return self.end + (self.start - self.end) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    @value.setter
+    def value(self, coef: float) -> None:
+        self.pinned = float(coef)
+
+    def update(self, current_kl: float, n_steps: int = 1) -> None:
+        """Advance the schedule by ``n_steps``; the measured KL is not used."""
+        self.step += int(n_steps)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "start": self.start,
+            "end": self.end,
+            "total_steps": self.total_steps,
+            "schedule": self.schedule,
+            "step": self.step,
+            "pinned": self.pinned,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_kind(state, self.kind, ("start", "end", "total_steps", "schedule", "step", "pinned"))
+        self.start, self.end = float(state["start"]), float(state["end"])
+        self.total_steps = int(state["total_steps"])
+        self.schedule = state["schedule"]
+        self.step = int(state["step"])
+        self.pinned = None if state["pinned"] is None else float(state["pinned"])
+
+    @classmethod
+    def from_fields(cls, fields: KLControlFields, coef: float) -> ScheduledKLController:
+        assert fields.kl_total_steps is not None  # check_kl_fields requires it for kl_ctrl=scheduled
+        return cls(coef, fields.kl_end_coef, fields.kl_total_steps, fields.kl_schedule)
+
+
+AnyKLController = FixedKLController | AdaptiveKLController | ScheduledKLController
+
+KL_CONTROLLERS: dict[str, type[AnyKLController]] = {
+    "fixed": FixedKLController,
+    "adaptive": AdaptiveKLController,
+    "scheduled": ScheduledKLController,
+}
+"""Controller kind (``kl_ctrl``) -> class; every class has ``from_fields(fields, coef)``."""
+
+
+def build_kl_controller(fields: KLControlFields, coef: float) -> AnyKLController:
+    """The controller ``fields.kl_ctrl`` names, starting at ``coef`` (the config's ``kl_coef``)."""
+    check_kl_fields(fields, coef)
+    return KL_CONTROLLERS[fields.kl_ctrl].from_fields(fields, coef)
+
+
+def advance_kl_controller(controller: AnyKLController, metrics: dict[str, float], num_samples: int) -> None:
+    """Feed a step's measured KL (``metrics["kl"]``) to the controller, counting ``num_samples``.
+
+    A step that measured no KL (no reference model) leaves an adaptive controller where it is;
+    a scheduled one advances all the same.
+    """
+    kl = metrics.get("kl")
+    if kl is None and controller.kind == "adaptive":
+        return
+    controller.update(float(kl or 0.0), n_steps=num_samples)
+
+
+# --- the trainer handle: GRPOTrainer's and PPOTrainer's base --------------------------------------
+
+
+class OnlineTrainer(TrainerBase):
+    """Base of ``GRPOTrainer`` and ``PPOTrainer``: a run with rollout and reward tiers, its reward
+    switched between steps and its prompts routed to rollout pools."""
+
+    def __init__(
+        self, actor_model_name: str, reward: str | dict[str, Any], dataset: PromptDataset | str | Path,
+        config: TrainerConfig, critic_model_name: str | None = None,
+    ) -> None:  # fmt: skip
+        if isinstance(dataset, (str, Path)):
+            dataset = PromptDataset(
+                str(dataset), max_prompt_length=config.max_prompt_length, seed=config.seed
+            )
+        fleet_run = FleetRun(
+            actor_model_name, dataset, config, kl_controller=build_kl_controller(config, config.kl_coef),
+            reward=reward, critic_model_name=critic_model_name,
+        )  # fmt: skip
+        router = RolloutRouter(fleet_run.tokenizer, config.max_response_length, fleet_run.store.get,
+                               list(config.rollout_pools))  # fmt: skip
+        self.online_step = OnlineStep(fleet_run, router)
+        super().__init__(fleet_run, self.online_step)
+
+    @property
+    def last_routes(self) -> dict[str, RouteSummary]:
+        """Where the last step's prompts went: route (pool, ``any`` or ``text``) -> rows and workers."""
+        return self.online_step.last_routes
+
+    @property
+    def reward_spec(self) -> str | dict[str, Any] | None:
+        """The reward spec in force (``set_reward_fn`` switches it)."""
+        assert self.fleet_run.reward is not None
+        return self.fleet_run.reward.spec
+
+    def set_rollout_fn(self, fn: RolloutFn | None) -> None:
+        """Route each prompt of the next steps: ``fn(item)`` sees a :class:`PromptItem` and returns the
+        name of the rollout pool that serves it (``TrainerConfig.rollout_pools``, or a joined worker's
+        ``--pool``), ``None`` for any pool, or the response text itself (one ``str`` for every sample,
+        or a list of ``group_size``). ``None`` instead of a fn restores the default: every pool serves
+        every prompt. See :mod:`rlfleet.controller.routing`.
+        """
+        if fn is not None and not callable(fn):
+            raise TypeError(
+                f"set_rollout_fn takes a function of a PromptItem (or None), got {type(fn).__name__}"
+            )
+        self.online_step.router.fn = fn
+
+    def set_reward_fn(self, fn: Any) -> str:
+        """Switch the reward for the next steps (progressive rewards); returns the new reward version.
+
+        ``fn``: a spec (str or dict), a ``package.module:function`` name or an importable top-level
+        function, or a ``CompositeReward`` / ``RewardScaler`` built from a spec (or its
+        ``compute_reward``); see :func:`rlfleet.controller.reward_control.describe_reward_fn`. Works
+        with the run's own reward worker and with a shared server (``reward_url``).
+        """
+        return self._switch(describe_reward_fn(fn))
+
+    def update_reward_model(self, new_rm: Any, *, component: str | None = None, wait: bool = True) -> Any:
+        """Hot-swap the reward model: the reward tier loads it in the background, the old one keeps
+        serving until the switch, and scores name the version that made them (``reward/spec_revision``).
+
+        ``new_rm``: a reward model directory (the endpoint's ``rm`` component, or the one labelled
+        ``component``, is pointed at it; the rest of the spec stays) or anything :meth:`set_reward_fn`
+        takes. ``wait=True`` returns the new version once switched; ``wait=False`` returns at once with
+        an ``asyncio.Task`` (of the ``RewardSpecSet`` reply) that completes while later steps run.
+        """
+        wire = model_swap(new_rm, component)
+        if wait:
+            return self._switch(wire)
+        assert self.fleet_run.reward is not None
+        swap = self.fleet_run.reward.switch(self.fleet.reward, wire)
+        return self.fleet_run.loop.create_task(swap, name="reward-model-swap")
+
+    def _switch(self, wire: dict[str, Any]) -> str:
+        assert self.fleet_run.reward is not None
+        return self.run(self.fleet_run.reward.switch(self.fleet.reward, wire)).spec_version
+
+    def reward_stats(self) -> Any:
+        """This run's view of its reward endpoint (``RewardStats``: version, counts, scaler state)."""
+        assert self.fleet_run.reward is not None
+        return self.run(self.fleet_run.reward.stats(self.fleet.reward))

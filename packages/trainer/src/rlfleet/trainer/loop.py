@@ -1,0 +1,279 @@
+"""One train step's update: the models' optimizers (AdamW, warm-up, clipped step) and the update loop.
+
+One loop serves the policy, the critic and DPO: an algorithm family
+(:mod:`rlfleet.trainer.algorithms.ppo_family`, ``dpo_family``) turns a batch into a :class:`Plan`:
+one :class:`Objective` per model it trains (a loss over micro-batches of *items*: samples, or DPO
+pairs) and the metrics it measured before. :func:`train_loop` runs it::
+
+    for epoch in ppo_epochs:
+      for rows in mini-batches of the items (shuffled when there are several):   one optimizer step
+        for objective in plan.objectives:            (PPO: the critic's, then the policy's)
+          share = this rank's rows of the mini-batch   (by length; padding copies weigh 0)
+          for chunk in share, micro_batch_size at a time:           gradient accumulation
+            loss, sums = objective.micro_loss(chunk, weights, divisors of the whole mini-batch)
+            (loss * W).backward()      FSDP averages gradients over W ranks: the shares must add
+          metrics += sums over ranks; clip, AdamW step, schedule step
+
+Every divisor is the mini-batch's (its tokens, its sequences or pairs), so the micro-batches of
+every rank add up to the gradient one process computes on the whole mini-batch.
+
+What the actor and the critic share is a :class:`Trainable`: a model with its AdamW, linear
+warm-up and clipped step. The learning rate and weight decay are step settings:
+:meth:`Trainable.set_rates` writes a step's values into the optimizer when they differ, keeping
+the schedule where it is (the rate becomes the schedule's base rate, so a warm-up goes on from its
+current fraction). AdamW's betas and epsilon are no settings; they are :data:`BETAS` and
+:data:`EPS`. Under FSDP2 the gradient norm comes back as a replicated DTensor (the norm over every
+shard); it is made a plain tensor so that every rank takes the same decision. A non-finite norm
+skips the parameter update (logged) but still advances the schedule and counts the step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from rlfleet.common.schema.trainer import ModelSettings, StepSettings, resolve_precision
+from rlfleet.trainer.distributed import DistContext, all_reduce_sum, local_rows
+
+logger = logging.getLogger(__name__)
+
+
+# --- the models a step trains: AdamW, warm-up, the clipped optimizer step -------------------------
+
+BETAS = (0.9, 0.999)
+EPS = 1e-8
+
+
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """The schedule's factor at optimizer step ``step``: linear from ``1 / warmup_steps`` up to 1, then 1."""
+    return min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+
+
+def placement(
+    model: ModelSettings | None, dist: DistContext | None, device: str
+) -> tuple[ModelSettings, DistContext, bool]:
+    """A model's settings (the defaults for None), its ranks (one process on ``device`` for None) and
+    whether it computes in bf16 (``mixed_precision``, ``auto`` resolved for the ranks' device)."""
+    settings = model if model is not None else ModelSettings()
+    dist = dist if dist is not None else DistContext(device=torch.device(device))
+    return settings, dist, resolve_precision(settings.mixed_precision, str(dist.device)) == "bf16"
+
+
+class Trainable:
+    """A model on one process, or FSDP2-sharded over ``dist``'s ranks, with its AdamW and schedule.
+
+    A subclass loads (and shards) ``model`` first, then calls this ``__init__``: the optimizer
+    takes the parameters that require grad. ``bf16`` turns on bf16 autocast in one process (under
+    FSDP the mixed-precision policy casts instead).
+    """
+
+    role: ClassVar[str] = "model"
+    """Names the model in logs; the critic's metrics are prefixed ``critic/``."""
+    metric_prefix: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dist: DistContext,
+        *,
+        bf16: bool,
+        learning_rate: float,
+        weight_decay: float,
+        warmup_steps: int = 0,
+    ) -> None:
+        self.model = model
+        self.dist = dist
+        self.bf16 = bf16
+        self.warmup_steps = warmup_steps
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=learning_rate, betas=BETAS, eps=EPS, weight_decay=weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: warmup_factor(step, warmup_steps)
+        )
+        self.steps = 0
+
+    @property
+    def device(self) -> torch.device:
+        """Where the parameters (or this rank's shards of them) live."""
+        return self.dist.device if self.dist.distributed else next(self.model.parameters()).device
+
+    def autocast(self) -> torch.autocast:
+        """bf16 autocast in one process when ``bf16``; under FSDP the mixed-precision policy casts."""
+        enabled = self.bf16 and not self.dist.distributed
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    def set_rates(self, learning_rate: float, weight_decay: float) -> None:
+        """Use ``learning_rate`` (as the schedule's base rate) and ``weight_decay`` from now on."""
+        position = self.scheduler.last_epoch
+        for i, group in enumerate(self.optimizer.param_groups):
+            if self.scheduler.base_lrs[i] != learning_rate:
+                self.scheduler.base_lrs[i] = learning_rate
+                group["initial_lr"] = learning_rate
+                group["lr"] = learning_rate * warmup_factor(position, self.warmup_steps)
+            group["weight_decay"] = weight_decay
+
+    def optimizer_step(self, max_grad_norm: float | None = 1.0) -> dict[str, float]:
+        """Clip the accumulated gradient, step AdamW and the schedule, zero the gradient.
+
+        Returns:
+            ``grad_norm`` (before clipping) and ``lr`` (the rate this step used), with the
+            class's metric prefix.
+        """
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        limit = float("inf") if max_grad_norm is None else max_grad_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, limit)
+        if isinstance(grad_norm, DTensor):  # FSDP: the norm over all shards, as a replicated DTensor
+            grad_norm = grad_norm.full_tensor()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            logger.warning("%s step %d: gradient norm is %s; parameter update skipped", self.role, self.steps,
+                           grad_norm)  # fmt: skip
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return {f"{self.metric_prefix}grad_norm": float(grad_norm.item()), f"{self.metric_prefix}lr": lr}
+
+
+# --- the update loop ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Divisors:
+    """The whole mini-batch's counts that each micro-batch's loss share divides by.
+
+    Attributes:
+        num_tokens: real response tokens of the mini-batch (token-mean), at least 1.
+        num_seqs: its items (seq-mean; DPO: pairs).
+    """
+
+    num_tokens: float
+    num_seqs: float
+
+
+class Objective(Protocol):
+    """One model's loss over the micro-batches of a mini-batch (see the module docstring)."""
+
+    @property
+    def trainable(self) -> Trainable:
+        """The model (and optimizer) the loss trains."""
+        ...
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Names of the metric sums :meth:`micro_loss` returns, in order."""
+        ...
+
+    @property
+    def lengths(self) -> Tensor:
+        """(N,) token count of each item: rows are dealt out to ranks by it."""
+        ...
+
+    def divisors(self, rows: Tensor) -> Divisors:
+        """The divisors of the mini-batch ``rows`` (K,)."""
+        ...
+
+    def micro_loss(self, chunk: Tensor, weights: Tensor, divisors: Divisors) -> tuple[Tensor, Tensor]:
+        """The loss share (scalar, with grad) of items ``chunk`` (B,) of weights (B,) (0: a rank's padding
+        copy), and its metric shares (``len(keys)``,) float64."""
+        ...
+
+    def metrics(self, sums: list[float]) -> dict[str, float]:
+        """The mini-batch's metrics from the sums over micro-batches and ranks."""
+        ...
+
+
+@dataclass
+class Plan:
+    """One step's work for :func:`train_loop`, as an algorithm family prepared it.
+
+    Attributes:
+        objectives: one per trained model, stepped in this order for every mini-batch.
+        settings: the step's settings (epochs, batch sizes, gradient clipping).
+        num_items: N, the items (samples or pairs) of the batch.
+        generator: shuffles the items between mini-batches; None keeps their order.
+        metrics: measured before the steps (response length, KL, advantages...).
+        finish: metrics only known after the steps (an on-policy step's old logprobs), or None.
+    """
+
+    objectives: Sequence[Objective]
+    settings: StepSettings
+    num_items: int
+    generator: torch.Generator | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    finish: Callable[[], dict[str, float]] | None = None
+
+
+def batch_sizes(settings: StepSettings, num_items: int) -> tuple[int, int]:
+    """``(mini, micro)``: items per optimizer step (the batch in ``num_updates`` parts) and per
+    forward/backward (``micro_batch_size``, at most a mini-batch when there are several)."""
+    if settings.num_updates <= 1:
+        return num_items, settings.micro_batch_size
+    mini = -(-num_items // settings.num_updates)
+    return mini, min(settings.micro_batch_size, mini)
+
+
+def accumulate(objective: Objective, rows: Tensor, micro_batch_size: int) -> dict[str, float]:
+    """Add into ``.grad`` the gradient of ``objective``'s loss on the mini-batch ``rows`` (K,).
+
+    ``rows`` is the whole mini-batch, the same on every rank; each rank runs its share of it in
+    micro-batches. No optimizer step, no zeroing. Returns the mini-batch's metrics (over all ranks).
+    """
+    trainable = objective.trainable
+    dist = trainable.dist
+    rows = rows.to(trainable.device)
+    divisors = objective.divisors(rows)
+    share = local_rows(rows, objective.lengths, dist.rank, dist.world_size)
+    trainable.model.train()
+    sums = torch.zeros(len(objective.keys), dtype=torch.float64, device=trainable.device)
+    for chunk, weights in zip(share.rows.split(micro_batch_size), share.weights.split(micro_batch_size),
+                              strict=True):  # fmt: skip
+        loss, shares = objective.micro_loss(chunk, weights, divisors)
+        (loss * dist.world_size if dist.distributed else loss).backward()
+        sums += shares.to(sums.device)
+    return objective.metrics(all_reduce_sum(sums, dist).tolist())
+
+
+def train_loop(plan: Plan) -> dict[str, float]:
+    """Run ``plan`` (see the module docstring); returns its metrics.
+
+    Returns:
+        ``plan.metrics``, the per-step metrics of every objective (and each model's ``grad_norm``
+        and ``lr``) averaged over the optimizer steps, ``num_optimizer_steps``, and what
+        ``plan.finish`` adds.
+    """
+    settings, n = plan.settings, plan.num_items
+    mini, micro = batch_sizes(settings, n)
+    per_step: list[dict[str, float]] = []
+    for _ in range(settings.ppo_epochs):
+        if plan.generator is not None and mini < n:
+            order = torch.randperm(n, generator=plan.generator)
+        else:
+            order = torch.arange(n)
+        for rows in order.split(mini):
+            step: dict[str, float] = {}
+            for objective in plan.objectives:
+                step.update(accumulate(objective, rows, micro))
+                step.update(objective.trainable.optimizer_step(settings.max_grad_norm))
+            per_step.append(step)
+    metrics = dict(plan.metrics)
+    metrics.update(mean_over_steps(per_step))
+    if plan.finish is not None:
+        metrics.update(plan.finish())
+    return metrics
+
+
+def mean_over_steps(per_step: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Each metric averaged over the optimizer steps of an update, plus ``num_optimizer_steps``."""
+    averaged = {key: sum(step[key] for step in per_step) / len(per_step) for key in per_step[0]}
+    averaged["num_optimizer_steps"] = float(len(per_step))
+    return averaged

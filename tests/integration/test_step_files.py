@@ -1,0 +1,69 @@
+"""One GRPO step passes through at most 40 source files, and ARCHITECTURE.md lists them.
+
+The tiny GRPO example runs as a user runs it (``rlfleet train``, every tier a process) for 4
+steps, with a profiler in every process (``step_trace/sitecustomize.py`` notes when each rlfleet
+source file is called). ``metrics.jsonl`` stamps when each step ended, so step 3 is the time
+between the second and the third stamp (no start-up in it, no final save): the files called in
+that window, in any process, are the files one step passes through (the heartbeats that keep the
+fleet alive meanwhile included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = Path(__file__).parent / "step_trace"
+LIMIT = 40
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _files_of_step(tmp_path: Path, steps: int = 4) -> list[str]:
+    out = tmp_path / "trace"
+    out.mkdir()
+    env = {**os.environ, "RLFLEET_TRACE_OUT": str(out),
+           "PYTHONPATH": os.pathsep.join([str(TRACE), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    run = tmp_path / "run"
+    job = str(ROOT / "examples" / "tiny_grpo.yaml")
+    command = [sys.executable, "-m", "rlfleet.controller.cli", "train", job, f"max_steps={steps}",
+               f"output_dir={run}", "loggers=[jsonl]", "sample_table_size=0"]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    stamps = [json.loads(line)["time"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    start, end = int(stamps[1] * 20) + 1, int(stamps[2] * 20)  # step 3: no start-up, no final save
+    touched: set[str] = set()
+    for path in out.glob("*.json"):
+        for name, bins in json.loads(path.read_text()).items():
+            if any(start <= b <= end for b in bins):
+                touched.add(_source_name(name))
+    return sorted(touched)
+
+
+def _source_name(path: str) -> str:
+    """``packages/<pkg>/src/rlfleet/...`` -> ``rlfleet/...`` (the name ARCHITECTURE.md uses)."""
+    return "rlfleet/" + path.split(f"{os.sep}rlfleet{os.sep}", 1)[1].replace(os.sep, "/")
+
+
+def _listed() -> list[str]:
+    """The files ARCHITECTURE.md lists for one step (lines ``1. `rlfleet/...` ``)."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    section = text.split("## One GRPO step", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\s*\d+\.\s+`(rlfleet/[^`]+\.py)`", section, flags=re.MULTILINE)
+
+
+def test_one_grpo_step_passes_through_at_most_40_files(tmp_path: Path) -> None:
+    touched = _files_of_step(tmp_path)
+    assert touched, "the profiler saw no step"
+    assert len(touched) <= LIMIT, f"one step went through {len(touched)} files: {touched}"
+    listed = _listed()
+    assert len(listed) <= LIMIT and len(set(listed)) == len(listed)
+    missing = sorted(set(touched) - set(listed))
+    assert missing == [], f"ARCHITECTURE.md does not list {missing}"

@@ -1,0 +1,200 @@
+"""The architecture holds: no import cycles, single-base classes, and every setting defined once.
+
+These read the source (``ast``) and the config classes themselves; they import nothing heavy.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import typing
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = sorted(ROOT.glob("packages/*/src/rlfleet/**/*.py"))
+GENERATED = "/_gen/"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.with_suffix("").parts
+    parts = parts[parts.index("src") + 1 :]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in SOURCES if GENERATED not in str(p)}
+
+
+def _imports(path: Path) -> set[str]:
+    """The rlfleet modules ``path`` imports anywhere (top level, functions, TYPE_CHECKING blocks)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        else:
+            continue
+        for name in names:
+            while name and name not in MODULES:
+                name = name.rpartition(".")[0]
+            if name.startswith("rlfleet."):
+                found.add(name)
+    found.discard(_module_name(path))
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles_anywhere() -> None:
+    """No module imports (at any level, even inside a function) a module that imports it back.
+
+    A package's ``__init__`` importing its own submodules is the one edge left out: Python runs a
+    package's ``__init__`` before its submodules, so that is not a cycle a reader has to untangle.
+    """
+    graph = {
+        name: {m for m in _imports(path) if not (path.name == "__init__.py" and m.startswith(name + "."))}
+        for name, path in MODULES.items()
+    }
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _classes() -> list[tuple[str, ast.ClassDef]]:
+    out = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                out.append((name, node))
+    return out
+
+
+def test_trainer_and_service_classes_have_a_single_base() -> None:
+    """No mixin towers: a class has one base, except an error class (its rlfleet kind and a builtin,
+    ``class X(UserError, ValueError)``) and a config class composed of schema settings."""
+    many = []
+    for module, node in _classes():
+        bases = [ast.unparse(b) for b in node.bases]
+        if len(bases) <= 1 or node.name.endswith(("Config", "Settings")):
+            continue
+        if all(hasattr(builtins, b) or b.endswith(("Error", "Failure", "Exception")) for b in bases):
+            continue  # an error class: its rlfleet kind and its builtin kind
+        many.append(f"{module}.{node.name}({', '.join(bases)})")
+    assert many == []
+
+
+# --- every setting defined once ----------------------------------------------------------------
+
+
+def _roots() -> dict[str, type[BaseModel]]:
+    from rlfleet.common.schema.reward import RewardWorkerConfig
+    from rlfleet.common.schema.rollout import RolloutWorkerConfig
+    from rlfleet.common.schema.trainer import TrainerWorkerConfig
+    from rlfleet.controller.config import JobConfig
+
+    return {"job": JobConfig, "trainer": TrainerWorkerConfig, "rollout": RolloutWorkerConfig,
+            "reward": RewardWorkerConfig}  # fmt: skip
+
+
+def _owner(cls: type[BaseModel], field: str) -> type[BaseModel]:
+    """The class in ``cls``'s MRO that declares ``field`` itself."""
+    for klass in cls.__mro__:
+        if field in klass.__dict__.get("__annotations__", {}):
+            return klass
+    raise AssertionError(f"{cls.__name__}.{field} has no declaring class")
+
+
+def _nested(annotation: object) -> list[type[BaseModel]]:
+    """Config classes inside a field's type (``X``, ``X | None``, ``list[X]``, ``dict[str, X]``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _nested(arg)]
+
+
+def _core(annotation: object) -> str:
+    """A field's type without ``None``, for telling homonyms of different kinds apart."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, type(int | None)) and args:
+        return " | ".join(sorted(_core(a) for a in args))
+    return repr(annotation)
+
+
+def _walk(cls: type[BaseModel], path: str, out: dict[str, tuple[type, object]], seen: set[type]) -> None:
+    for name, info in cls.model_fields.items():
+        out[f"{path}{name}"] = (_owner(cls, name), info.annotation)
+        for inner in _nested(info.annotation):
+            if inner not in seen:
+                _walk(inner, f"{path}{name}.", out, seen | {inner})
+
+
+def test_no_setting_is_defined_in_two_config_classes() -> None:
+    """The same setting (path) in two tiers' configs is declared by one class, and inside one config
+    tree a name is declared by two classes only for settings of different types (homonyms such as a
+    tenant's list of endpoint names and the server's endpoint table)."""
+    trees = {}
+    for root, cls in _roots().items():
+        fields: dict[str, tuple[type, object]] = {}
+        _walk(cls, "", fields, {cls})
+        trees[root] = fields
+    owners: dict[str, set[str]] = defaultdict(set)
+    for fields in trees.values():
+        for path, (owner, _) in fields.items():
+            owners[path].add(owner.__qualname__)
+    twice = {path: sorted(o) for path, o in owners.items() if len(o) > 1}
+    assert twice == {}, "a setting is declared by two classes"
+    for root, fields in trees.items():
+        by_name: dict[tuple[str, str], set[str]] = defaultdict(set)
+        for path, (owner, annotation) in fields.items():
+            by_name[(path.rpartition(".")[2], _core(annotation))].add(owner.__qualname__)
+        copies = {name: sorted(o) for (name, _), o in by_name.items() if len(o) > 1}
+        assert copies == {}, f"{root}: the same setting is declared in two classes"
+
+
+@pytest.mark.parametrize("root", ["job", "trainer", "rollout", "reward"])
+def test_the_setting_walk_sees_nested_sections(root: str) -> None:
+    fields: dict[str, tuple[type, object]] = {}
+    cls = _roots()[root]
+    _walk(cls, "", fields, {cls})
+    assert len(fields) > 5
+    if root == "job":
+        assert "rollout.engine" in fields and "learning_rate" in fields
