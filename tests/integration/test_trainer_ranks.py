@@ -72,7 +72,8 @@ class TwoRanks:
     """
 
     def __init__(self, run_dir: Path, settings: dict, batch: dict[str, torch.Tensor]) -> None:
-        self.settings, self.batch = settings, batch
+        # save/load paths must lie under the trainer's checkpoint root: the test's own directory
+        self.settings, self.batch = {"checkpoint_root": str(run_dir.parent), **settings}, batch
         self.store = TensorStoreServer(capacity_bytes=1 << 28, ttl_s=600)
         self.fleet = EmbeddedFleet(run_dir, jetstream=False)
         self.transport: NatsTransport | None = None

@@ -39,6 +39,7 @@ def trainer_worker_config(
     return TrainerWorkerConfig(
         cluster=cluster, worker_id=TRAINER_ID, model_path=str(model_path),
         critic_model_path=str(critic_path) if critic_path is not None else None,
+        checkpoint_root=str(Path(config.output_dir).resolve()),  # save/resume paths lie inside it
         **config.model_dump(include=shared),
     )  # fmt: skip
 

@@ -10,12 +10,20 @@ Layout of ``<dir>`` (every rank calls :func:`save_training_state` / :func:`load_
 
 The model and optimizer go through ``get_state_dict`` / ``set_state_dict``, so the same code
 serves one process and FSDP2 ranks. Schedulers and RNG states are JSON and safetensors.
+
+Paths from the wire (``trainer.save`` / ``trainer.load``) go through :func:`confine` first: only
+directories strictly inside the worker's ``checkpoint_root`` are used, never through a ``..`` or a
+symlink that leads out, and before a load every file of the checkpoint is checked to resolve
+inside the root too. Nothing is unpickled from elsewhere: RNG states are safetensors, schedulers
+JSON; the one pickle left is DCP's ``.metadata`` (torch writes it with pickle), read only from a
+checkpoint inside the root (see the package README's trust boundary).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 from pathlib import Path
 from typing import Any, Literal
@@ -27,12 +35,53 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rlfleet.trainer.actor import Actor
-from rlfleet.trainer.errors import CheckpointError
+from rlfleet.trainer.errors import CheckpointError, CheckpointPathRefused
 from rlfleet.trainer.loop import Trainable
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
+
+
+def confine(root: str | Path, wire_path: str) -> Path:
+    """``wire_path`` (from a request) as an absolute path strictly inside ``root``, or a refusal.
+
+    A relative path is taken under ``root``. Refused: an empty path, a ``..`` component, a path that
+    is (or resolves, through symlinks, to) ``root`` itself or anywhere outside it.
+
+    Raises:
+        CheckpointPathRefused: naming the path, the root and why.
+    """
+    base = Path(root).resolve()
+    if not wire_path or "\x00" in wire_path:
+        raise CheckpointPathRefused(wire_path, base, "an empty path or one with a NUL byte")
+    raw = Path(wire_path)
+    if ".." in raw.parts:
+        raise CheckpointPathRefused(wire_path, base, "'..' is not allowed in a checkpoint path")
+    candidate = raw if raw.is_absolute() else base / raw
+    if not _inside(candidate.absolute(), base):
+        raise CheckpointPathRefused(wire_path, base, "it lies outside the checkpoint root")
+    try:
+        resolved = candidate.resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop
+        raise CheckpointPathRefused(wire_path, base, f"it cannot be resolved ({exc})") from exc
+    if not _inside(resolved, base):
+        raise CheckpointPathRefused(wire_path, base, f"it resolves through a symlink to {str(resolved)!r}")
+    return resolved
+
+
+def check_contained(root: str | Path, directory: Path) -> None:
+    """Refuse a checkpoint ``directory`` holding a symlink that resolves outside ``root`` (before a load)."""
+    base = Path(root).resolve()
+    for top, dirs, files in os.walk(directory, followlinks=False):
+        for name in [*dirs, *files]:
+            entry = Path(top) / name
+            if entry.is_symlink() and not _inside(entry.resolve(), base):
+                raise CheckpointPathRefused(str(directory), base, f"{str(entry)!r} links outside the root")
+
+
+def _inside(path: Path, base: Path) -> bool:
+    return path != base and path.is_relative_to(base)
 
 
 def _distributed() -> bool:

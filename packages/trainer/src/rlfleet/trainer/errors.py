@@ -28,6 +28,18 @@ class CheckpointError(UserError, FileNotFoundError):
         super().__init__(f"training checkpoint {self.path!r} {reason}")
 
 
+class CheckpointPathRefused(UserError, PermissionError):
+    """A ``trainer.save``/``trainer.load`` path from the wire lies outside the checkpoint root."""
+
+    code = "forbidden"
+
+    def __init__(self, path: str, root: object, reason: str) -> None:
+        self.path = path
+        self.root = str(root)
+        self.reason = reason
+        super().__init__(f"checkpoint path {path!r} refused: {reason} (checkpoint root {self.root!r})")
+
+
 class SettingsConflict(UserError, ValueError):
     """A run asks for fixed settings this trainer worker does not have (model, device, critic...).
 

@@ -81,7 +81,7 @@ from rlfleet.common.schema.trainer import (
 from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.algorithms import dpo_family, ppo_family
-from rlfleet.trainer.checkpoint import load_checkpoint, save_checkpoint
+from rlfleet.trainer.checkpoint import check_contained, confine, load_checkpoint, save_checkpoint
 from rlfleet.trainer.critic import Critic
 from rlfleet.trainer.distributed import DistContext, init_distributed
 from rlfleet.trainer.errors import CarrierUnavailable, SettingsConflict, UnexpectedMessage
@@ -341,19 +341,25 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
         return run_step(self.actor, self.critic, batch, request.scores, request.settings)
 
     async def save(self, request: SaveCheckpoint) -> Saved:
-        """Save an HF export (``hf``) or the full training state (``full``); every rank takes part."""
+        """Save an HF export (``hf``) or the full training state (``full``); every rank takes part.
+
+        The path must lie inside ``checkpoint_root`` (:func:`~rlfleet.trainer.checkpoint.confine`).
+        """
+        target = confine(self.config.checkpoint_root, request.path)  # refused before any rank acts
         async with self._lock:
-            command = {"op": "save", "path": request.path, "mode": request.mode}
+            command = {"op": "save", "path": str(target), "mode": request.mode}
             await asyncio.to_thread(self.channel.send, command)
             actor, critic = self.actor, self.critic
-            path = await asyncio.to_thread(save_checkpoint, request.path, actor, critic, request.mode)
+            path = await asyncio.to_thread(save_checkpoint, target, actor, critic, request.mode)
         return Saved(path=str(path))
 
     async def load(self, request: LoadCheckpoint) -> CheckpointLoaded:
         """Restore a full checkpoint on every rank; the weights are then ``request.weight_version``."""
+        source = confine(self.config.checkpoint_root, request.path)
+        check_contained(self.config.checkpoint_root, source)  # no file of it links out of the root
         async with self._lock:
-            await asyncio.to_thread(self.channel.send, {"op": "load", "path": request.path})
-            steps = await asyncio.to_thread(load_checkpoint, request.path, self.actor, self.critic)
+            await asyncio.to_thread(self.channel.send, {"op": "load", "path": str(source)})
+            steps = await asyncio.to_thread(load_checkpoint, source, self.actor, self.critic)
             self.weight_version = request.weight_version
         return CheckpointLoaded(path=request.path, steps=steps, weight_version=self.weight_version)
 

@@ -177,6 +177,11 @@ class TrainerWorkerConfig(ModelWorkerConfig, ModelSettings, StepSettings):
     weights_store_mb: float = Field(
         default=16384, gt=0, description="TensorStore capacity for published weight buckets (MiB)"
     )
+    checkpoint_root: str = Field(
+        default="checkpoints",
+        description="the only directory trainer.save/load use: a request's path must lie inside it "
+        "(relative: against the worker's working directory)",
+    )
 
 
 def model_fingerprint(model_dir: str | Path) -> str:
