@@ -11,7 +11,8 @@ from rlfleet.common.control.transport import check_subject, tier_of
 def test_subject_layout() -> None:
     assert subjects.subject("prod", "rollout", "generate") == "rlfleet.prod.rollout.generate"
     assert subjects.worker_subject("c1", "reward", "w-7") == "rlfleet.c1.reward.worker.w-7"
-    assert subjects.membership_subject("c1") == "rlfleet.c1.controller.membership"
+    assert subjects.membership_subject("c1", "reward") == "rlfleet.c1.reward.membership"
+    assert subjects.ping_subject("c1") == "rlfleet.c1.controller.ping"
 
 
 @pytest.mark.parametrize("verb", ["*", ">", "worker.r1", "a.b.c"])

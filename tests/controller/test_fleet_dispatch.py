@@ -43,14 +43,14 @@ class FakeWorker:
         await self.announce()
 
     async def announce(self) -> None:
-        await self.transport.publish(membership_subject(CLUSTER), WorkerAnnounce(
+        await self.transport.publish(membership_subject(CLUSTER, "rollout"), WorkerAnnounce(
             tier="rollout", worker_id=self.worker_id, capacity=self.capacity, weight_version=self.version,
             subject=worker_subject(CLUSTER, "rollout", self.worker_id),
         ))  # fmt: skip
 
     async def leave(self) -> None:
         await self.transport.publish(
-            membership_subject(CLUSTER), WorkerLeave(tier="rollout", worker_id=self.worker_id)
+            membership_subject(CLUSTER, "rollout"), WorkerLeave(tier="rollout", worker_id=self.worker_id)
         )
 
     async def _on_message(self, message: AnyMessage) -> AnyMessage:

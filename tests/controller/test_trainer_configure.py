@@ -35,7 +35,7 @@ class FakeTrainer:
     async def start(self) -> None:
         await self.transport.subscribe(subject(CLUSTER, "trainer", "configure"), self._on_configure)
         await self.transport.publish(
-            membership_subject(CLUSTER), WorkerAnnounce(tier="trainer", worker_id="trainer-7")
+            membership_subject(CLUSTER, "trainer"), WorkerAnnounce(tier="trainer", worker_id="trainer-7")
         )
 
     async def _on_configure(self, message: AnyMessage) -> AnyMessage:

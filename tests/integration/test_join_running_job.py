@@ -1,7 +1,7 @@
 """A standalone rollout worker joins a running training job, end to end with the real trainer.
 
 A ``GRPOTrainer`` (library use, fixed ``cluster``) trains a step with its own rollout worker. Then
-``rlfleet-rollout serve --model ... --nats <trainer.nats_url> --cluster ... --pool late`` starts
+``rlfleet-rollout serve --model ... --config <the run's join-rollout.yaml> --pool late`` starts
 from the model on disk: before it announces itself it asks the trainer (``trainer.latest``, the
 trainer's own handler) for the current weights and loads them from the trainer's TensorStore.
 The next step is routed to the ``late`` pool alone: the joined worker serves it, and its engine
@@ -48,8 +48,8 @@ def test_a_worker_joins_a_running_job_at_the_trainers_weights(
 
         log = open(tmp_path / "late-0.log", "wb")  # noqa: SIM115 (closed with the process)
         worker = subprocess.Popen(
-            [venv_script("rlfleet-rollout"), "serve", "--model", str(tiny_model_dir), "--nats",
-             trainer.nats_url, "--cluster", cluster, "--pool", "late", "--worker-id", "late-0", "device=cpu"],
+            [venv_script("rlfleet-rollout"), "serve", "--model", str(tiny_model_dir), "--config",
+             str(trainer.fleet_run.join_config), "--pool", "late", "--worker-id", "late-0", "device=cpu"],
             stdout=log, stderr=subprocess.STDOUT, env=cli_env,
         )  # fmt: skip
         log.close()

@@ -12,6 +12,7 @@ with its traceback; 130 on Ctrl-C, 128 + N on signal N (SIGTERM: 143).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -126,7 +127,7 @@ def _main(args: argparse.Namespace) -> int:
     try:
         job = _load_job(args.config, args.overrides)
         if args.command == "config":
-            print(job.model_dump_json(indent=2))
+            print(json.dumps(job.masked_dump(), indent=2))
             return 0
         return train(job)
     except UserError as exc:  # the user's to fix: the reason is enough

@@ -29,6 +29,7 @@ from pydantic import (
 from rlfleet.common.schema.algorithms import ALGORITHMS
 from rlfleet.common.schema.carriers import CarrierSetting
 from rlfleet.common.schema.config import ConfigModel
+from rlfleet.common.schema.connection import NatsConnection, Secret, mask_url
 from rlfleet.common.schema.rollout import RolloutSettings
 from rlfleet.common.schema.trainer import AlgorithmSettings, BatchSettings, ModelSettings, UpdateSettings
 from rlfleet.common.schema.worker import FleetAddress, Placement
@@ -181,8 +182,13 @@ class TrainerConfig(
     reward_cluster: str = Field(
         default="", description="cluster name of the shared reward server; empty: 'default' with reward_url"
     )
-    reward_token: SecretStr = Field(
+    reward_token: Secret = Field(
         default=SecretStr(""), description="tenant token for the reward server; empty: $RLFLEET_REWARD_TOKEN"
+    )
+    reward_nats_auth: NatsConnection = Field(
+        default_factory=NatsConnection,
+        description="NATS credentials and TLS for reward_url when it is not the run's own server "
+        "(unset fields from RLFLEET_REWARD_NATS_*)",
     )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout tier settings")
     rollout_pools: dict[str, RolloutPoolConfig] = Field(
@@ -258,6 +264,15 @@ class TrainerConfig(
         dtypes = {settings.dtype for _, settings in self.pools().values()}
         only = dtypes.pop() if len(dtypes) == 1 else ""
         return only if only in ("bfloat16", "float16") else ""
+
+    def masked_dump(self) -> dict[str, Any]:
+        """The config as JSON data with every credential masked (passwords, tokens and the user info
+        of NATS URLs): what a run writes to ``config.yaml`` and its metric sinks."""
+        data = self.model_dump(mode="json")
+        for key in ("nats_url", "reward_url"):
+            if data.get(key):
+                data[key] = mask_url(data[key])
+        return data
 
     def model_settings(self) -> ModelSettings:
         """How the trainer must hold the model for this run (fixed for the run)."""

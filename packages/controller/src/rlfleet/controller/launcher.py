@@ -1,6 +1,9 @@
 """Start and watch the worker processes, and the event loop that fails fast when one dies.
 
-The embedded launcher runs a private nats-server and every tier as a local process. Each worker is
+The embedded launcher runs a private nats-server and every tier as a local process. The server
+takes only the run's generated credentials, one per role, each allowed only its role's subjects
+(:mod:`rlfleet.common.control.nats_roles`); each worker gets its own role's credential in its
+environment (``RLFLEET_NATS_*``, not argv, so ``ps`` does not show it). Each worker is
 started through its console script (``rlfleet-rollout serve --config ...``), with its config (the
 tier's schema object, validated, or a dict) written as YAML and its output captured in a log file
 under the run directory; the pids go to ``processes.json`` there. The launcher stops exactly the
@@ -40,8 +43,11 @@ import yaml
 from pydantic import BaseModel
 
 from rlfleet.common.control.embedded_nats import EmbeddedNats
+from rlfleet.common.control.nats_roles import ROLES, RunCredentials, server_config
 from rlfleet.common.control.procs import die_with_parent
 from rlfleet.common.control.worker import USER_ERROR_EXIT
+from rlfleet.common.schema.connection import ENV_PREFIX as NATS_ENV_PREFIX
+from rlfleet.common.schema.connection import NatsConnection
 from rlfleet.controller.errors import TierDied, TierRefused
 
 logger = logging.getLogger(__name__)
@@ -76,6 +82,7 @@ class WorkerSpec:
         config = (
             self.config.model_dump(mode="json") if isinstance(self.config, BaseModel) else dict(self.config)
         )
+        config.pop("nats_auth", None)  # credentials travel in the environment, never in a file
         return {**config, "nats_url": nats_url, "worker_id": self.worker_id}
 
 
@@ -164,11 +171,18 @@ def _sigint_deferred() -> Iterator[None]:
 class EmbeddedFleet:
     """Starts and stops a private nats-server plus worker processes for one run."""
 
-    def __init__(self, run_dir: Path, *, jetstream: bool = True) -> None:
+    def __init__(self, run_dir: Path, *, jetstream: bool = False) -> None:
         self.run_dir = Path(run_dir)
         self.jetstream = jetstream
         self.nats: EmbeddedNats | None = None
         self.workers: list[WorkerProcess] = []
+        self.credentials: RunCredentials | None = None
+        """The run's per-role NATS credentials, made by :meth:`start_nats`."""
+
+    def connection(self, role: str = "controller") -> NatsConnection:
+        """How a client of ``role`` connects to this fleet's nats-server."""
+        assert self.credentials is not None, "start_nats() first"
+        return self.credentials.connection(role)
 
     @property
     def url(self) -> str:
@@ -181,9 +195,11 @@ class EmbeddedFleet:
         nats = [self.nats.pid] if self.nats is not None and self.nats.running else []
         return nats + [w.pid for w in self.workers]
 
-    def start_nats(self) -> str:
+    def start_nats(self, cluster: str = "*") -> str:
+        """Start the private nats-server with fresh credentials for ``cluster`` (``*``: any)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.nats = EmbeddedNats(jetstream=self.jetstream)
+        self.credentials = RunCredentials.generate(cluster)
+        self.nats = EmbeddedNats(jetstream=self.jetstream, config=server_config(self.credentials))
         self.nats.start()
         logger.info("embedded nats-server pid %s at %s", self.nats.pid, self.nats.url)
         self._write_processes()
@@ -198,7 +214,9 @@ class EmbeddedFleet:
         log_path = config_dir / f"{spec.worker_id}.log"
         program = list(spec.command) if spec.command else [find_script(spec.script)]
         command = [*program, "serve", "--config", str(config_path)]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith(NATS_ENV_PREFIX)}
+        role = self.credentials.env(spec.tier) if self.credentials is not None and spec.tier in ROLES else {}
+        env = {**inherited, "PYTHONUNBUFFERED": "1", **spec.env, **role}
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -38,6 +38,7 @@ from rlfleet.common.control.messages import (
     SetRewardSpec,
 )
 from rlfleet.common.control.transport import TOKEN_HEADER, Transport, subject
+from rlfleet.common.schema.connection import mask_url
 from rlfleet.controller.checkpoints import reward_to_restore
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.errors import RewardFnNotPortable, TierNotReady
@@ -139,8 +140,9 @@ class RewardControl:
         if config.reward_url != url:
             from rlfleet.common.control.nats_transport import NatsTransport
 
+            auth = config.reward_nats_auth.resolved(prefix="RLFLEET_REWARD_NATS_")
             transport = await NatsTransport.connect(config.reward_url, name="rlfleet-controller-reward",
-                                                    tier="controller")  # fmt: skip
+                                                    tier="controller", auth=auth)  # fmt: skip
             owned.append(transport)
         if transport is not registry.transport or reward_cluster != cluster:
             registry = WorkerRegistry(transport, reward_cluster)
@@ -148,7 +150,7 @@ class RewardControl:
             owned.insert(0, registry)
         control = cls(transport, reward_cluster, registry, token=token, request_timeout=timeout, owned=owned,
                       remote=True)  # fmt: skip
-        logger.info("scoring on the reward server at %s (cluster %s)", config.reward_url, reward_cluster)
+        logger.info("scoring on the reward server at %s (cluster %s)", mask_url(config.reward_url), reward_cluster)
         return control
 
     async def wait_ready(self, timeout: float) -> None:
@@ -257,7 +259,7 @@ async def attach_reward(fleet: Any, config: TrainerConfig, url: str) -> RewardCo
         try:
             await control.wait_ready(config.startup_timeout_s)
         except TimeoutError as exc:
-            detail = f"the shared reward server at {config.reward_url} did not answer: {exc}"
+            detail = f"the shared reward server at {mask_url(config.reward_url or '')} did not answer: {exc}"
             raise TierNotReady(config.startup_timeout_s, [], detail) from None
     return control
 

@@ -29,6 +29,7 @@ import yaml
 
 from rlfleet.common.control.messages import GenerateResult, TrainerConfigure, WeightsLoaded, WeightsPublished
 from rlfleet.common.schema.algorithms import ALGORITHMS
+from rlfleet.common.schema.connection import NatsConnection, mask_url
 from rlfleet.common.schema.trainer import model_fingerprint
 from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer
 from rlfleet.controller.checkpoints import read_checkpoint_state, resolve_resume, write_checkpoint_state
@@ -140,9 +141,7 @@ class FleetRun:
         self.output_dir = Path(config.output_dir)
         self.resume_path = resolve_resume(config.resume_from, self.output_dir)
         """The checkpoint the run continues from (a bad ``resume_from`` fails here, before anything runs)."""
-        self.metrics = RunMetrics(
-            config.loggers, self.output_dir, config.model_dump(mode="json"), config.log_every
-        )
+        self.metrics = RunMetrics(config.loggers, self.output_dir, config.masked_dump(), config.log_every)
         spec = ALGORITHMS[config.algorithm]
         self.online = spec.online
         """Whether the run generates and scores (rollout and reward tiers); False for DPO."""
@@ -229,13 +228,15 @@ class FleetRun:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.yaml").write_text(self.resolved_config_yaml())
         try:
-            url = cfg.nats_url
+            url, auth = cfg.nats_url, cfg.nats_auth
             if url is None:
                 self.launcher = EmbeddedFleet(self.output_dir / "fleet")
-                url = self.launcher.start_nats()
+                url = self.launcher.start_nats(self.cluster)
+                auth = self.launcher.connection("controller")
+                self._write_join_config(url)
                 for spec in self.worker_specs():
                     self.launcher.spawn(spec)
-            self.loop.run(self._connect(url))
+            self.loop.run(self._connect(url, auth))
             if self.resume_path is not None:
                 self._resume(self.resume_path)
             if cfg.sample_table_size and self.online:
@@ -246,11 +247,28 @@ class FleetRun:
             self.close()
             raise
 
-    async def _connect(self, url: str) -> None:
+    @property
+    def join_config(self) -> Path:
+        """An embedded run's config file for a rollout worker that joins it (``rlfleet-rollout serve
+        --config FILE --model PATH --pool NAME``): the URL, cluster and the rollout role's credential
+        (readable by this user only)."""
+        return self.output_dir / "fleet" / "join-rollout.yaml"
+
+    def _write_join_config(self, url: str) -> None:
+        assert self.launcher is not None
+        auth = self.launcher.connection("rollout")
+        data = {"nats_url": url, "cluster": self.cluster, "nats_auth": {
+            "user": auth.user, "password": auth.password.get_secret_value(), "inbox_prefix": auth.inbox_prefix}}
+        self.join_config.parent.mkdir(parents=True, exist_ok=True)
+        self.join_config.unlink(missing_ok=True)
+        self.join_config.touch(mode=0o600)
+        self.join_config.write_text(yaml.safe_dump(data, sort_keys=False))
+
+    async def _connect(self, url: str, auth: NatsConnection) -> None:
         from rlfleet.common.control.nats_transport import NatsTransport
 
         cfg = self.config
-        self.transport = await NatsTransport.connect(url, name="rlfleet-controller", tier="controller")
+        self.transport = await NatsTransport.connect(url, name="rlfleet-controller", tier="controller", auth=auth)
         fleet = Fleet(self.transport, self.cluster, request_timeout=cfg.request_timeout_s)
         await fleet.start()
         self._fleet = fleet
@@ -262,8 +280,12 @@ class FleetRun:
         if self.online:
             await attach_reward(fleet, cfg, url)  # the run's own reward tier, or reward_url's
         await fleet.configure_trainer(self.trainer_configure())
-        logger.info("fleet ready: %s; rollout workers join with: rlfleet-rollout serve --model PATH "
-                    "--nats %s --cluster %s --pool NAME", counts, url, self.cluster)  # fmt: skip
+        if self.launcher is not None:
+            logger.info("fleet ready: %s; rollout workers join with: rlfleet-rollout serve --config %s "
+                        "--model PATH --pool NAME", counts, self.join_config)  # fmt: skip
+        else:
+            logger.info("fleet ready: %s; rollout workers join with: rlfleet-rollout serve --model PATH "
+                        "--nats %s --cluster %s --pool NAME", counts, mask_url(url), self.cluster)  # fmt: skip
 
     def _not_ready(self, fleet: Fleet, detail: str) -> TierNotReady:
         """Name the started workers that never announced (or just the tiers, when joining a cluster)."""
@@ -281,7 +303,7 @@ class FleetRun:
             "model_path": str(self.model_path),
             "reward": self.reward.spec if self.reward is not None else None,
             "dataset": str(getattr(self.dataset, "data_path", "")),
-            **self.config.model_dump(mode="json"),
+            **self.config.masked_dump(),
         }
         return yaml.safe_dump(data, sort_keys=False)
 

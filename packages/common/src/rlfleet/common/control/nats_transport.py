@@ -4,6 +4,9 @@ The client reconnects forever by default, waiting ``reconnect_time_wait`` double
 attempt up to ``reconnect_max_wait``, with random jitter so that a fleet of workers does not
 reconnect in lock step after a server restart. Subscriptions survive a reconnect (nats-py replays
 them); requests in flight during an outage end in :class:`RequestTimeout`.
+
+Credentials and TLS come from a :class:`~rlfleet.common.schema.connection.NatsConnection` (its
+unset fields from ``RLFLEET_NATS_*``); URLs are logged and reported with their credentials masked.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from rlfleet.common.control.transport import (
     tier_of,
 )
 from rlfleet.common.errors import NatsServerError, NoResponders, RequestTimeout, TransportClosed
+from rlfleet.common.schema.connection import NatsConnection, mask_url
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,17 @@ def backoff_delay(attempt: int, base: float, cap: float, jitter: float, rng: ran
         return 0.0
     delay = min(cap, base * 2 ** min(attempt - 1, 30))
     return delay * rng.uniform(1.0 - jitter, 1.0 + jitter)
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """Whether ``exc`` is the server refusing the client's credentials."""
+    text = f"{type(exc).__name__} {exc}".lower()
+    return "authorization" in text or "authentication" in text
+
+
+def _masked(exc: BaseException) -> str:
+    """``repr(exc)`` with any URL credentials in it hidden."""
+    return " ".join(mask_url(word) if "://" in word else word for word in repr(exc).split(" "))
 
 
 class NatsSubscriptionHandle:
@@ -101,6 +116,8 @@ class NatsTransport:
         self.name = name
         self._subs: list[NatsSubscriptionHandle] = []
         self._closed = False
+        self._refusal: Exception | None = None  # the server's "Authorization Violation" while connecting
+        self._refused = asyncio.Event()
 
     @classmethod
     async def connect(
@@ -114,8 +131,10 @@ class NatsTransport:
         reconnect_max_wait: float = 5.0,
         reconnect_jitter: float = 0.25,
         tier: str = "",
+        auth: NatsConnection | None = None,
     ) -> NatsTransport:
-        """Connect to ``url`` (or any of several) within ``connect_timeout`` s.
+        """Connect to ``url`` (or any of several) within ``connect_timeout`` s, with ``auth``'s
+        credentials and TLS (None: only what ``RLFLEET_NATS_*`` says; unset fields are read there).
 
         After a disconnect it retries ``max_reconnect_attempts`` times per server (-1: forever),
         with exponential backoff from ``reconnect_time_wait`` to ``reconnect_max_wait`` s and
@@ -123,6 +142,8 @@ class NatsTransport:
         first connection does not succeed in time.
         """
         servers = [url] if isinstance(url, str) else list(url)
+        shown = ", ".join(mask_url(s) for s in servers)
+        secure = (auth or NatsConnection()).resolved().connect_options()
         transport = cls(nats.NATS(), tier=tier, name=name)
         rng = random.Random()
 
@@ -144,27 +165,52 @@ class NatsTransport:
             disconnected_cb=transport._on_disconnected,
             reconnected_cb=transport._on_reconnected,
             closed_cb=transport._on_closed,
+            **secure,
         )
         try:
-            await asyncio.wait_for(transport.client.connect(**options), connect_timeout)
+            await transport._first_connect(options, connect_timeout)
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             await transport.client.close()
+            exc = transport._refusal or exc
+            refused = transport._refusal is not None or _is_refusal(exc)
+            hint = ("the server refused these credentials; check nats_auth / RLFLEET_NATS_*" if refused
+                    else "is nats-server running there?")  # fmt: skip
             raise NatsServerError(
-                f"cannot connect to NATS at {', '.join(servers)} within {connect_timeout:g}s "
-                f"({exc!r}); is nats-server running there?"
-            ) from exc
+                f"cannot connect to NATS at {shown} within {connect_timeout:g}s ({_masked(exc)}); {hint}"
+            ) from None
         logger.info("%s connected to NATS at %s", name, transport._url())
         return transport
 
+    async def _first_connect(self, options: dict[str, Any], timeout: float) -> None:
+        """``client.connect``, given up at once when the server refuses the credentials (nats-py
+        would retry them until the timeout)."""
+        self._refused = asyncio.Event()
+        connecting = asyncio.ensure_future(self.client.connect(**options))
+        refused = asyncio.ensure_future(self._refused.wait())
+        try:
+            done, _ = await asyncio.wait({connecting, refused}, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        finally:
+            refused.cancel()
+        if connecting in done:
+            connecting.result()
+            return
+        connecting.cancel()
+        await asyncio.gather(connecting, return_exceptions=True)
+        raise self._refusal or TimeoutError()
+
     def _url(self) -> str:
         url = self.client.connected_url
-        return url.geturl() if url is not None else "?"
+        return mask_url(url.geturl()) if url is not None else "?"
 
     async def _on_error(self, exc: Exception) -> None:
+        if not self.client.is_connected and _is_refusal(exc) and self._refusal is None:
+            self._refusal = exc
+            self._refused.set()
         if self.client.is_reconnecting or self.client.is_connecting:
-            logger.debug("%s: NATS connection attempt failed: %r", self.name, exc)
+            logger.debug("%s: NATS connection attempt failed: %s", self.name, _masked(exc))
         else:
-            logger.warning("%s: NATS error: %r", self.name, exc)
+            logger.warning("%s: NATS error: %s", self.name, _masked(exc))
 
     async def _on_disconnected(self) -> None:
         if not self._closed:

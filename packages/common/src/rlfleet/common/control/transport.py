@@ -13,7 +13,10 @@ the reward tier's :data:`TOKEN_HEADER` travel there, not in the message). A hand
 headers of the message it is answering with :func:`request_headers`.
 
 Subjects are built here too, in one place (:func:`subject`, :func:`worker_subject`,
-:func:`membership_subject`): ``rlfleet.<cluster>.<tier>.<verb>``.
+:func:`membership_subject`, :func:`ping_subject`): ``rlfleet.<cluster>.<tier>.<verb>``. Each
+tier's membership messages have a subject of their own, so a server that lets each role publish
+only its own subjects (:mod:`rlfleet.common.control.nats_roles`) keeps one tier from announcing
+itself as another.
 """
 
 from __future__ import annotations
@@ -287,6 +290,15 @@ def worker_subject(cluster: str, tier: str, worker_id: str) -> str:
     return subject(cluster, tier, f"worker.{worker_id}")
 
 
-def membership_subject(cluster: str) -> str:
-    """Where every tier publishes announce / heartbeat / leave messages."""
-    return subject(cluster, "controller", "membership")
+WORKER_TIERS = ("rollout", "reward", "trainer")
+"""The tiers whose workers announce themselves."""
+
+
+def membership_subject(cluster: str, tier: str) -> str:
+    """Where ``tier``'s workers publish announce / heartbeat / leave messages (and only they may)."""
+    return subject(cluster, tier, "membership")
+
+
+def ping_subject(cluster: str) -> str:
+    """Where a controller (or admin) asks every worker to announce itself again."""
+    return subject(cluster, "controller", "ping")

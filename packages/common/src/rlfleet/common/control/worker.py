@@ -28,6 +28,7 @@ from rlfleet.common.control.messages import (
     WorkerAnnounce,
 )
 from rlfleet.common.control.transport import Transport, worker_subject
+from rlfleet.common.schema.connection import NatsConnection
 from rlfleet.common.schema.worker import ServiceConfig
 
 logger = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ class _JsonFormatter(logging.Formatter):
 
 
 def parse_service_args(prog: str, argv: Sequence[str] | None) -> argparse.Namespace:
-    """``PROG serve [--config FILE] [--nats URL] [--cluster NAME] [--worker-id ID] [key=value ...]``."""
+    """``PROG serve [--config FILE] [--nats URL] [--nats-* ...] [--cluster NAME] [--worker-id ID] [key=value ...]``."""
     parser = argparse.ArgumentParser(prog=prog, description=f"run a {prog} worker")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start a worker and join a cluster")
@@ -165,8 +166,48 @@ def parse_service_args(prog: str, argv: Sequence[str] | None) -> argparse.Namesp
     serve.add_argument("--cluster", default=None, help="cluster name (overrides the config)")
     serve.add_argument("--worker-id", default=None, help="worker id (overrides the config)")
     serve.add_argument("--pool", default=None, help="pool name (overrides the config)")
+    add_nats_arguments(serve)
     serve.add_argument("overrides", nargs="*", help="config overrides a.b.c=value")
     return parser.parse_args(argv)
+
+
+NATS_FLAGS = {
+    "nats_user": ("user", "NATS user (its password: nats_auth.password in the config or $RLFLEET_NATS_PASSWORD)"),
+    "nats_creds": ("creds_file", "NATS .creds file"),
+    "nats_nkey": ("nkey_seed_file", "file holding a NATS NKey seed"),
+    "nats_ca": ("tls_ca_file", "CA file that signs the NATS server's certificate (TLS)"),
+    "nats_cert": ("tls_cert_file", "client certificate for mutual TLS"),
+    "nats_key": ("tls_key_file", "client key for mutual TLS"),
+}
+"""``--nats-*`` flags: ``dest -> (NatsConnection field, help)``. Passwords and tokens have none (argv
+is visible in ``ps``): they come from the config file or the environment."""
+
+
+def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--nats-user``, ``--nats-creds``, ``--nats-nkey``, ``--nats-ca``, ``--nats-cert``,
+    ``--nats-key`` and ``--nats-tls`` options of every command that connects to NATS."""
+    for dest, (_, text) in NATS_FLAGS.items():
+        parser.add_argument("--" + dest.replace("_", "-"), dest=dest, default=None, help=text)
+    parser.add_argument("--nats-tls", dest="nats_tls", action="store_true", default=None,
+                        help="connect to NATS over TLS (implied by --nats-ca / --nats-cert)")  # fmt: skip
+
+
+def nats_overrides(args: argparse.Namespace) -> list[str]:
+    """The ``--nats-*`` flags as ``nats_auth.<field>=value`` overrides."""
+    out = [f"nats_auth.{field}={getattr(args, dest)}" for dest, (field, _) in NATS_FLAGS.items()
+           if getattr(args, dest, None) is not None]  # fmt: skip
+    if getattr(args, "nats_tls", None):
+        out.append("nats_auth.tls=true")
+    return out
+
+
+def connection_from_args(args: argparse.Namespace) -> NatsConnection:
+    """A :class:`NatsConnection` from the ``--nats-*`` flags of a command without a config file
+    (the reward admin CLI); the rest from ``RLFLEET_NATS_*`` when it connects."""
+    from rlfleet.common.schema.config import apply_overrides
+
+    data = apply_overrides({}, nats_overrides(args)).get("nats_auth", {})
+    return NatsConnection.model_validate(data)
 
 
 def cli_overrides(args: argparse.Namespace) -> list[str]:
@@ -181,7 +222,7 @@ def cli_overrides(args: argparse.Namespace) -> list[str]:
         )
         if value is not None
     ]
-    return [*args.overrides, *extra]
+    return [*args.overrides, *extra, *nats_overrides(args)]
 
 
 async def serve(worker: Worker[C]) -> None:
@@ -217,7 +258,7 @@ def run_worker_main(
 
     async def _main() -> None:
         transport = await NatsTransport.connect(
-            config.nats_url, name=prog, tier=prog.removeprefix("rlfleet-")
+            config.nats_url, name=prog, tier=prog.removeprefix("rlfleet-"), auth=config.nats_auth
         )
         try:
             await serve(make_worker(config, transport))

@@ -177,7 +177,20 @@ def _as_config_error(model_cls: type[BaseModel], exc: ValidationError) -> Config
     if len(errors) > 1:
         others = ", ".join(_dotted(tuple(e.get("loc", ()))) or "<root>" for e in errors[1:4])
         reason += f" (and {len(errors) - 1} more problem(s): {others}{', ...' if len(errors) > 4 else ''})"
-    return ConfigError(where, first.get("input"), reason)
+    return ConfigError(where, _redact(loc, first.get("input")), reason)
+
+
+SECRET_FIELDS = frozenset({"password", "token", "reward_token"})
+"""Settings whose values an error message never shows."""
+
+
+def _redact(loc: tuple[int | str, ...], value: Any) -> Any:
+    """``value`` with credentials replaced by ``'***'``: the value of a secret field, or such keys of a table."""
+    if loc and loc[-1] in SECRET_FIELDS:
+        return "***"
+    if isinstance(value, dict):
+        return {k: "***" if k in SECRET_FIELDS else _redact((), v) for k, v in value.items()}
+    return value
 
 
 def _dotted(loc: tuple[int | str, ...]) -> str:

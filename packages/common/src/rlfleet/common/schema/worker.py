@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from rlfleet.common.schema.config import ConfigModel
+from rlfleet.common.schema.connection import NatsConnection
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 Device = Literal["auto", "cpu", "cuda"]
@@ -28,6 +29,10 @@ class FleetAddress(ConfigModel):
     )
     cluster: str = Field(
         default="", description="cluster name; empty: a fresh run-<id> (controller), 'default' (worker)"
+    )
+    nats_auth: NatsConnection = Field(
+        default_factory=NatsConnection,
+        description="NATS credentials and TLS (unset fields from RLFLEET_NATS_*; an embedded run makes its own)",
     )
 
 
