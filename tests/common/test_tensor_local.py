@@ -1,11 +1,18 @@
-"""LocalTensorStore: capacity, TTL, reservations for streamed puts, replacement and stat."""
+"""LocalTensorStore: capacity, TTL, reservations for streamed puts, refusal to overwrite and stat."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rlfleet.common.errors import MalformedChunk, StoreFull, UnknownDtype, UnknownKey, UnknownTensor
+from rlfleet.common.errors import (
+    KeyExists,
+    MalformedChunk,
+    StoreFull,
+    UnknownDtype,
+    UnknownKey,
+    UnknownTensor,
+)
 from rlfleet.common.tensors.local import LocalTensorStore, TensorInfo
 
 
@@ -104,11 +111,15 @@ def test_commit_checks_key_and_size() -> None:
     assert store.reserved_bytes == 0
 
 
-def test_replacing_a_key_frees_the_old_entry() -> None:
+def test_a_put_never_overwrites_a_key() -> None:
     store, _ = _store(capacity=100)
     store.put("k", {"x": torch.zeros(10)})
-    store.put("k", {"y": torch.zeros(5)})
-    assert store.used_bytes == 20
+    with pytest.raises(KeyExists, match="never overwrites"):
+        store.put("k", {"y": torch.zeros(5)})
+    assert store.used_bytes == 40 and store.reserved_bytes == 0
+    assert list(store.get("k")) == ["x"]
+    store.delete("k")
+    store.put("k", {"y": torch.zeros(5)})  # once deleted, the key may be used again
     assert list(store.get("k")) == ["y"]
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from rlfleet.common.errors import (
     ChecksumMismatch,
+    KeyExists,
     MalformedChunk,
     MessageTooLarge,
     RemoteError,
@@ -14,6 +15,9 @@ from rlfleet.common.errors import (
     ShapeMismatch,
     StoreFull,
     StreamTruncated,
+    TensorAccessDenied,
+    TensorStoreBusy,
+    TensorStoreTimeout,
     TensorStoreUnavailable,
     UnknownDtype,
     UnknownKey,
@@ -59,6 +63,8 @@ SAMPLES: list[RlfleetError] = [
     StoreFull(10, 90, 95),
     UnknownKey("k", "host:1"),
     UnknownTensor("k", "zz", ("a", "b")),
+    TensorAccessDenied("k", "host:1", "no valid capability for this key"),
+    KeyExists("k"),
 ]
 
 
@@ -120,3 +126,16 @@ def test_helpers() -> None:
         check_sizes(0, 10)
     with pytest.raises(TypeError, match="no wire code"):
         error_metadata(RemoteError("t", "c", "m"))
+
+
+def test_refusals_without_our_metadata_get_named_errors() -> None:
+    timeout = error_from_rpc(
+        FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), "h:1", rpc="Get", timeout=2.5
+    )
+    assert isinstance(timeout, TensorStoreTimeout) and "Get at h:1" in str(timeout) and "2.5s" in str(timeout)
+    busy = error_from_rpc(
+        FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!"), "h:1"
+    )
+    assert isinstance(busy, TensorStoreBusy) and busy.retryable
+    denied = error_from_rpc(FakeRpcError(grpc.StatusCode.UNAUTHENTICATED, "no"), "h:1")
+    assert isinstance(denied, TensorAccessDenied) and denied.address == "h:1"

@@ -28,6 +28,7 @@ from rlfleet.common.errors import (
 )
 from rlfleet.common.tensors._gen import tensors_pb2, tensors_pb2_grpc
 from rlfleet.common.tensors.codec import split_tensors, tensor_to_bytes
+from rlfleet.common.tensors.guard import bearer_metadata, capability_metadata
 from rlfleet.common.tensors.rpc import error_from_rpc, method
 from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer
 from rlfleet.common.tensors.wire import chunk_to_proto, decode_chunk, encode_chunk
@@ -45,7 +46,7 @@ async def server() -> AsyncIterator[TensorStoreServer]:
 
 @pytest.fixture
 async def client(server: TensorStoreServer) -> AsyncIterator[TensorStoreClient]:
-    cli = TensorStoreClient(server.address, chunk_bytes=MB, max_message_bytes=4 * MB)
+    cli = TensorStoreClient(server.address, chunk_bytes=MB, max_message_bytes=4 * MB, secret=server.secret)
     yield cli
     await cli.close()
 
@@ -78,11 +79,11 @@ async def _consistent(server: TensorStoreServer, client: TensorStoreClient, keys
             break
         await asyncio.sleep(0.02)
     assert server.store.reserved_bytes == 0
-    assert sorted(server.keys) == sorted(keys)
+    assert sorted(k.rsplit(".", 1)[0] for k in server.keys) == sorted(keys)  # keys carry a random suffix
     probe = {"p": torch.arange(1000)}
-    await client.put("probe", probe)
-    _assert_same(await client.get("probe"), probe)
-    assert await client.delete("probe")
+    ref = await client.put("probe", probe)
+    _assert_same(await client.fetch(ref), probe)
+    assert await client.delete(ref)
 
 
 @pytest.mark.timeout(60)
@@ -90,11 +91,12 @@ async def test_put_get_round_trip(server: TensorStoreServer, client: TensorStore
     payload = _payload()
     ref = await client.put("batch/1", payload)
     nbytes = sum(t.numel() * t.element_size() for t in payload.values())
-    assert (ref.address, ref.key, ref.nbytes) == (server.address, "batch/1", nbytes)
+    assert (ref.address, ref.nbytes) == (server.address, nbytes)
+    assert ref.key.startswith("batch/1.") and len(ref.key) > len("batch/1.") + 10  # a random suffix
     assert server.used_bytes == nbytes
-    _assert_same(await client.get("batch/1"), payload)
+    _assert_same(await client.get(ref.key), payload)
     _assert_same(await client.fetch(ref), payload)
-    stat = await client.stat("batch/1")
+    stat = await client.stat(ref.key)
     assert [t.name for t in stat.tensors] == list(payload)
     assert stat.used_bytes == nbytes and stat.key_count == 1 and 590 < (stat.expires_in_s or 0) <= 600
 
@@ -102,11 +104,11 @@ async def test_put_get_round_trip(server: TensorStoreServer, client: TensorStore
 @pytest.mark.timeout(60)
 async def test_names_filter(server: TensorStoreServer, client: TensorStoreClient) -> None:
     payload = _payload()
-    await client.put("k", payload)
-    got = await client.get("k", names=["scalar", "ids"])
+    ref = await client.put("k", payload)
+    got = await client.get(ref.key, names=["scalar", "ids"])
     _assert_same(got, {"scalar": payload["scalar"], "ids": payload["ids"]})
     with pytest.raises(UnknownTensor, match="no tensor named 'nope'"):
-        await client.get("k", names=["ids", "nope"])
+        await client.get(ref.key, names=["ids", "nope"])
     await _consistent(server, client, ["k"])
 
 
@@ -117,9 +119,9 @@ async def test_put_local_and_fetch_from_another_store(server: TensorStoreServer)
     try:
         ref = other.put_local("weights/v1", {"w": torch.ones(3, 3)})
         assert ref.address == other.address
-        assert torch.equal(other.get_local("weights/v1")["w"], torch.ones(3, 3))
+        assert torch.equal(other.get_local(ref.key)["w"], torch.ones(3, 3))
         async with TensorStoreClient(server.address) as cli:
-            got = await cli.fetch(ref)  # a ref into another server: the client opens a channel there
+            got = await cli.fetch(ref)  # a ref into another server: a channel there, the ref's capability
         assert torch.equal(got["w"], torch.ones(3, 3))
     finally:
         await other.stop(grace=None)
@@ -132,11 +134,11 @@ async def test_unknown_key_and_delete(server: TensorStoreServer, client: TensorS
     assert info.value.key == "never-put" and info.value.address == server.address
     with pytest.raises(UnknownKey):
         await client.stat("never-put")
-    await client.put("k", {"x": torch.zeros(4)})
-    assert await client.delete("k") is True
-    assert await client.delete("k") is False
+    ref = await client.put("k", {"x": torch.zeros(4)})
+    assert await client.delete(ref.key) is True
+    assert await client.delete(ref.key) is False
     with pytest.raises(UnknownKey):
-        await client.get("k")
+        await client.get(ref.key)
     await _consistent(server, client, [])
 
 
@@ -145,13 +147,13 @@ async def test_ttl_expiry() -> None:
     srv = TensorStoreServer(ttl_s=0.3)
     await srv.start()
     try:
-        async with TensorStoreClient(srv.address) as cli:
-            await cli.put("k", {"x": torch.zeros(1000)})
-            assert (await cli.get("k"))["x"].numel() == 1000
+        async with TensorStoreClient(srv.address, secret=srv.secret) as cli:
+            ref = await cli.put("k", {"x": torch.zeros(1000)})
+            assert (await cli.fetch(ref))["x"].numel() == 1000
             await asyncio.sleep(0.6)
             assert srv.used_bytes == 0 and srv.keys == []  # the sweeper freed it
             with pytest.raises(UnknownKey):
-                await cli.get("k")
+                await cli.fetch(ref)
     finally:
         await srv.stop(grace=None)
 
@@ -216,7 +218,7 @@ async def test_stream_without_end_marker_is_truncated(
 async def test_client_cut_off_mid_stream(server: TensorStoreServer, client: TensorStoreClient) -> None:
     chunks = _chunks()
     async with grpc.aio.insecure_channel(server.address) as channel:
-        call = channel.stream_unary(method("Put"))()
+        call = channel.stream_unary(method("Put"))(metadata=bearer_metadata(server.secret))
         for chunk in chunks[:2]:
             await call.write(encode_chunk(chunk))
         await asyncio.sleep(0.1)
@@ -227,14 +229,14 @@ async def test_client_cut_off_mid_stream(server: TensorStoreServer, client: Tens
     await _consistent(server, client, [])
 
 
-async def _raw_put(address: str, messages: list[bytes]) -> Exception:
+async def _raw_put(address: str, messages: list[bytes], secret: str) -> Exception:
     """Send raw Put messages the way a foreign client might; the mapped error it gets back."""
     async with grpc.aio.insecure_channel(
         address, options=[("grpc.max_send_message_length", 64 * MB)]
     ) as channel:
         put = channel.stream_unary(method("Put"))
         with pytest.raises(grpc.RpcError) as info:
-            await put(iter(messages))
+            await put(iter(messages), metadata=bearer_metadata(secret))
     return error_from_rpc(info.value, address)
 
 
@@ -243,11 +245,11 @@ async def test_oversized_chunks_get_message_too_large(
     server: TensorStoreServer, client: TensorStoreClient
 ) -> None:
     slightly = split_tensors("k", {"t": torch.zeros(4 * MB + 100, dtype=torch.uint8)}, 4 * MB + 100)
-    error = await _raw_put(server.address, [encode_chunk(next(slightly))])
+    error = await _raw_put(server.address, [encode_chunk(next(slightly))], server.secret)
     assert isinstance(error, MessageTooLarge)  # found by the server's own check, fields intact
     assert (error.size, error.limit, error.what) == (4 * MB + 100, 4 * MB, "tensor chunk")
     far = split_tensors("k", {"t": torch.zeros(8 * MB, dtype=torch.uint8)}, 8 * MB)
-    error = await _raw_put(server.address, [encode_chunk(next(far))])
+    error = await _raw_put(server.address, [encode_chunk(next(far))], server.secret)
     assert isinstance(error, MessageTooLarge) and error.size > 8 * MB  # refused by gRPC itself
     await _consistent(server, client, [])
 
@@ -255,15 +257,17 @@ async def test_oversized_chunks_get_message_too_large(
 @pytest.mark.timeout(60)
 async def test_clients_and_servers_with_other_limits_agree(server: TensorStoreServer) -> None:
     tensors = {"t": torch.randn(3 * MB)}  # 12 MiB
-    async with TensorStoreClient(server.address, chunk_bytes=8 * MB, max_message_bytes=16 * MB) as big:
-        await big.put("k", tensors)  # chunks shrink to the server's 4 MiB limit
-        _assert_same(await big.get("k"), tensors)
+    async with TensorStoreClient(
+        server.address, chunk_bytes=8 * MB, max_message_bytes=16 * MB, secret=server.secret
+    ) as big:
+        ref = await big.put("k", tensors)  # chunks shrink to the server's 4 MiB limit
+        _assert_same(await big.fetch(ref), tensors)
         with pytest.raises(MessageTooLarge, match="tensor chunk of 8388608 bytes"):
             await big.put_chunks(split_tensors("other", tensors, 8 * MB))  # refused before sending
     async with TensorStoreClient(
-        server.address, chunk_bytes=64 * 1024, max_message_bytes=256 * 1024
+        server.address, chunk_bytes=64 * 1024, max_message_bytes=256 * 1024, secret=server.secret
     ) as small:
-        _assert_same(await small.get("k"), tensors)  # the server sends chunks the client accepts
+        _assert_same(await small.fetch(ref), tensors)  # the server sends chunks the client accepts
         await _consistent(server, small, ["k"])
 
 
@@ -274,7 +278,7 @@ async def test_garbage_bytes_get_malformed_chunk(
     async with grpc.aio.insecure_channel(server.address) as channel:
         put = channel.stream_unary(method("Put"))
         with pytest.raises(grpc.RpcError) as info:
-            await put(iter([b"\x0b\xff\xff"]))
+            await put(iter([b"\x0b\xff\xff"]), metadata=bearer_metadata(server.secret))
     error = error_from_rpc(info.value, server.address)
     assert isinstance(error, MalformedChunk)
     await _consistent(server, client, [])
@@ -288,14 +292,21 @@ async def test_generated_stub_speaks_the_same_protocol(
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = tensors_pb2_grpc.TensorStoreStub(channel)
         messages = [chunk_to_proto(c) for c in split_tensors("stub", tensors, 64 * 1024)]
-        summary = await stub.Put(iter(messages))
-        assert (summary.key, summary.tensor_count) == ("stub", 2)
-        replies = [m async for m in stub.Get(tensors_pb2.GetRequest(key="stub", names=["n"]))]
+        owner = bearer_metadata(server.secret)
+        summary = await stub.Put(iter(messages), metadata=owner)
+        assert summary.key.startswith("stub.") and summary.tensor_count == 2
+        request = tensors_pb2.GetRequest(key=summary.key, names=["n"])
+        replies = [
+            m
+            async for m in stub.Get(
+                request, metadata=capability_metadata(server.guard.capability(summary.key))
+            )
+        ]
         assert replies[-1].end_of_stream and replies[-1].tensor_count == 1
         assert replies[0].dtype == "I64" and list(replies[0].shape) == [3] and replies[0].HasField("crc32")
-        stat = await stub.Stat(tensors_pb2.StatRequest(key="stub"))
+        stat = await stub.Stat(tensors_pb2.StatRequest(key=summary.key), metadata=owner)
         assert [t.name for t in stat.tensors] == ["w", "n"]
-    _assert_same(await client.get("stub"), tensors)
+    _assert_same(await client.get(summary.key), tensors)
     assert decode_chunk(replies[0].SerializeToString()).name == "n"
 
 

@@ -289,6 +289,52 @@ class TensorStoreUnavailable(TensorError, ConnectionError):
         super().__init__(f"TensorStore at {address} is unreachable" + (f": {detail}" if detail else ""))
 
 
+class TensorAccessDenied(TensorError, PermissionError):
+    """A TensorStore call without the capability (or store secret) it needs: nothing was read or changed."""
+
+    code = "forbidden"
+
+    def __init__(self, key: str, address: str = "", reason: str = "") -> None:
+        self.key = key
+        self.address = address
+        self.reason = reason
+        where = f" at {address}" if address else ""
+        super().__init__(
+            f"TensorStore{where} refused access to key {key!r}: {reason or 'no valid capability'} "
+            "(read through the TensorRef the store handed out; writes need the store's secret)"
+        )
+
+
+class KeyExists(TensorError, FileExistsError):
+    """A put under a key the TensorStore already holds (stores never overwrite)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"TensorStore already holds key {key!r}; a put never overwrites (delete it first)")
+
+
+class TensorStoreBusy(TensorError, ConnectionError):
+    """A TensorStore is at its cap of concurrent RPCs; retry later."""
+
+    retryable = True
+
+    def __init__(self, address: str, detail: str = "") -> None:
+        self.address = address
+        self.detail = detail
+        suffix = f": {detail}" if detail else ""
+        super().__init__(f"TensorStore at {address} is busy (too many concurrent calls){suffix}")
+
+
+class TensorStoreTimeout(TensorError, TimeoutError):
+    """A TensorStore call ran past its deadline."""
+
+    def __init__(self, address: str, method: str, timeout: float) -> None:
+        self.address = address
+        self.method = method
+        self.timeout = timeout
+        super().__init__(f"TensorStore {method} at {address} did not finish within its {timeout:g}s deadline")
+
+
 class BatchContractError(UserError, ValueError):
     """A rollout batch breaks the tensor contract (a field missing, of the wrong dtype or shape)."""
 

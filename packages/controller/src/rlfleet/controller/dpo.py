@@ -54,7 +54,7 @@ class DPOStep:
         try:
             stepped = await run.fleet.train_step(run.global_step + 1, [ref], [], settings)
         finally:
-            store.delete(key)
+            store.delete(ref.key)
         metrics = dict(stepped.metrics)
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics

@@ -118,7 +118,7 @@ class OwnStore:
             client = self._clients.get(result.ref.address)
             if client is None:
                 client = self._clients[result.ref.address] = TensorStoreClient(result.ref.address)
-            await client.delete(result.ref.key)
+            await client.delete(result.ref)  # the ref's capability releases it
 
     async def stop(self) -> None:
         """Close the clients and stop the store if it was started (idempotent)."""

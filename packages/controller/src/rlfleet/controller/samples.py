@@ -46,7 +46,7 @@ class SampleTable:
         for result in results:
             client = TensorStoreClient(result.ref.address)
             try:
-                got = await client.get(result.ref.key, names=["response_text", "response_text_offsets"])
+                got = await client.fetch(result.ref, names=["response_text", "response_text_offsets"])
             finally:
                 await client.close()
             texts.extend(unpack_texts(got["response_text"], got["response_text_offsets"]))

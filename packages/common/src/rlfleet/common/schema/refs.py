@@ -6,10 +6,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class TensorRef(BaseModel):
-    """Where a dict of tensors lives: a TensorStore's ``host:port`` and the key it is stored under."""
+    """Where a dict of tensors lives: a TensorStore's ``host:port``, its key, and the capability to read it.
+
+    The capability (an HMAC of the key under the store's secret, see
+    :mod:`rlfleet.common.tensors.guard`) is what the store checks on ``Get``: hand a ref only to
+    whom may read it. It is left out of the ref's ``repr`` (and so of logs).
+    """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     address: str = Field(description="host:port of the TensorStore gRPC server")
     key: str = Field(description="key the tensors were put under")
     nbytes: int = Field(default=0, ge=0, description="total payload bytes, for accounting")
+    capability: str = Field(
+        default="", max_length=128, repr=False, description="opens this key in its store (Get, Delete, Stat)"
+    )

@@ -3,7 +3,12 @@
 Errors come back as the tensor-plane exceptions of :mod:`rlfleet.common.errors` (see
 :mod:`rlfleet.common.tensors.rpc`), whichever end found the problem: ``UnknownKey`` for a key the
 server does not hold, ``StoreFull`` for a put over its capacity, ``ChecksumMismatch`` for bytes
-damaged on the way, ``TensorStoreUnavailable`` for a server that cannot be reached.
+damaged on the way, ``TensorStoreUnavailable`` for a server that cannot be reached,
+``TensorAccessDenied`` for a call without the capability or secret it needs,
+``TensorStoreTimeout`` past a call's deadline, ``TensorStoreBusy`` from a server at its RPC cap.
+
+Every call has a deadline: ``timeout_s`` for the streams (Put, Get), at most ``UNARY_TIMEOUT_S``
+for Delete and Stat.
 """
 
 from __future__ import annotations
@@ -28,11 +33,16 @@ from rlfleet.common.tensors.codec import (
     keep_stream_buffers,
     split_tensors,
 )
+from rlfleet.common.tensors.guard import bearer_metadata, capability, capability_metadata
 from rlfleet.common.tensors.local import StoreStat, TensorInfo
 from rlfleet.common.tensors.rpc import channel_options, check_sizes, error_from_rpc, method
+from rlfleet.common.tensors.tls import channel_credentials
 from rlfleet.common.tensors.wire import decode_chunk, encode_chunk
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 300.0
+UNARY_TIMEOUT_S = 30.0
 
 
 class TensorStoreClient:
@@ -40,6 +50,10 @@ class TensorStoreClient:
 
     ``chunk_bytes`` is the payload size of the chunks it sends; ``max_message_bytes`` the largest
     chunk payload it accepts; ``max_get_bytes`` the most one ``get`` may make it allocate.
+    ``secret`` is the store's own (its owner may then put, delete and stat anything there);
+    without it the client reads and releases only what a ref's capability opens.
+    ``tls_ca`` (a PEM file) speaks TLS to servers whose certificate it signed, with
+    ``tls_cert``/``tls_key`` as this client's own certificate where the server asks for one.
     """
 
     def __init__(
@@ -49,14 +63,29 @@ class TensorStoreClient:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_message_bytes: int = 64 << 20,
         max_get_bytes: int | None = PHYSICAL_MEMORY_BYTES,
+        secret: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        tls_ca: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
     ) -> None:
         check_sizes(chunk_bytes, max_message_bytes)
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         keep_stream_buffers()
         self.address = address
         self.chunk_bytes = chunk_bytes
         self.max_message_bytes = max_message_bytes
         self.max_get_bytes = max_get_bytes
-        self._channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        self.secret = secret
+        self.timeout_s = timeout_s
+        self._tls = (tls_ca, tls_cert, tls_key)
+        options = channel_options(max_message_bytes)
+        if tls_ca:
+            credentials = channel_credentials(tls_ca, tls_cert, tls_key)
+            self._channel = grpc.aio.secure_channel(address, credentials, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(address, options=options)
         self._put_rpc = self._channel.stream_unary(
             method("Put"), response_deserializer=pb.PutSummary.FromString
         )
@@ -78,11 +107,12 @@ class TensorStoreClient:
         self._closed = False
 
     async def put(self, key: str, tensors: Mapping[str, torch.Tensor]) -> TensorRef:
-        """Stream ``tensors`` to the server under ``key`` (replacing any entry there).
+        """Stream ``tensors`` to the server (needs the store's ``secret``); the ref to read them by.
 
-        Checks dtypes before sending anything (:class:`UnknownDtype`); :class:`StoreFull` when the
-        server has no room, in which case nothing was stored. Chunks are ``chunk_bytes`` long, or
-        the server's limit where that is smaller.
+        The server stores them under ``key`` plus a random suffix (the ref's key, with the
+        capability that opens it) and never overwrites. Checks dtypes before sending anything
+        (:class:`UnknownDtype`); :class:`StoreFull` when the server has no room, in which case
+        nothing was stored. Chunks are ``chunk_bytes`` long, or the server's limit where smaller.
         """
         for name, tensor in tensors.items():
             dtype_name(tensor.dtype, name)
@@ -97,7 +127,7 @@ class TensorStoreClient:
         here, and the store stays as it was (so it does when this call is cancelled).
         """
         limit = await self._server_limit()
-        call = self._put_rpc()
+        call = self._put_rpc(timeout=self.timeout_s, metadata=self._owner())
         try:
             async for chunk in _each(chunks):
                 if len(chunk.data) > limit:
@@ -106,25 +136,33 @@ class TensorStoreClient:
             await call.done_writing()
             summary: pb.PutSummary = await call
         except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address, await _initial_metadata(call)) from None
+            initial = await _initial_metadata(call)
+            raise error_from_rpc(err, self.address, initial, rpc="Put", timeout=self.timeout_s) from None
         finally:
             if not call.done():
                 call.cancel()
-        return TensorRef(address=self.address, key=summary.key, nbytes=summary.nbytes)
+        cap = capability(self.secret, summary.key) if self.secret else ""
+        return TensorRef(address=self.address, key=summary.key, nbytes=summary.nbytes, capability=cap)
 
-    async def get(self, key: str, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
-        """The tensors under ``key`` (all, or only ``names``), checked chunk by chunk on arrival."""
+    async def get(
+        self, key: str, names: Sequence[str] | None = None, *, capability: str = ""
+    ) -> dict[str, torch.Tensor]:
+        """The tensors under ``key`` (all, or only ``names``), checked chunk by chunk on arrival.
+
+        Needs the key's ``capability`` (see :meth:`fetch`, which takes it from the ref) or the
+        store's secret; else :class:`TensorAccessDenied`.
+        """
         self._check_open()
         assembler = ChunkAssembler(
             key, max_chunk_bytes=self.max_message_bytes, max_total_bytes=self.max_get_bytes
         )
         request = pb.GetRequest(key=key, names=list(names or ()), max_chunk_bytes=self.max_message_bytes)
-        call = self._get_rpc(request)
+        call = self._get_rpc(request, timeout=self.timeout_s, metadata=self._reader(capability))
         try:
             async for message in call:
                 assembler.feed(decode_chunk(message))
         except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address) from None
+            raise error_from_rpc(err, self.address, rpc="Get", timeout=self.timeout_s) from None
         finally:
             if not assembler.done:
                 call.cancel()
@@ -133,35 +171,62 @@ class TensorStoreClient:
     async def fetch(self, ref: TensorRef, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
         """The tensors a :class:`TensorRef` points to, from whichever server holds them."""
         if ref.address == self.address:
-            return await self.get(ref.key, names)
-        peer = self._peers.get(ref.address)
+            return await self.get(ref.key, names, capability=ref.capability)
+        return await self._peer(ref.address).get(ref.key, names, capability=ref.capability)
+
+    def _peer(self, address: str) -> TensorStoreClient:
+        """A client for another store, with this one's limits, deadline and TLS (never its secret)."""
+        peer = self._peers.get(address)
         if peer is None:
-            peer = TensorStoreClient(
-                ref.address,
+            tls_ca, tls_cert, tls_key = self._tls
+            peer = self._peers[address] = TensorStoreClient(
+                address,
                 chunk_bytes=self.chunk_bytes,
                 max_message_bytes=self.max_message_bytes,
                 max_get_bytes=self.max_get_bytes,
+                timeout_s=self.timeout_s,
+                tls_ca=tls_ca,
+                tls_cert=tls_cert,
+                tls_key=tls_key,
             )
-            self._peers[ref.address] = peer
-        return await peer.get(ref.key, names)
+        return peer
 
-    async def delete(self, key: str) -> bool:
-        """Drop ``key`` on the server; False if it was not there."""
+    def _owner(self) -> tuple[tuple[str, str], ...]:
+        return bearer_metadata(self.secret) if self.secret else ()
+
+    def _reader(self, cap: str) -> tuple[tuple[str, str], ...]:
+        return self._owner() + capability_metadata(cap)
+
+    @property
+    def _unary_timeout(self) -> float:
+        return min(self.timeout_s, UNARY_TIMEOUT_S)
+
+    async def delete(self, key: str | TensorRef) -> bool:
+        """Drop a key on the server (a ref's, with its capability); False if it was not there."""
         self._check_open()
+        name, cap = (key.key, key.capability) if isinstance(key, TensorRef) else (key, "")
         try:
-            reply: pb.DeleteReply = await self._delete_rpc(pb.DeleteRequest(key=key))
+            reply: pb.DeleteReply = await self._delete_rpc(
+                pb.DeleteRequest(key=name), timeout=self._unary_timeout, metadata=self._reader(cap)
+            )
         except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address) from None
+            raise error_from_rpc(err, self.address, rpc="Delete", timeout=self._unary_timeout) from None
         return reply.deleted
 
-    async def stat(self, key: str | None = None) -> StoreStat:
-        """The server's accounting, plus ``key``'s tensors when given (:class:`UnknownKey` if absent)."""
+    async def stat(self, key: str | TensorRef | None = None) -> StoreStat:
+        """The server's accounting, plus a key's tensors when given (:class:`UnknownKey` if absent).
+
+        Store-wide, it needs the store's secret; for a key, that or the ref's capability.
+        """
         self._check_open()
-        request = pb.StatRequest() if key is None else pb.StatRequest(key=key)
+        name, cap = (key.key, key.capability) if isinstance(key, TensorRef) else (key, "")
+        request = pb.StatRequest() if name is None else pb.StatRequest(key=name)
         try:
-            reply: pb.StatReply = await self._stat_rpc(request)
+            reply: pb.StatReply = await self._stat_rpc(
+                request, timeout=self._unary_timeout, metadata=self._reader(cap)
+            )
         except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address) from None
+            raise error_from_rpc(err, self.address, rpc="Stat", timeout=self._unary_timeout) from None
         return StoreStat(
             used_bytes=reply.used_bytes,
             capacity_bytes=reply.capacity_bytes,

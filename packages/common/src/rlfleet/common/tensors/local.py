@@ -7,7 +7,7 @@ thread-safe: an engine thread may ``put`` while the event loop streams a ``get``
 Accounting is in payload bytes (``numel * itemsize``). A streamed put first *reserves* its bytes,
 tensor by tensor as they are announced, and only *commits* when the whole stream has arrived and
 checked out; a put that fails or is cut off releases its reservation and is never visible. A put
-that replaces a key needs room for old and new entries until it commits.
+never replaces a key: one under a key already held raises :class:`KeyExists` (delete it first).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlfleet.common.errors import MalformedChunk, StoreFull, UnknownKey, UnknownTensor
+from rlfleet.common.errors import KeyExists, MalformedChunk, StoreFull, UnknownKey, UnknownTensor
 from rlfleet.common.tensors.codec import dtype_name
 
 logger = logging.getLogger(__name__)
@@ -117,10 +117,11 @@ class LocalTensorStore:
             return list(self._entries)
 
     def put(self, key: str, tensors: Mapping[str, torch.Tensor]) -> int:
-        """Store ``tensors`` under ``key`` at once (replacing any entry); returns the payload bytes.
+        """Store ``tensors`` under a new ``key`` at once; returns the payload bytes.
 
         Keeps references, not copies, of CPU contiguous tensors: do not modify them in place after.
-        Raises :class:`UnknownDtype` or :class:`StoreFull`, leaving the store as it was.
+        Raises :class:`UnknownDtype`, :class:`StoreFull` or :class:`KeyExists` (a live key is never
+        overwritten), leaving the store as it was.
         """
         stored = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
         for name, tensor in stored.items():
@@ -212,9 +213,9 @@ class LocalTensorStore:
         with self._lock:
             if reservation.closed or nbytes != reservation.nbytes:
                 raise RuntimeError(f"commit of {nbytes} bytes against a reservation of {reservation.nbytes}")
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._used -= old.nbytes
+            self._purge_locked()
+            if key in self._entries:
+                raise KeyExists(key)
             self._entries[key] = _Entry(tensors, nbytes, self._clock() + self.ttl_s)
             self._used += nbytes
             self._reserved -= nbytes

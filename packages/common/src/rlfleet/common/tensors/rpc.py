@@ -19,6 +19,7 @@ import grpc
 
 from rlfleet.common.errors import (
     ChecksumMismatch,
+    KeyExists,
     MalformedChunk,
     MessageTooLarge,
     RemoteError,
@@ -26,6 +27,9 @@ from rlfleet.common.errors import (
     ShapeMismatch,
     StoreFull,
     StreamTruncated,
+    TensorAccessDenied,
+    TensorStoreBusy,
+    TensorStoreTimeout,
     TensorStoreUnavailable,
     UnknownDtype,
     UnknownKey,
@@ -55,6 +59,8 @@ ERRORS: dict[str, tuple[type[RlfleetError], grpc.StatusCode]] = {
     "store_full": (StoreFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     "unknown_key": (UnknownKey, grpc.StatusCode.NOT_FOUND),
     "unknown_tensor": (UnknownTensor, grpc.StatusCode.NOT_FOUND),
+    "access_denied": (TensorAccessDenied, grpc.StatusCode.PERMISSION_DENIED),
+    "key_exists": (KeyExists, grpc.StatusCode.ALREADY_EXISTS),
 }
 _CODES = {cls: code for code, (cls, _) in ERRORS.items()}
 _FIELDS: dict[type[RlfleetError], tuple[str, ...]] = {
@@ -67,10 +73,13 @@ _FIELDS: dict[type[RlfleetError], tuple[str, ...]] = {
     StoreFull: ("requested", "used", "capacity"),
     UnknownKey: ("key", "address"),
     UnknownTensor: ("key", "name", "available"),
+    TensorAccessDenied: ("key", "address", "reason"),
+    KeyExists: ("key",),
 }
 _MAX_TEXT = 512
 _MAX_ITEMS = 64
 _CORE_TOO_LARGE = re.compile(r"larger than max \((\d+) vs\. (\d+)\)")
+_CORE_BUSY = "Concurrent RPC limit exceeded"  # grpc's refusal past the server's maximum_concurrent_rpcs
 
 
 def method(name: str) -> str:
@@ -146,14 +155,22 @@ def _rebuild(code: str, fields_json: str) -> RlfleetError | None:
 
 
 def error_from_rpc(
-    err: grpc.RpcError, address: str, initial_metadata: Sequence[tuple[str, str | bytes]] = ()
+    err: grpc.RpcError,
+    address: str,
+    initial_metadata: Sequence[tuple[str, str | bytes]] = (),
+    *,
+    rpc: str = "",
+    timeout: float = 0.0,
 ) -> Exception:
     """The exception a failed TensorStore RPC stands for (to ``raise ... from None``).
 
     Our error travels in the trailing metadata, or in ``initial_metadata`` (see :func:`abort_rpc`).
     Our own errors come back as their class; an unreachable server as
     :class:`TensorStoreUnavailable`; gRPC's own message-size refusal as :class:`MessageTooLarge`;
-    anything else as :class:`RemoteError` with the status name as its code.
+    a call past its deadline (``rpc``, ``timeout``) as :class:`TensorStoreTimeout`; a server at
+    its cap of concurrent calls as :class:`TensorStoreBusy`; a refusal without our metadata
+    (PERMISSION_DENIED, UNAUTHENTICATED) as :class:`TensorAccessDenied`; anything else as
+    :class:`RemoteError` with the status name as its code.
     """
     code_fn = getattr(err, "code", None)
     status = code_fn() if callable(code_fn) else grpc.StatusCode.UNKNOWN
@@ -168,10 +185,18 @@ def error_from_rpc(
         rebuilt = _rebuild(code, str(metadata.get(ERROR_FIELDS_KEY, "{}")))
         if isinstance(rebuilt, UnknownKey) and not rebuilt.address:
             rebuilt = UnknownKey(rebuilt.key, address)
+        if isinstance(rebuilt, TensorAccessDenied) and not rebuilt.address:
+            rebuilt = TensorAccessDenied(rebuilt.key, address, rebuilt.reason)
         if rebuilt is not None:
             return rebuilt
     if status == grpc.StatusCode.UNAVAILABLE:
         return TensorStoreUnavailable(address, details)
+    if status == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return TensorStoreTimeout(address, rpc or "call", timeout)
+    if status in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+        return TensorAccessDenied("", address, details[:_MAX_TEXT])
+    if status == grpc.StatusCode.RESOURCE_EXHAUSTED and _CORE_BUSY in details:
+        return TensorStoreBusy(address, details)
     if status == grpc.StatusCode.RESOURCE_EXHAUSTED:
         match = _CORE_TOO_LARGE.search(details)
         if match:
