@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 from rlfleet.common.control.messages import Message, RewardStatsRequest, SetRewardSpec
 from rlfleet.common.control.transport import TOKEN_HEADER
+from rlfleet.common.control.worker import add_nats_arguments, connection_from_args
+from rlfleet.common.schema.connection import NatsConnection
 from rlfleet.common.errors import RemoteError, RequestTimeout
 
 TOKEN_ENV = "RLFLEET_REWARD_TOKEN"
@@ -34,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cluster", default="default", help="the reward server's cluster name")
     parser.add_argument("--token", default=None, help=f"admin or tenant token (default: ${TOKEN_ENV})")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each reply")
+    add_nats_arguments(parser)  # --nats-user, --nats-ca ...; the password from $RLFLEET_NATS_PASSWORD
     sub = parser.add_subparsers(dest="action", required=True)
     stats = sub.add_parser("stats", help="print endpoint statistics")
     stats.add_argument("endpoint", nargs="?", default="", help="one endpoint (default: all visible)")
@@ -62,13 +65,15 @@ def message_for(args: argparse.Namespace) -> Message:
                          component=args.component)  # fmt: skip
 
 
-async def send_to_all(url: str, cluster: str, message: Message, timeout: float, token: str = "") -> int:
+async def send_to_all(
+    url: str, cluster: str, message: Message, timeout: float, token: str = "", auth: NatsConnection | None = None
+) -> int:
     """Send ``message`` (``token`` in its ``Rlfleet-Token`` header) to every reward worker of ``cluster``;
     print the replies; return the exit code."""
     from rlfleet.common.control.membership import WorkerRegistry
     from rlfleet.common.control.nats_transport import NatsTransport
 
-    transport = await NatsTransport.connect(url, name="rlfleet-reward-admin", tier="controller")
+    transport = await NatsTransport.connect(url, name="rlfleet-reward-admin", tier="controller", auth=auth)
     registry = WorkerRegistry(transport, cluster)
     code = 0
     try:
@@ -99,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV, "")
     try:
         message = message_for(args)
+        auth = connection_from_args(args)
     except (ValueError, json.JSONDecodeError) as exc:
         print(f"rlfleet-reward admin: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(send_to_all(args.nats, args.cluster, message, args.timeout, token))
+    return asyncio.run(send_to_all(args.nats, args.cluster, message, args.timeout, token, auth))

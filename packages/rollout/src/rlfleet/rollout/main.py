@@ -1,6 +1,7 @@
 """``rlfleet-rollout serve``: start a rollout worker and join a cluster (or a running job).
 
 ``--model PATH`` is short for the override ``model_path=PATH``; the other flags (``--nats``,
+``--nats-user``/``--nats-creds``/``--nats-ca``... (passwords and tokens from ``RLFLEET_NATS_*``),
 ``--cluster``, ``--worker-id``, ``--pool``, ``--config``) are every worker's (see
 :func:`rlfleet.common.control.worker.parse_service_args`).
 """
