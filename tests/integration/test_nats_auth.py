@@ -75,13 +75,17 @@ async def _settle(*clients: NatsTransport) -> None:
     await asyncio.sleep(0.2)
 
 
-async def test_a_client_without_credentials_cannot_connect(secured: tuple[EmbeddedNats, RunCredentials]) -> None:
+async def test_a_client_without_credentials_cannot_connect(
+    secured: tuple[EmbeddedNats, RunCredentials],
+) -> None:
     server, _ = secured
     with pytest.raises(NatsServerError, match="refused these credentials"):
         await NatsTransport.connect(server.url, name="anon", connect_timeout=3.0, max_reconnect_attempts=0)
 
 
-async def test_a_wrong_password_is_refused_and_not_shown(secured: tuple[EmbeddedNats, RunCredentials]) -> None:
+async def test_a_wrong_password_is_refused_and_not_shown(
+    secured: tuple[EmbeddedNats, RunCredentials],
+) -> None:
     server, _ = secured
     wrong = NatsConnection(user="controller", password="guessed-wrong-123")
     with pytest.raises(NatsServerError) as caught:
@@ -106,7 +110,9 @@ async def test_only_the_controller_drives_the_trainer(roles: dict[str, NatsTrans
     assert isinstance(reply, Ack) and len(own.got) == 1
 
 
-async def test_only_the_controller_commands_rollout_and_reward_workers(roles: dict[str, NatsTransport]) -> None:
+async def test_only_the_controller_commands_rollout_and_reward_workers(
+    roles: dict[str, NatsTransport],
+) -> None:
     rollout, reward, trainer = roles["rollout"], roles["reward"], roles["trainer"]
     rollout_own, reward_own = Inbox(), Inbox()
     await rollout.subscribe(worker_subject(CLUSTER, "rollout", "rollout-0"), rollout_own)
@@ -129,8 +135,8 @@ async def test_no_other_role_joins_the_reward_queue_group(roles: dict[str, NatsT
 
 async def test_workers_ask_the_trainer_for_its_weights(roles: dict[str, NatsTransport]) -> None:
     await roles["trainer"].subscribe(subject(CLUSTER, "trainer", "latest"), Inbox(), queue="trainer")
-    reply = await roles["rollout"].request(subject(CLUSTER, "trainer", "latest"), LatestWeights(worker_id="r"),
-                                           timeout=5)  # fmt: skip
+    latest = subject(CLUSTER, "trainer", "latest")
+    reply = await roles["rollout"].request(latest, LatestWeights(worker_id="r"), timeout=5)
     assert isinstance(reply, Ack)
 
 
@@ -149,13 +155,15 @@ async def test_membership_cannot_be_forged_by_another_role(roles: dict[str, Nats
     registry = WorkerRegistry(roles["controller"], CLUSTER, dead_after=30)
     async with registry:
         rollout = roles["rollout"]
-        fake = WorkerAnnounce(tier="trainer", worker_id="evil", subject=worker_subject(CLUSTER, "trainer", "evil"))
+        fake = WorkerAnnounce(
+            tier="trainer", worker_id="evil", subject=worker_subject(CLUSTER, "trainer", "evil")
+        )
         await rollout.publish(membership_subject(CLUSTER, "trainer"), fake)  # refused by the server
         await rollout.publish(membership_subject(CLUSTER, "rollout"), fake)  # wrong tier: ignored
         away = WorkerAnnounce(tier="rollout", worker_id="r1", subject="rlfleet.elsewhere.steal.tokens")
         await rollout.publish(membership_subject(CLUSTER, "rollout"), away)  # foreign subject: ignored
-        async with Heartbeater(roles["trainer"], CLUSTER, WorkerAnnounce(tier="trainer", worker_id="trainer-0"),
-                               interval=5.0):  # fmt: skip
+        real = WorkerAnnounce(tier="trainer", worker_id="trainer-0")
+        async with Heartbeater(roles["trainer"], CLUSTER, real, interval=5.0):
             found = await registry.wait_for("trainer", 1, timeout=5)
             assert [w.worker_id for w in found] == ["trainer-0"]
             assert found[0].subject == worker_subject(CLUSTER, "trainer", "trainer-0")
@@ -183,7 +191,9 @@ def test_an_embedded_fleet_gives_each_worker_its_role_in_the_environment(tmp_pat
     try:
         with EmbeddedFleet(tmp_path) as fleet:
             fleet.start_nats(CLUSTER)
-            worker = fleet.spawn(WorkerSpec("rollout", "rollout-0", {}, command=[sys.executable, "-c", script]))
+            worker = fleet.spawn(
+                WorkerSpec("rollout", "rollout-0", {}, command=[sys.executable, "-c", script])
+            )
             worker.process.wait(timeout=20)
             password = fleet.connection("rollout").password.get_secret_value()
             out = worker.log_path.read_text()

@@ -38,8 +38,12 @@ def _password(user: str) -> str:
     return f"pw-{user}-0123456789"
 
 
-def _cert(path: Path, name: str, key: ec.EllipticCurvePrivateKey, issuer: tuple[x509.Name, ec.EllipticCurvePrivateKey] | None,
-          *, ca: bool = False) -> x509.Name:  # fmt: skip
+Issuer = tuple[x509.Name, ec.EllipticCurvePrivateKey]
+
+
+def _cert(
+    path: Path, name: str, key: ec.EllipticCurvePrivateKey, issuer: Issuer | None, *, ca: bool = False
+) -> x509.Name:
     subject_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     issuer_name, signer = issuer if issuer is not None else (subject_name, key)
     now = datetime.datetime.now(datetime.UTC)
@@ -51,7 +55,9 @@ def _cert(path: Path, name: str, key: ec.EllipticCurvePrivateKey, issuer: tuple[
     )  # fmt: skip
     if not ca:
         builder = builder.add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
             critical=False,
         )
     path.write_bytes(builder.sign(signer, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
@@ -78,8 +84,11 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(certs: Path) -> Iterator[EmbeddedNats]:
     env = {f"RLFLEET_NATS_PASS_{u.upper().replace('-', '_')}": _password(u) for u in USERS}
-    env |= {"RLFLEET_NATS_TLS_SERVER_CERT": str(certs / "server.pem"),
-            "RLFLEET_NATS_TLS_SERVER_KEY": str(certs / "server.key"), "RLFLEET_NATS_TLS_CA": str(certs / "ca.pem")}
+    env |= {
+        "RLFLEET_NATS_TLS_SERVER_CERT": str(certs / "server.pem"),
+        "RLFLEET_NATS_TLS_SERVER_KEY": str(certs / "server.key"),
+        "RLFLEET_NATS_TLS_CA": str(certs / "ca.pem"),
+    }
     with pytest.MonkeyPatch.context() as patch:  # the server reads them once, when it starts
         for name, value in env.items():
             patch.setenv(name, value)
@@ -91,7 +100,11 @@ def server(certs: Path) -> Iterator[EmbeddedNats]:
 
 
 def _auth(certs: Path, user: str | None, *, cert: bool = True) -> NatsConnection:
-    mine = {"tls_cert_file": str(certs / "client.pem"), "tls_key_file": str(certs / "client.key")} if cert else {}
+    mine = (
+        {"tls_cert_file": str(certs / "client.pem"), "tls_key_file": str(certs / "client.key")}
+        if cert
+        else {}
+    )
     login = {"user": user, "password": _password(user)} if user else {}
     return NatsConnection(tls_ca_file=str(certs / "ca.pem"), **mine, **login)
 
@@ -120,7 +133,9 @@ async def _settle(*clients: NatsTransport) -> None:
 
 
 def _score() -> ScoreRequest:
-    return ScoreRequest(job_id="j", endpoint="team-a/digits", rollout=TensorRef(address="127.0.0.1:1", key="k"))
+    return ScoreRequest(
+        job_id="j", endpoint="team-a/digits", rollout=TensorRef(address="127.0.0.1:1", key="k")
+    )
 
 
 @pytest.mark.parametrize("how", ["no certificate", "no password"])

@@ -48,7 +48,9 @@ def test_an_embedded_run_is_locked_by_default(tmp_path: Path, tiny_model_dir: Pa
             auth = NatsConnection.model_validate(joined["nats_auth"])
             rollout = await NatsTransport.connect(url, name="intruder", auth=auth)
             try:
-                await rollout.publish(worker_subject(trainer.cluster, "trainer", "trainer-0"), Shutdown(reason="x"))
+                await rollout.publish(
+                    worker_subject(trainer.cluster, "trainer", "trainer-0"), Shutdown(reason="x")
+                )
                 await rollout.publish(subject(trainer.cluster, "trainer", "save"), Shutdown(reason="x"))
                 await rollout.flush()
             finally:

@@ -150,7 +150,8 @@ class RewardControl:
             owned.insert(0, registry)
         control = cls(transport, reward_cluster, registry, token=token, request_timeout=timeout, owned=owned,
                       remote=True)  # fmt: skip
-        logger.info("scoring on the reward server at %s (cluster %s)", mask_url(config.reward_url), reward_cluster)
+        where = mask_url(config.reward_url)
+        logger.info("scoring on the reward server at %s (cluster %s)", where, reward_cluster)
         return control
 
     async def wait_ready(self, timeout: float) -> None:

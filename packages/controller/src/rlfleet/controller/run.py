@@ -257,8 +257,9 @@ class FleetRun:
     def _write_join_config(self, url: str) -> None:
         assert self.launcher is not None
         auth = self.launcher.connection("rollout")
-        data = {"nats_url": url, "cluster": self.cluster, "nats_auth": {
-            "user": auth.user, "password": auth.password.get_secret_value(), "inbox_prefix": auth.inbox_prefix}}
+        password = auth.password.get_secret_value()
+        login = {"user": auth.user, "password": password, "inbox_prefix": auth.inbox_prefix}
+        data = {"nats_url": url, "cluster": self.cluster, "nats_auth": login}
         self.join_config.parent.mkdir(parents=True, exist_ok=True)
         self.join_config.unlink(missing_ok=True)
         self.join_config.touch(mode=0o600)
@@ -268,7 +269,9 @@ class FleetRun:
         from rlfleet.common.control.nats_transport import NatsTransport
 
         cfg = self.config
-        self.transport = await NatsTransport.connect(url, name="rlfleet-controller", tier="controller", auth=auth)
+        self.transport = await NatsTransport.connect(
+            url, name="rlfleet-controller", tier="controller", auth=auth
+        )
         fleet = Fleet(self.transport, self.cluster, request_timeout=cfg.request_timeout_s)
         await fleet.start()
         self._fleet = fleet
@@ -285,7 +288,8 @@ class FleetRun:
                         "--model PATH --pool NAME", counts, self.join_config)  # fmt: skip
         else:
             logger.info("fleet ready: %s; rollout workers join with: rlfleet-rollout serve --model PATH "
-                        "--nats %s --cluster %s --pool NAME", counts, mask_url(url), self.cluster)  # fmt: skip
+                        "--nats %s --cluster %s --pool NAME", counts, mask_url(url),
+                        self.cluster)  # fmt: skip
 
     def _not_ready(self, fleet: Fleet, detail: str) -> TierNotReady:
         """Name the started workers that never announced (or just the tiers, when joining a cluster)."""

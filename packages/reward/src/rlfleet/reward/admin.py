@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from rlfleet.common.control.messages import Message, RewardStatsRequest, SetRewardSpec
 from rlfleet.common.control.transport import TOKEN_HEADER
 from rlfleet.common.control.worker import add_nats_arguments, connection_from_args
-from rlfleet.common.schema.connection import NatsConnection
 from rlfleet.common.errors import RemoteError, RequestTimeout
+from rlfleet.common.schema.connection import NatsConnection
 
 TOKEN_ENV = "RLFLEET_REWARD_TOKEN"
 
@@ -66,8 +66,9 @@ def message_for(args: argparse.Namespace) -> Message:
 
 
 async def send_to_all(
-    url: str, cluster: str, message: Message, timeout: float, token: str = "", auth: NatsConnection | None = None
-) -> int:
+    url: str, cluster: str, message: Message, timeout: float, token: str = "",
+    auth: NatsConnection | None = None,
+) -> int:  # fmt: skip
     """Send ``message`` (``token`` in its ``Rlfleet-Token`` header) to every reward worker of ``cluster``;
     print the replies; return the exit code."""
     from rlfleet.common.control.membership import WorkerRegistry

@@ -10,9 +10,9 @@ controller that joins late learns the running workers) and drops workers that mi
 
 Forgery: the registry takes a message about tier T only from T's own membership subject (which a
 role-permissioned server lets only T's role publish), and an announce only when its reply subject
-is the worker's own (:func:`worker_subject`) or unset (then it is set to that), so requests (and the tokens in their headers) never
-go to a subject an announce made up. Two workers of one role still share a credential: one could
-announce or leave in the other's name (see the README's trust model).
+is the worker's own (:func:`worker_subject`) or unset (then it is set to that), so requests (and
+the tokens in their headers) never go to a subject an announce made up. Two workers of one role
+still share a credential: one could announce or leave in the other's name (README, "Trust model").
 
 ::
 
@@ -105,7 +105,8 @@ class Heartbeater:
         version = self.status().weight_version
         announce = self.announce
         await self.transport.publish(
-            membership_subject(self.cluster, announce.tier), announce.model_copy(update={"weight_version": version})
+            membership_subject(self.cluster, announce.tier),
+            announce.model_copy(update={"weight_version": version}),
         )
 
     async def _on_ping(self, message: AnyMessage) -> Message | None:
@@ -286,7 +287,8 @@ class WorkerRegistry:
                                getattr(message, "kind", "?"), claimed)  # fmt: skip
                 return None
             if isinstance(message, WorkerAnnounce):
-                own = worker_subject(self.cluster, tier, message.worker_id) if _token(message.worker_id) else ""
+                valid = _token(message.worker_id)
+                own = worker_subject(self.cluster, tier, message.worker_id) if valid else ""
                 if not own or message.subject not in ("", own):
                     logger.warning("ignored the announce of %s worker %r: its subject %r is not its own",
                                    tier, message.worker_id[:64], message.subject[:128])  # fmt: skip

@@ -83,7 +83,7 @@ class RunCredentials:
         return NatsConnection(user=role, password=self.passwords[role], inbox_prefix=inbox(role))
 
     def env(self, role: str) -> dict[str, str]:
-        """The same, as the ``RLFLEET_NATS_*`` variables a worker process reads (not argv: ``ps`` shows that)."""
+        """The same, as the ``RLFLEET_NATS_*`` variables a worker reads (not argv: ``ps`` shows argv)."""
         return {"RLFLEET_NATS_USER": role, "RLFLEET_NATS_PASSWORD": self.passwords[role],
                 "RLFLEET_NATS_INBOX_PREFIX": inbox(role)}  # fmt: skip
 

@@ -157,7 +157,7 @@ class _JsonFormatter(logging.Formatter):
 
 
 def parse_service_args(prog: str, argv: Sequence[str] | None) -> argparse.Namespace:
-    """``PROG serve [--config FILE] [--nats URL] [--nats-* ...] [--cluster NAME] [--worker-id ID] [key=value ...]``."""
+    """``PROG serve [--config FILE] [--nats URL] [--nats-*] [--cluster NAME] [--worker-id ID] [k=v ...]``."""
     parser = argparse.ArgumentParser(prog=prog, description=f"run a {prog} worker")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start a worker and join a cluster")
@@ -172,7 +172,7 @@ def parse_service_args(prog: str, argv: Sequence[str] | None) -> argparse.Namesp
 
 
 NATS_FLAGS = {
-    "nats_user": ("user", "NATS user (its password: nats_auth.password in the config or $RLFLEET_NATS_PASSWORD)"),
+    "nats_user": ("user", "NATS user (its password: nats_auth.password or $RLFLEET_NATS_PASSWORD)"),
     "nats_creds": ("creds_file", "NATS .creds file"),
     "nats_nkey": ("nkey_seed_file", "file holding a NATS NKey seed"),
     "nats_ca": ("tls_ca_file", "CA file that signs the NATS server's certificate (TLS)"),

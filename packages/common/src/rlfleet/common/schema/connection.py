@@ -48,8 +48,12 @@ class NatsConnection(ConfigModel):
     """
 
     user: str = Field(default="", description="NATS user name (with password)")
-    password: Secret = Field(default=SecretStr(""), description="NATS password of user (env: RLFLEET_NATS_PASSWORD)")
-    token: Secret = Field(default=SecretStr(""), description="NATS authorization token (env: RLFLEET_NATS_TOKEN)")
+    password: Secret = Field(
+        default=SecretStr(""), description="NATS password of user (env: RLFLEET_NATS_PASSWORD)"
+    )
+    token: Secret = Field(
+        default=SecretStr(""), description="NATS authorization token (env: RLFLEET_NATS_TOKEN)"
+    )
     nkey_seed_file: str = Field(default="", description="file holding an NKey seed (SU...)")
     creds_file: str = Field(default="", description="a .creds file (user JWT and NKey seed)")
     tls: bool = Field(default=False, description="use TLS even without a CA file (system CAs)")
@@ -68,7 +72,7 @@ class NatsConnection(ConfigModel):
         if self.user or _is_set(self.password):
             methods.insert(0, "user/password")
         if len(methods) > 1:
-            raise ValueError(f"NATS credentials: set one of user/password, token, nkey_seed_file, creds_file; "
+            raise ValueError("NATS credentials: set one of user/password, token, nkey_seed_file, creds_file; "
                              f"got {', '.join(methods)}")  # fmt: skip
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("NATS mutual TLS needs both tls_cert_file and tls_key_file")
@@ -144,7 +148,9 @@ class NatsConnection(ConfigModel):
                 key = _readable("tls_key_file", self.tls_key_file)
                 context.load_cert_chain(str(cert), str(key))
         except ssl.SSLError as exc:
-            raise ConfigError("nats_auth.tls_*", "(files)", f"not a usable certificate or key: {exc.reason}") from None
+            raise ConfigError(
+                "nats_auth.tls_*", "(files)", f"not a usable certificate or key: {exc.reason}"
+            ) from None
         return context
 
 
