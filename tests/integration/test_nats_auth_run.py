@@ -1,6 +1,7 @@
 """An embedded run's nats-server, brought up by a real ``GRPOTrainer`` with nothing set by the user.
 
-The run's workers (real processes) connect with their generated role credentials; a client without
+The run's workers (real processes) connect with their generated role credentials (whatever
+``RLFLEET_NATS_*`` the user's shell holds for other clusters); a client without
 credentials cannot connect to the run's server, a rollout-role client (from the run's join file)
 cannot command the trainer, and no password lands in ``config.yaml``, the worker configs, the
 worker logs or ``processes.json``.
@@ -26,7 +27,12 @@ DATA = REPO / "examples" / "data" / "tiny_digits.jsonl"
 
 
 @pytest.mark.timeout(240)
-def test_an_embedded_run_is_locked_by_default(tmp_path: Path, tiny_model_dir: Path, procs) -> None:
+def test_an_embedded_run_is_locked_by_default(
+    tmp_path: Path, tiny_model_dir: Path, procs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # settings of the user's shell for some cluster: an embedded run uses none of them
+    monkeypatch.setenv("RLFLEET_NATS_TOKEN", "a-token-for-another-cluster")
+    monkeypatch.setenv("RLFLEET_NATS_TLS", "true")
     config = TrainerConfig(
         rollout_batch_size=4, train_batch_size=4, group_size=2, max_prompt_length=32, max_response_length=8,
         output_dir=str(tmp_path / "run"), loggers=["jsonl"], sample_table_size=0, device="cpu",
@@ -42,11 +48,12 @@ def test_an_embedded_run_is_locked_by_default(tmp_path: Path, tiny_model_dir: Pa
 
         async def attacks() -> None:
             with pytest.raises(NatsServerError, match="refused"):
-                await NatsTransport.connect(url, name="anon", connect_timeout=3.0, max_reconnect_attempts=0)
+                await NatsTransport.connect(url, name="anon", connect_timeout=3.0, max_reconnect_attempts=0,
+                                            env={})  # fmt: skip
             joined = yaml.safe_load(run.join_config.read_text())
             assert joined["nats_auth"]["user"] == "rollout" and run.join_config.stat().st_mode & 0o077 == 0
             auth = NatsConnection.model_validate(joined["nats_auth"])
-            rollout = await NatsTransport.connect(url, name="intruder", auth=auth)
+            rollout = await NatsTransport.connect(url, name="intruder", auth=auth, env={})
             try:
                 await rollout.publish(
                     worker_subject(trainer.cluster, "trainer", "trainer-0"), Shutdown(reason="x")

@@ -228,15 +228,15 @@ class FleetRun:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.yaml").write_text(self.resolved_config_yaml())
         try:
-            url, auth = cfg.nats_url, cfg.nats_auth
+            url, auth, env = cfg.nats_url, cfg.nats_auth, None
             if url is None:
                 self.launcher = EmbeddedFleet(self.output_dir / "fleet")
                 url = self.launcher.start_nats(self.cluster)
-                auth = self.launcher.connection("controller")
+                auth, env = self.launcher.connection("controller"), {}  # not the shell's RLFLEET_NATS_*
                 self._write_join_config(url)
                 for spec in self.worker_specs():
                     self.launcher.spawn(spec)
-            self.loop.run(self._connect(url, auth))
+            self.loop.run(self._connect(url, auth, env))
             if self.resume_path is not None:
                 self._resume(self.resume_path)
             if cfg.sample_table_size and self.online:
@@ -265,12 +265,12 @@ class FleetRun:
         self.join_config.touch(mode=0o600)
         self.join_config.write_text(yaml.safe_dump(data, sort_keys=False))
 
-    async def _connect(self, url: str, auth: NatsConnection) -> None:
+    async def _connect(self, url: str, auth: NatsConnection, env: dict[str, str] | None = None) -> None:
         from rlfleet.common.control.nats_transport import NatsTransport
 
         cfg = self.config
         self.transport = await NatsTransport.connect(
-            url, name="rlfleet-controller", tier="controller", auth=auth
+            url, name="rlfleet-controller", tier="controller", auth=auth, env=env
         )
         fleet = Fleet(self.transport, self.cluster, request_timeout=cfg.request_timeout_s)
         await fleet.start()

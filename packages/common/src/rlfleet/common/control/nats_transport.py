@@ -132,9 +132,11 @@ class NatsTransport:
         reconnect_jitter: float = 0.25,
         tier: str = "",
         auth: NatsConnection | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> NatsTransport:
         """Connect to ``url`` (or any of several) within ``connect_timeout`` s, with ``auth``'s
-        credentials and TLS (None: only what ``RLFLEET_NATS_*`` says; unset fields are read there).
+        credentials and TLS (None: only what ``RLFLEET_NATS_*`` says; unset fields are read there, or
+        in ``env`` when given: ``{}`` for a connection that must not take anything from the shell).
 
         After a disconnect it retries ``max_reconnect_attempts`` times per server (-1: forever),
         with exponential backoff from ``reconnect_time_wait`` to ``reconnect_max_wait`` s and
@@ -143,7 +145,7 @@ class NatsTransport:
         """
         servers = [url] if isinstance(url, str) else list(url)
         shown = ", ".join(mask_url(s) for s in servers)
-        secure = (auth or NatsConnection()).resolved().connect_options()
+        secure = (auth or NatsConnection()).resolved(env).connect_options()
         transport = cls(nats.NATS(), tier=tier, name=name)
         rng = random.Random()
 
