@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from pydantic import ValidationError
 
@@ -101,6 +103,21 @@ def test_regex_partial_and_full_match() -> None:
 def test_regex_rejects_invalid_pattern() -> None:
     with pytest.raises(ValidationError, match="not a valid regular expression"):
         Regex(pattern="(unclosed")
+
+
+@pytest.mark.timeout(20)
+def test_regex_runs_in_linear_time_on_a_catastrophic_pattern() -> None:
+    """``(a+)+$`` on ``a...ab`` takes exponential time with Python's re (2**40 steps here); RE2 is linear."""
+    start = time.perf_counter()
+    assert Regex(pattern=r"(a+)+$")("p", "a" * 40 + "b") == 0.0
+    assert Regex(pattern=r"(x+x+)+y", full=True)("p", "x" * 100_000) == 0.0
+    assert time.perf_counter() - start < 5.0
+
+
+@pytest.mark.parametrize("pattern", [r"(a)\1", r"(?=a)a", r"(?<!x)y"])
+def test_regex_refuses_what_re2_cannot_match_in_linear_time(pattern: str) -> None:
+    with pytest.raises(ValidationError, match="for RE2 .*no backreferences or lookaround"):
+        Regex(pattern=pattern)
 
 
 @pytest.mark.parametrize(

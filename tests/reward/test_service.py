@@ -34,15 +34,8 @@ CONFIG: dict[str, Any] = {
         "b/short": "concise:max_words=2",
     },
     "tenants": [
-        {"name": "team-a", "token": TOKEN_A, "endpoints": ["a/digits"], "max_batch": 4},
-        {
-            "name": "team-b",
-            "token": TOKEN_B,
-            "endpoints": ["b/short"],
-            "requests_per_s": 1,
-            "burst": 2,
-            "can_update": False,
-        },
+        {"name": "team-a", "token": TOKEN_A, "endpoints": ["a/digits"], "max_batch": 4, "can_update": True},
+        {"name": "team-b", "token": TOKEN_B, "endpoints": ["b/short"], "requests_per_s": 1, "burst": 2},
     ],
     "admin": {"token": ADMIN},
 }

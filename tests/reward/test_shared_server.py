@@ -45,7 +45,8 @@ def shared_server(nats_server: EmbeddedNats, tmp_path: Path, rlfleet_env: dict[s
         "endpoints": {"team-a/digits": "charset:allowed=0123456789",
                       "team-b/short": "0.5*concise:max_words=3 + 0.5*exact_match:key=digits"},
         "tenants": [
-            {"name": "team-a", "token": TOKEN_A, "endpoints": ["team-a/digits"], "requests_per_s": 100},
+            {"name": "team-a", "token": TOKEN_A, "endpoints": ["team-a/digits"], "requests_per_s": 100,
+             "can_update": True},
             {"name": "team-b", "token": TOKEN_B, "endpoints": ["team-b/short"], "max_batch": 256},
         ],
     }  # fmt: skip

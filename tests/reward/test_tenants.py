@@ -37,9 +37,14 @@ def table(clock: Clock | None = None) -> TenantTable:
     return TenantTable(
         [
             TenantConfig(
-                name="a", token="token-of-team-a", endpoints=["a/1"], requests_per_s=2.0, max_batch=8
+                name="a",
+                token="token-of-team-a",
+                endpoints=["a/1"],
+                requests_per_s=2.0,
+                max_batch=8,
+                can_update=True,
             ),
-            TenantConfig(name="b", token_sha256=digest_b, endpoints=["b/1"], can_update=False),
+            TenantConfig(name="b", token_sha256=digest_b, endpoints=["b/1"]),  # can_update: off by default
         ],
         admin=TokenSource(token="the-admin-token"),
         clock=clock or Clock(),

@@ -233,3 +233,48 @@ class BatchTooLarge(RewardError, ValueError):
             f"tenant {tenant!r} sent {samples} samples in one request; its max_batch is {max_batch}: "
             "split the batch"
         )
+
+
+class CodeNotAllowed(RewardError, PermissionError):
+    """A tenant's spec names code to import (``module:function``) that the server does not admit."""
+
+    code = "forbidden"
+
+    def __init__(self, tenant: str, target: str, allowed: Iterable[str]) -> None:
+        self.tenant = tenant
+        self.target = target
+        self.allowed = sorted(allowed)
+        admitted = f"admitted modules: {self.allowed}" if self.allowed else "no module is admitted"
+        super().__init__(
+            f"tenant {tenant!r} may not load code {target!r} on this shared reward server: tenants' specs "
+            f"use built-in rules only ({admitted}; the operator lists modules in allowed_modules)"
+        )
+
+
+class TenantBusy(RewardError, RuntimeError):
+    """A tenant already has ``concurrency`` requests in progress; retry when one finishes."""
+
+    code = "quota_exceeded"
+    retryable = True
+
+    def __init__(self, tenant: str, concurrency: int) -> None:
+        self.tenant = tenant
+        self.concurrency = concurrency
+        super().__init__(
+            f"tenant {tenant!r} already has {concurrency} requests in progress (its concurrency); "
+            "retry when one finishes"
+        )
+
+
+class ForbiddenStore(RewardError, PermissionError):
+    """A tenant's request names a TensorStore address outside the tenant's ``stores``."""
+
+    code = "forbidden"
+
+    def __init__(self, tenant: str, address: str, allowed: Iterable[str]) -> None:
+        self.tenant = tenant
+        self.address = address
+        self.allowed = sorted(allowed)
+        super().__init__(
+            f"tenant {tenant!r} may not fetch rollouts from {address!r}; its stores are {self.allowed}"
+        )

@@ -113,37 +113,59 @@ class Keyword(Rule):
         return found / len(self._patterns)
 
 
+REGEX_MAX_MEM = 8 << 20
+"""Bytes RE2 may use for one compiled pattern (a bigger one is a spec error, not a slow server)."""
+
+
+def compile_re2(
+    pattern: str, *, ignore_case: bool = False, multiline: bool = False, dotall: bool = False
+) -> Any:
+    """``pattern`` compiled by RE2 (matching is linear in the text); ValueError if RE2 cannot compile it.
+
+    RE2 has no backreferences or lookaround (``\\1``, ``(?=...)``, ``(?<!...)``): those patterns
+    are refused with RE2's reason, so a spec from a tenant can never make matching take
+    exponential time.
+    """
+    import re2
+
+    flags = "".join(f for f, on in (("i", ignore_case), ("m", multiline), ("s", dotall)) if on)
+    options = re2.Options()
+    options.log_errors = False
+    options.max_mem = REGEX_MAX_MEM
+    try:
+        return re2.compile(f"(?{flags}){pattern}" if flags else pattern, options)
+    except re2.error as exc:
+        reason = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else exc
+        raise ValueError(f"not a valid regular expression for RE2 ({reason}); RE2 matches in linear "
+                         "time and has no backreferences or lookaround") from None  # fmt: skip
+
+
 class Regex(Rule):
     """1.0 if the response matches ``pattern``, else 0.0.
 
     ``full=True`` requires the whole (stripped, when ``strip``) response to match; otherwise the
-    pattern may match anywhere (``re.search``).
+    pattern may match anywhere (search). Patterns are RE2's syntax (Python's without
+    backreferences and lookaround); matching takes time linear in the response's length.
     """
 
-    pattern: str = Field(description="a Python regular expression")
-    full: bool = Field(default=False, description="the whole response must match (re.fullmatch)")
-    ignore_case: bool = Field(default=False, description="re.IGNORECASE")
-    multiline: bool = Field(default=False, description="re.MULTILINE")
-    dotall: bool = Field(default=False, description="re.DOTALL")
+    pattern: str = Field(description="an RE2 regular expression (no backreferences or lookaround)")
+    full: bool = Field(default=False, description="the whole response must match (fullmatch)")
+    ignore_case: bool = Field(default=False, description="case-insensitive, (?i)")
+    multiline: bool = Field(default=False, description="^ and $ match at line ends, (?m)")
+    dotall: bool = Field(default=False, description=". matches a newline too, (?s)")
     strip: bool = Field(default=True, description="strip surrounding whitespace before matching")
-    _compiled: re.Pattern[str] | None = PrivateAttr(default=None)
+    _compiled: Any = PrivateAttr(default=None)
 
     @field_validator("pattern")
     @classmethod
     def _compiles(cls, pattern: str) -> str:
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ValueError(f"not a valid regular expression: {exc}") from exc
+        compile_re2(pattern)
         return pattern
 
     def model_post_init(self, context: Any, /) -> None:
-        flags = (
-            (re.IGNORECASE if self.ignore_case else 0)
-            | (re.MULTILINE if self.multiline else 0)
-            | (re.DOTALL if self.dotall else 0)
+        self._compiled = compile_re2(
+            self.pattern, ignore_case=self.ignore_case, multiline=self.multiline, dotall=self.dotall
         )
-        self._compiled = re.compile(self.pattern, flags)
 
     def __call__(self, prompt: str, response: str, /, **metadata: Any) -> float:
         assert self._compiled is not None  # set in model_post_init

@@ -10,8 +10,11 @@ Every request names an endpoint and carries a token in its ``Rlfleet-Token`` hea
 (:data:`rlfleet.common.control.transport.TOKEN_HEADER`; a message's own ``token`` field, which clients of
 protocol 1.1 filled, is read when the header is absent). With tenants in the
 config, the token says who is asking (:mod:`rlfleet.reward.tenants`): a tenant scores and reads
-statistics only on its own endpoints, within its quota, and hot-swaps only its own endpoints; the
-admin token may do anything, including creating endpoints. Without tenants the server is open.
+statistics only on its own endpoints, within its quota (rate and concurrency, on every request),
+fetches texts only from its own ``stores``, hot-swaps only its own endpoints (with ``can_update``)
+and only to specs that load no code (:meth:`TenantTable.check_spec`); only the admin token may
+shut a shared server down. The admin token may do anything, including creating endpoints.
+Without tenants the server is open.
 Hot swaps and versions are :mod:`rlfleet.reward.endpoints`' business: a request finishes on the
 version it started with, and its :class:`ScoreResult` names that version.
 """
@@ -30,21 +33,26 @@ from rlfleet.common.control.messages import (
     ScoreRequest,
     ScoreResult,
     SetRewardSpec,
+    Shutdown,
 )
 from rlfleet.common.control.transport import TOKEN_HEADER, request_headers, subject
 from rlfleet.common.control.worker import Worker
 from rlfleet.common.schema.reward import RewardWorkerConfig
-from rlfleet.reward.endpoints import Endpoints
-from rlfleet.reward.tenants import TenantTable
+from rlfleet.reward.endpoints import Endpoints, EndpointVersion
+from rlfleet.reward.errors import ForbiddenOperation
+from rlfleet.reward.registry import parse_reward_spec
+from rlfleet.reward.tenants import Tenant, TenantTable
 
 logger = logging.getLogger(__name__)
 
 TEXT_TENSORS = ["prompt_text", "prompt_text_offsets", "response_text", "response_text_offsets", "group_index"]
+MAX_STORE_CLIENTS = 64
+"""Store connections kept open at once (the least recently used one closes past it)."""
 
 
-def credential(message: SetRewardSpec | ScoreRequest | RewardStatsRequest) -> str:
+def credential(message: AnyMessage) -> str:
     """The token a request carries: its ``Rlfleet-Token`` header, else its body's ``token`` (protocol 1.1)."""
-    return request_headers().get(TOKEN_HEADER) or message.token
+    return request_headers().get(TOKEN_HEADER) or str(getattr(message, "token", "") or "")
 
 
 class RewardWorker(Worker[RewardWorkerConfig]):
@@ -54,10 +62,12 @@ class RewardWorker(Worker[RewardWorkerConfig]):
 
     async def setup(self) -> None:
         cfg = self.config
-        self.tenants = TenantTable(cfg.tenants, admin=cfg.admin)
+        self.tenants = TenantTable(cfg.tenants, admin=cfg.admin, allowed_modules=cfg.allowed_modules,
+                                   max_concurrency=cfg.max_concurrency)  # fmt: skip
         self.endpoints = Endpoints(cfg.state_dir)
         await self.endpoints.start(cfg.endpoints)
         self._clients: dict[str, Any] = {}
+        self._closing: set[asyncio.Task[None]] = set()
         self._saver: asyncio.Task[None] | None = None
         if cfg.state_dir:
             self._saver = asyncio.create_task(self._save_periodically(), name="reward-state-saver")
@@ -69,11 +79,23 @@ class RewardWorker(Worker[RewardWorkerConfig]):
             logger.warning("no tenants configured: every request is accepted (open server)")
         else:
             logger.info("tenants: %s", ", ".join(t.name for t in self.tenants.tenants))
+            for t in self.tenants.tenants:
+                if not t.config.stores:
+                    logger.warning("tenant %s has no stores: its requests may name any TensorStore", t.name)
 
     def announce_fields(self) -> dict[str, object]:
         # Announces are seen by anyone on the cluster: endpoint names are listed only on an open server.
         endpoints = ",".join(self.endpoints.names()) if self.tenants.open else ""
         return {"capacity": self.config.max_concurrency, "model_id": endpoints}
+
+    async def _on_own(self, message: AnyMessage) -> AnyMessage | None:
+        # Shutdown is the base class's business, but on a shared server only the admin may ask for it.
+        if isinstance(message, Shutdown) and not self.tenants.is_admin(credential(message)):
+            tenant = self.tenants.identify(credential(message), "shut the reward server down")
+            who = tenant.name if tenant is not None else "caller"
+            logger.warning("refused shutdown from %s: it needs the admin token", who)
+            raise ForbiddenOperation(who, "shut the reward server down (it needs the admin token)")
+        return await super()._on_own(message)
 
     async def handle_own(self, message: AnyMessage) -> AnyMessage | None:
         if isinstance(message, SetRewardSpec):
@@ -94,10 +116,14 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         name = message.endpoint
         tenant = self.tenants.identify(credential(message), f"set the reward of {name!r}")
         self.tenants.check_update(tenant, name)
-        old, new, seconds = await self.endpoints.swap(
-            name, spec=message.spec, model_path=message.model_path, component=message.component,
-            scaler=message.scaler, scaler_state=message.scaler_state,
-        )  # fmt: skip
+        self.tenants.take_request(tenant)
+        if tenant is not None and message.spec is not None:
+            self.tenants.check_spec(tenant, parse_reward_spec(message.spec))
+        with self.tenants.slot(tenant):
+            old, new, seconds = await self.endpoints.swap(
+                name, spec=message.spec, model_path=message.model_path, component=message.component,
+                scaler=message.scaler, scaler_state=message.scaler_state,
+            )  # fmt: skip
         who = self.tenants.label(tenant, self.tenants.open) or "open"
         logger.info("endpoint %s: version %s set by %s", name, new.version, who)
         return RewardSpecSet(endpoint=name, spec_version=new.version, spec=str(new.reward.spec),
@@ -110,9 +136,20 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         self.tenants.check_endpoint(tenant, name)
         live = self.endpoints.get(name, self.tenants.visible(tenant, self.endpoints.names()))
         self.tenants.take_request(tenant)
+        self.tenants.check_store(tenant, request.rollout.address)
+        with self.tenants.slot(tenant):
+            return await self._score_on(request, live, tenant)
+
+    async def _score_on(
+        self, request: ScoreRequest, live: EndpointVersion, tenant: Tenant | None
+    ) -> ScoreResult:
+        name = request.endpoint
         self.busy += 1
         done = False
         try:
+            if tenant is not None and tenant.config.max_batch is not None:  # before any text is fetched
+                counted = await self._client(request.rollout.address).fetch(request.rollout, ["group_index"])
+                self.tenants.check_batch(tenant, int(counted["group_index"].numel()))
             prompts, responses, groups = await self._texts(request)
             self.tenants.check_batch(tenant, len(responses))
             metadata = [dict(request.metadata[g]) if g < len(request.metadata) else {} for g in groups]
@@ -131,6 +168,7 @@ class RewardWorker(Worker[RewardWorkerConfig]):
     def stats(self, request: RewardStatsRequest) -> RewardStats:
         """Statistics of the endpoints the token may see (one, when the request names it)."""
         tenant = self.tenants.identify(credential(request), "read reward statistics")
+        self.tenants.take_request(tenant)
         names = self.tenants.visible(tenant, self.endpoints.names())
         if request.endpoint:
             self.tenants.check_endpoint(tenant, request.endpoint)
@@ -146,16 +184,27 @@ class RewardWorker(Worker[RewardWorkerConfig]):
 
     async def _texts(self, request: ScoreRequest) -> tuple[list[str], list[str], list[int]]:
         from rlfleet.common.schema.batch import unpack_texts
-        from rlfleet.common.tensors.store import TensorStoreClient
 
-        address = request.rollout.address
-        client = self._clients.get(address)
-        if client is None:
-            client = self._clients[address] = TensorStoreClient(address)
-        got = await client.fetch(request.rollout, names=TEXT_TENSORS)
+        got = await self._client(request.rollout.address).fetch(request.rollout, names=TEXT_TENSORS)
         prompts = unpack_texts(got["prompt_text"], got["prompt_text_offsets"])
         responses = unpack_texts(got["response_text"], got["response_text_offsets"])
         return prompts, responses, [int(g) for g in got["group_index"].tolist()]
+
+    def _client(self, address: str) -> Any:
+        """The TensorStoreClient of ``address`` (kept open; the least recently used closes past the cap)."""
+        from rlfleet.common.tensors.store import TensorStoreClient
+
+        client = self._clients.pop(address, None)
+        if client is None:
+            client = TensorStoreClient(address)
+            while len(self._clients) >= MAX_STORE_CLIENTS:
+                oldest = next(iter(self._clients))
+                stale = self._clients.pop(oldest)
+                task = asyncio.create_task(stale.close(), name=f"close-store-client-{oldest}")
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+        self._clients[address] = client  # last: most recently used
+        return client
 
     async def _save_periodically(self) -> None:
         while True:

@@ -1,7 +1,12 @@
-"""Tenants of a shared reward server: who may score on which endpoint, and how fast.
+"""Tenants of a shared reward server: who may score on which endpoint, how fast, and with what code.
 
-A tenant has a name, an API token, a quota (``requests_per_s`` with a ``burst``, and
-``max_batch`` samples per request) and the endpoints it may use. A token is given in the config as
+A tenant has a name, an API token, a quota (``requests_per_s`` with a ``burst`` over every
+request it sends, ``max_batch`` samples per request, ``concurrency`` requests at once), the
+endpoints it may use and the TensorStore addresses (``stores``) its requests may name. A tenant
+never runs code on the server: a spec it sets may name built-in rules only, or functions of the
+modules the operator lists in ``allowed_modules`` (:meth:`TenantTable.check_spec`). The
+concurrency caps default to an even split of the server's ``max_concurrency``, so a tenant within
+its quota cannot take every slot from the others. A token is given in the config as
 ``token`` (plain), ``token_sha256`` (its hex digest, so the config holds no secret) or
 ``token_env`` (the name of an environment variable, read when the server starts).
 
@@ -14,23 +19,29 @@ naming the tenant, never the token.
 
 from __future__ import annotations
 
+import fnmatch
 import hmac
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from rlfleet.common.schema.reward import TenantConfig, TokenSource, token_digest
 from rlfleet.reward.errors import (
     BatchTooLarge,
+    CodeNotAllowed,
     ForbiddenEndpoint,
     ForbiddenOperation,
+    ForbiddenStore,
     InvalidToken,
     MissingToken,
     QuotaExceeded,
+    TenantBusy,
 )
+from rlfleet.reward.spec import RewardSpec
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +78,13 @@ class TokenBucket:
 
 @dataclass
 class Tenant:
-    """A tenant as the server holds it: config, token digest, quota bucket and refusal counts."""
+    """A tenant as the server holds it: config, token digest, quota bucket, slots and refusal counts."""
 
     config: TenantConfig
     digest: bytes
     bucket: TokenBucket | None
+    concurrency: int
+    in_flight: int = 0
     refused: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -88,14 +101,24 @@ class TenantTable:
         *,
         admin: TokenSource | None = None,
         clock: Callable[[], float] = time.monotonic,
+        allowed_modules: Iterable[str] = (),
+        max_concurrency: int = 4,
     ) -> None:
+        configs = list(tenants)
+        share = max(1, max_concurrency // max(1, len(configs)))
+        self.allowed_modules = frozenset(allowed_modules)
         self.tenants: list[Tenant] = []
-        for cfg in tenants:
+        for cfg in configs:
             bucket = None
             if cfg.requests_per_s is not None:
                 capacity = float(cfg.burst or max(1, math.ceil(cfg.requests_per_s)))
                 bucket = TokenBucket(cfg.requests_per_s, capacity, clock)
-            self.tenants.append(Tenant(cfg, cfg.digest(f"tenant {cfg.name!r}"), bucket))
+            slots = cfg.concurrency or share
+            self.tenants.append(Tenant(cfg, cfg.digest(f"tenant {cfg.name!r}"), bucket, slots))
+        if sum(t.concurrency for t in self.tenants) > max_concurrency:
+            logger.warning("the tenants' concurrency caps add up to more than max_concurrency (%d): a busy "
+                           "tenant can delay the others' requests", max_concurrency)  # fmt: skip
+        self._slots_lock = threading.Lock()
         self.admin_digest = admin.digest("admin token") if admin is not None else None
         digests = [t.digest for t in self.tenants] + ([self.admin_digest] if self.admin_digest else [])
         if len(set(digests)) != len(digests):
@@ -153,8 +176,47 @@ class TenantTable:
             error = ForbiddenOperation(tenant.name, f"update the reward of {endpoint!r}")
             raise self._refuse(tenant, error, error.code)
 
+    def check_spec(self, tenant: Tenant | None, spec: RewardSpec) -> None:
+        """Raise :class:`CodeNotAllowed` if ``tenant`` (None: admin/open) names code to import in ``spec``.
+
+        ``module:function`` components are the only spec form that imports by name (rules and
+        model components are built-ins; model directories load with ``local_files_only`` and no
+        remote code). A tenant may name functions of ``allowed_modules`` (exact module names).
+        """
+        if tenant is None:
+            return
+        for comp in spec.components:
+            if comp.is_user_function and comp.name.partition(":")[0] not in self.allowed_modules:
+                error = CodeNotAllowed(tenant.name, comp.name, self.allowed_modules)
+                raise self._refuse(tenant, error, "code_not_allowed")
+
+    def check_store(self, tenant: Tenant | None, address: str) -> None:
+        """Raise :class:`ForbiddenStore` unless ``address`` matches one of the tenant's ``stores`` globs."""
+        if tenant is None or not tenant.config.stores:
+            return
+        if not any(fnmatch.fnmatchcase(address, pattern) for pattern in tenant.config.stores):
+            error = ForbiddenStore(tenant.name, address, tenant.config.stores)
+            raise self._refuse(tenant, error, "forbidden_store")
+
+    @contextmanager
+    def slot(self, tenant: Tenant | None) -> Iterator[None]:
+        """Hold one of the tenant's ``concurrency`` slots; :class:`TenantBusy` when all are taken."""
+        if tenant is None:
+            yield
+            return
+        with self._slots_lock:
+            if tenant.in_flight >= tenant.concurrency:
+                error = TenantBusy(tenant.name, tenant.concurrency)
+                raise self._refuse(tenant, error, "tenant_busy")
+            tenant.in_flight += 1
+        try:
+            yield
+        finally:
+            with self._slots_lock:
+                tenant.in_flight -= 1
+
     def take_request(self, tenant: Tenant | None) -> None:
-        """Count one request against the tenant's rate; raise :class:`QuotaExceeded` when over it."""
+        """Count one request (of any kind) against the tenant's rate; :class:`QuotaExceeded` when over it."""
         if tenant is None or tenant.bucket is None:
             return
         wait = tenant.bucket.take()

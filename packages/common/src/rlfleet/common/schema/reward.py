@@ -97,11 +97,23 @@ class TenantConfig(TokenSource):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="tenant name (logs, stats)")
     endpoints: list[str] = Field(default_factory=list, description="endpoints this tenant may use")
     requests_per_s: float | None = Field(
-        default=None, gt=0, description="score requests per second; None: no cap"
-    )
+        default=None, gt=0, allow_inf_nan=False,
+        description="requests per second, of every kind (score, set spec, stats); None: no cap",
+    )  # fmt: skip
     burst: int | None = Field(default=None, ge=1, description="requests allowed at once; None: max(1, rate)")
     max_batch: int | None = Field(default=None, ge=1, description="samples per request; None: no cap")
-    can_update: bool = Field(default=True, description="may hot-swap the reward of its own endpoints")
+    concurrency: int | None = Field(
+        default=None, ge=1,
+        description="this tenant's requests handled at once; None: the server's max_concurrency / tenants",
+    )  # fmt: skip
+    stores: list[str] = Field(
+        default_factory=list,
+        description="TensorStore addresses (host:port globs, e.g. '10.0.1.*:*') its requests may name; "
+        "empty: any",
+    )
+    can_update: bool = Field(
+        default=False, description="may hot-swap the reward of its own endpoints (rule specs only)"
+    )
 
 
 class RewardWorkerConfig(ServiceConfig):
@@ -118,6 +130,11 @@ class RewardWorkerConfig(ServiceConfig):
         default=None, description="the operators' token (token / token_sha256 / token_env)"
     )
     max_concurrency: int = Field(default=4, ge=1, description="score requests handled at once")
+    allowed_modules: list[str] = Field(
+        default_factory=list,
+        description="modules whose functions a tenant's spec may name ('module:function'); "
+        "empty: tenants may use built-in rules only",
+    )
     state_dir: str | None = Field(default=None, description="keep endpoint specs and scaler statistics here")
     state_save_s: float = Field(default=30.0, gt=0, description="seconds between saves of the state")
 
