@@ -40,7 +40,7 @@ from rlfleet.common.control.transport import subject
 from rlfleet.common.control.worker import Worker
 from rlfleet.common.schema.batch import pack_texts, pad_left, pad_right
 from rlfleet.common.schema.rollout import RolloutWorkerConfig
-from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer
+from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer, worker_client, worker_store
 from rlfleet.rollout.catch_up import catch_up
 from rlfleet.rollout.engines.base import Completion
 from rlfleet.rollout.engines.registry import make_engine, resolve_engine_name
@@ -118,9 +118,9 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         )  # fmt: skip
         self.weight_version = self.engine.weight_version
         self.gpu_uuids: list[str] = list(getattr(self.engine, "gpu_uuids", []))
-        self.store = TensorStoreServer(capacity_bytes=int(cfg.results_store_mb * 2**20),
-                                       ttl_s=cfg.store_ttl_s)  # fmt: skip
-        self.data_address = await self.store.start()
+        capacity = int(cfg.results_store_mb * 2**20)
+        self.store: TensorStoreServer = await worker_store(cfg, capacity_bytes=capacity, ttl_s=cfg.store_ttl_s)  # noqa: E501
+        self.data_address = self.store.address
         self._clients: dict[str, TensorStoreClient] = {}
         self._gpu = asyncio.Lock()  # one engine call at a time: generation and weight loads never overlap
         # late join: hold the trainer's current version before the first announce (never serve stale)
@@ -197,7 +197,7 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
             for ref in message.buckets if carrier == "grpc" else ():
                 client = self._clients.get(ref.address)
                 if client is None:
-                    client = self._clients[ref.address] = TensorStoreClient(ref.address)
+                    client = self._clients[ref.address] = worker_client(ref.address, self.config)
                 bucket = await client.fetch(ref)
                 await asyncio.to_thread(self.engine.load_weights, bucket)
             self.engine.set_weight_version(message.weight_version)

@@ -78,7 +78,8 @@ from rlfleet.common.schema.trainer import (
     model_fingerprint,
     resolve_precision,
 )
-from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer
+from rlfleet.common.schema.worker import TensorPlaneSettings
+from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer, worker_client, worker_store
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.algorithms import dpo_family, ppo_family
 from rlfleet.trainer.checkpoint import check_contained, confine, load_checkpoint, save_checkpoint
@@ -171,7 +172,8 @@ def build_models(cfg: TrainerWorkerConfig) -> tuple[DistContext, Actor, Critic |
 class StoreClients:
     """One TensorStore client per address this rank fetches rollouts from (rank 0 and followers alike)."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: TensorPlaneSettings | None = None) -> None:
+        self._settings = settings or TensorPlaneSettings()
         self._clients: dict[str, TensorStoreClient] = {}
 
     async def fetch(self, refs: Sequence[TensorRef]) -> list[dict[str, torch.Tensor]]:
@@ -181,7 +183,7 @@ class StoreClients:
     def _client(self, address: str) -> TensorStoreClient:
         client = self._clients.get(address)
         if client is None:
-            client = self._clients[address] = TensorStoreClient(address)
+            client = self._clients[address] = worker_client(address, self._settings)
         return client
 
     async def close(self) -> None:
@@ -258,9 +260,10 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
         self.channel = CommandChannel(self.dist)  # to trainer ranks 1..W-1 (see the module docstring)
         self.fingerprint = model_fingerprint(cfg.model_path)
         self.weight_version = 0
-        self.store = TensorStoreServer(capacity_bytes=int(cfg.weights_store_mb * 2**20), ttl_s=7 * 24 * 3600)
-        self.data_address = await self.store.start()
-        self.stores = StoreClients()  # the rollout workers' stores this rank fetches from
+        capacity = int(cfg.weights_store_mb * 2**20)
+        self.store: TensorStoreServer = await worker_store(cfg, capacity_bytes=capacity, ttl_s=7 * 24 * 3600)
+        self.data_address = self.store.address
+        self.stores = StoreClients(cfg)  # the rollout workers' stores this rank fetches from
         self._published: list[TensorRef] = []
         self._shared: list[IpcBucket] = []  # the current version by CUDA IPC, when it was asked for
         self._shared_buffers: list[dict[str, torch.Tensor]] = []  # kept alive for the receivers

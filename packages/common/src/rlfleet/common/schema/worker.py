@@ -4,6 +4,8 @@
 it. :class:`Placement` says where a process computes and how its randomness is seeded: the job's
 ``device`` and ``seed`` reach each worker the launcher starts. :class:`ServiceConfig` is the base of
 every tier's worker config; :class:`ModelWorkerConfig` adds the model a trainer or rollout worker holds.
+:class:`TensorPlaneSettings` says where a worker's TensorStore listens, the address it advertises
+in its refs, and the TLS files of the tensor plane.
 """
 
 from __future__ import annotations
@@ -43,7 +45,25 @@ class Placement(ConfigModel):
     seed: int = Field(default=42, description="seed for data order, sampling, init and shuffling")
 
 
-class ServiceConfig(FleetAddress, Placement):
+class TensorPlaneSettings(ConfigModel):
+    """Where a worker's TensorStore listens and what it advertises; TLS on the tensor plane."""
+
+    bind_host: str = Field(
+        default="127.0.0.1", description="interface the worker's TensorStore listens on (0.0.0.0: all)"
+    )
+    advertise_host: str = Field(
+        default="",
+        description="host name or IP other tiers reach the store by, put in every ref it hands out; "
+        "empty: bind_host (this machine's hostname when bind_host is a wildcard)",
+    )
+    tensor_tls_cert: str = Field(default="", description="PEM certificate the TensorStore serves TLS with")
+    tensor_tls_key: str = Field(default="", description="PEM private key of tensor_tls_cert")
+    tensor_tls_ca: str = Field(
+        default="", description="PEM CA this worker trusts for other tiers' TensorStores; empty: plain TCP"
+    )
+
+
+class ServiceConfig(FleetAddress, Placement, TensorPlaneSettings):
     """Settings every worker process takes; an unset NATS URL or cluster is the default one."""
 
     @model_validator(mode="before")

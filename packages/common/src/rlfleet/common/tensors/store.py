@@ -4,14 +4,45 @@ The data plane of rlfleet: a producer stores a dict of tensors under a key
 (:meth:`TensorStoreServer.put_local` in its own process, or :meth:`TensorStoreClient.put`), sends
 the :class:`TensorRef` over the control plane, and a consumer streams the tensors straight from
 the producer's store with :meth:`TensorStoreClient.fetch`; the controller never holds the bytes.
+
+:func:`worker_store` and :func:`worker_client` build both ends from a worker's
+:class:`~rlfleet.common.schema.worker.TensorPlaneSettings` (bind and advertised host, TLS files).
 """
 
 from __future__ import annotations
 
 from rlfleet.common.schema.refs import TensorRef
+from rlfleet.common.schema.worker import TensorPlaneSettings
 from rlfleet.common.tensors.client import TensorStoreClient
 from rlfleet.common.tensors.local import LocalTensorStore, StoreStat, TensorInfo
 from rlfleet.common.tensors.server import TensorStoreServer
+
+
+async def worker_store(
+    settings: TensorPlaneSettings, *, capacity_bytes: int, ttl_s: float
+) -> TensorStoreServer:
+    """A worker's TensorStore, started on its ``bind_host`` and advertising ``advertise_host``."""
+    store = TensorStoreServer(
+        capacity_bytes=capacity_bytes,
+        ttl_s=ttl_s,
+        tls_cert=settings.tensor_tls_cert,
+        tls_key=settings.tensor_tls_key,
+    )
+    await store.start(host=settings.bind_host, advertise_host=settings.advertise_host)
+    return store
+
+
+def worker_client(address: str, settings: TensorPlaneSettings) -> TensorStoreClient:
+    """A client for another tier's store, speaking TLS when the worker trusts a CA (``tensor_tls_ca``)."""
+    if not settings.tensor_tls_ca:
+        return TensorStoreClient(address)
+    return TensorStoreClient(
+        address,
+        tls_ca=settings.tensor_tls_ca,
+        tls_cert=settings.tensor_tls_cert,
+        tls_key=settings.tensor_tls_key,
+    )
+
 
 __all__ = [
     "LocalTensorStore",
@@ -20,4 +51,6 @@ __all__ = [
     "TensorRef",
     "TensorStoreClient",
     "TensorStoreServer",
+    "worker_client",
+    "worker_store",
 ]
