@@ -10,6 +10,8 @@ Bulk data never rides here: messages carry :class:`TensorRef` s to the gRPC tens
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -437,13 +439,19 @@ def encode(message: Message, *, limit: int = MAX_MESSAGE_BYTES) -> bytes:
 def decode(data: bytes | str) -> AnyMessage:
     """Read one message off the wire.
 
-    Raises :class:`MessageDecodeError` for anything that is not a message of a known kind and
-    :class:`ProtocolMismatch` for a message of another MAJOR version; nothing else.
+    Raises :class:`MessageDecodeError` for anything that is not a message of a known kind (including
+    bytes that are not UTF-8, ``NaN``/``Infinity``, integers over Python's 4300-digit limit and
+    nesting too deep to parse) and :class:`ProtocolMismatch` for a message of another MAJOR
+    version; nothing else.
     """
     try:
-        raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise MessageDecodeError(f"not JSON ({exc.__class__.__name__})") from None
+        if isinstance(data, str):
+            data = data.encode()
+        raw = json.loads(data, parse_constant=_no_constant, parse_float=_finite)
+    except (ValueError, TypeError, RecursionError) as exc:  # bad UTF-8 or JSON, a huge integer, too deep
+        raise MessageDecodeError(f"not JSON ({exc.__class__.__name__}: {str(exc)[:120]})") from None
+    if _SURROGATE_ESCAPE.search(data) and _has_lone_surrogate(raw):  # no reply could echo such a text
+        raise MessageDecodeError("a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), not Unicode text")
     if not isinstance(raw, dict):
         raise MessageDecodeError(f"expected a JSON object, got {type(raw).__name__}")
     check_protocol(raw.get("protocol"))
@@ -451,6 +459,40 @@ def decode(data: bytes | str) -> AnyMessage:
         return MESSAGES.validate_python(raw)
     except (ValidationError, RecursionError) as exc:
         raise MessageDecodeError(_summarize(exc)) from None
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(raw: object) -> bool:
+    """Whether any string (key or value) in ``raw`` cannot be written as UTF-8."""
+    stack = [raw]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return True
+    return False
+
+
+def _finite(text: str) -> float:
+    """A JSON number as a float, refusing one that overflows to infinity (``1e999``)."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text[:40]} overflows a float")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    """``NaN`` / ``Infinity`` are not JSON; no message carries them (our encoder writes null)."""
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _summarize(exc: Exception) -> str:
