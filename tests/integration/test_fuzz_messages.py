@@ -77,7 +77,8 @@ DEEP = "[" * 3000 + "]" * 3000
 BIG_LIST = "[" + ",".join(["0"] * 400_000) + "]"  # ~800 KB, under nats-server's 1 MiB max_payload
 HOSTILE_LITERALS = [
     HUGE_INT, "-" + HUGE_INT, "1e999", "-1e999", "NaN", "Infinity", "-Infinity", DEEP, BIG_LIST,
-    '"\\ud800"', '"\\udfff tail"', "null", "true", "[]", "{}", '""', '"x"', "-1", "0", str(2**63), str(-(2**64)),
+    '"\\ud800"', '"\\udfff tail"', "null", "true", "[]", "{}", '""', '"x"', "-1", "0",
+    str(2**63), str(-(2**64)),
     "3.5", '{"kind": "shutdown"}', '[[[[[[[[[[1]]]]]]]]]]', '"' + "a" * 200_000 + '"',
 ]  # fmt: skip
 BIG = {HUGE_INT, "-" + HUGE_INT, DEEP, BIG_LIST, HOSTILE_LITERALS[-1]}
