@@ -335,6 +335,15 @@ class TensorStoreTimeout(TensorError, TimeoutError):
         super().__init__(f"TensorStore {method} at {address} did not finish within its {timeout:g}s deadline")
 
 
+class WrongMessageKind(UserError, ValueError):
+    """A well-formed message of a kind this subject does not take (``bad_request``)."""
+
+    def __init__(self, where: str, kind: str) -> None:
+        self.where = where
+        self.kind = kind
+        super().__init__(f"{where} does not take {kind!r} messages")
+
+
 class BatchContractError(UserError, ValueError):
     """A rollout batch breaks the tensor contract (a field missing, of the wrong dtype or shape)."""
 

@@ -37,6 +37,7 @@ from rlfleet.common.control.messages import (
 )
 from rlfleet.common.control.transport import TOKEN_HEADER, request_headers, subject
 from rlfleet.common.control.worker import Worker
+from rlfleet.common.errors import WrongMessageKind
 from rlfleet.common.schema.reward import RewardWorkerConfig
 from rlfleet.reward.endpoints import Endpoints, EndpointVersion
 from rlfleet.reward.errors import ForbiddenOperation
@@ -108,7 +109,7 @@ class RewardWorker(Worker[RewardWorkerConfig]):
 
     async def _on_score(self, message: AnyMessage) -> AnyMessage | None:
         if not isinstance(message, ScoreRequest):
-            raise ValueError(f"reward.score takes score requests, got {message.kind!r}")
+            raise WrongMessageKind("reward.score", message.kind)
         return await self.score(message)
 
     async def set_spec(self, message: SetRewardSpec) -> RewardSpecSet:
@@ -192,11 +193,11 @@ class RewardWorker(Worker[RewardWorkerConfig]):
 
     def _client(self, address: str) -> Any:
         """The TensorStoreClient of ``address`` (kept open; the least recently used closes past the cap)."""
-        from rlfleet.common.tensors.store import TensorStoreClient
+        from rlfleet.common.tensors.store import worker_client
 
         client = self._clients.pop(address, None)
         if client is None:
-            client = TensorStoreClient(address)
+            client = worker_client(address, self.config)
             while len(self._clients) >= MAX_STORE_CLIENTS:
                 oldest = next(iter(self._clients))
                 stale = self._clients.pop(oldest)

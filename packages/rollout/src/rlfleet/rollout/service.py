@@ -38,6 +38,7 @@ from rlfleet.common.control.messages import (
 )
 from rlfleet.common.control.transport import subject
 from rlfleet.common.control.worker import Worker
+from rlfleet.common.errors import WrongMessageKind
 from rlfleet.common.schema.batch import pack_texts, pad_left, pad_right
 from rlfleet.common.schema.rollout import RolloutWorkerConfig
 from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer, worker_client, worker_store
@@ -142,7 +143,7 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
 
     async def _on_generate(self, message: AnyMessage) -> AnyMessage:
         if not isinstance(message, GenerateRequest):
-            raise ValueError(f"rollout.generate takes generate requests, got {message.kind!r}")
+            raise WrongMessageKind("rollout.generate", message.kind)
         return await self.generate(message)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:

@@ -28,6 +28,7 @@ from rlfleet.common.control.messages import (
     WorkerAnnounce,
 )
 from rlfleet.common.control.transport import Transport, worker_subject
+from rlfleet.common.errors import WrongMessageKind
 from rlfleet.common.schema.connection import NatsConnection
 from rlfleet.common.schema.worker import ServiceConfig
 
@@ -107,7 +108,7 @@ class Worker(Generic[C]):
 
     async def handle_own(self, message: AnyMessage) -> AnyMessage | None:
         """Messages addressed to this worker alone (besides Shutdown)."""
-        raise ValueError(f"{self.tier} worker does not handle {message.kind!r} messages")
+        raise WrongMessageKind(f"{self.tier} worker {self.worker_id}", message.kind)
 
     def request_stop(self) -> None:
         self._stopped.set()
