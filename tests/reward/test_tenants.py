@@ -19,7 +19,8 @@ from rlfleet.reward.errors import (
     MissingToken,
     QuotaExceeded,
 )
-from rlfleet.reward.tenants import TenantConfig, TenantTable, TokenBucket, TokenSource
+from rlfleet.reward.quota_store import TokenBucket
+from rlfleet.reward.tenants import TenantConfig, TenantTable, TokenSource
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "reward.yaml"
 
@@ -85,20 +86,20 @@ def test_endpoint_rights_and_visibility() -> None:
     assert t.visible(None, ["b/1", "a/1"]) == ["a/1", "b/1"]
 
 
-def test_quota_is_a_token_bucket() -> None:
+async def test_quota_is_a_token_bucket() -> None:
     clock = Clock()
     t = table(clock)
     a = t.identify("token-of-team-a", "x")
-    t.take_request(a)
-    t.take_request(a)  # burst = ceil(2/s) = 2
+    await t.take_request(a)
+    await t.take_request(a)  # burst = ceil(2/s) = 2
     with pytest.raises(QuotaExceeded, match="retry in 0.50s") as over:
-        t.take_request(a)
+        await t.take_request(a)
     assert over.value.code == "quota_exceeded" and over.value.retryable
     clock.now += 0.5
-    t.take_request(a)
+    await t.take_request(a)
     b = t.identify("token-of-team-b", "x")
     for _ in range(100):
-        t.take_request(b)  # no rate set: no cap
+        await t.take_request(b)  # no rate set: no cap
 
 
 def test_bucket_refills_up_to_its_capacity_only() -> None:

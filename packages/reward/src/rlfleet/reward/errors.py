@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from rlfleet.common.errors import UserError
+from rlfleet.common.errors import Failure, UserError
 
 
 class RewardError(UserError):
@@ -217,6 +217,38 @@ class QuotaExceeded(RewardError, RuntimeError):
         super().__init__(
             f"tenant {tenant!r} is over its quota of {requests_per_s:g} requests/s; "
             f"retry in {retry_after_s:.2f}s"
+        )
+
+
+class QuotaStoreMissing(RewardError, RuntimeError):
+    """``quota_store: nats`` but the NATS server offers no usable JetStream key-value bucket (at start)."""
+
+    def __init__(self, bucket: str, reason: str) -> None:
+        self.bucket = bucket
+        self.reason = reason
+        super().__init__(
+            f"tenant quotas are shared through the JetStream key-value bucket {bucket!r} (quota_store: "
+            f"nats), but {reason}; enable JetStream on the NATS server (nats-server -js, or a jetstream "
+            "{} block, for the reward server's account and user), or set quota_store: process to count "
+            "each replica alone (a single replica only)"
+        )
+
+
+class QuotaStoreUnavailable(Failure, ConnectionError):
+    """The shared quota bucket did not answer while a request was counted; the request is not served.
+
+    A runtime failure, not a tenant's mistake (so not a :class:`RewardError`); retryable.
+    """
+
+    code = "unavailable"
+    retryable = True
+
+    def __init__(self, bucket: str, reason: str) -> None:
+        self.bucket = bucket
+        self.reason = reason
+        super().__init__(
+            f"the shared quota store (JetStream key-value bucket {bucket!r}) is unreachable: {reason}; "
+            "the request was not served, retry"
         )
 
 

@@ -10,7 +10,8 @@ Every request names an endpoint and carries a token in its ``Rlfleet-Token`` hea
 (:data:`rlfleet.common.control.transport.TOKEN_HEADER`; a message's own ``token`` field, which clients of
 protocol 1.1 filled, is read when the header is absent). With tenants in the
 config, the token says who is asking (:mod:`rlfleet.reward.tenants`): a tenant scores and reads
-statistics only on its own endpoints, within its quota (rate and concurrency, on every request),
+statistics only on its own endpoints, within its quota (rate and concurrency, on every request;
+the rate counted in a bucket all replicas share, :mod:`rlfleet.reward.quota_store`),
 fetches texts only from its own ``stores``, hot-swaps only its own endpoints (with ``can_update``)
 and only to specs that load no code (:meth:`TenantTable.check_spec`); only the admin token may
 shut a shared server down. The admin token may do anything, including creating endpoints.
@@ -41,6 +42,7 @@ from rlfleet.common.errors import WrongMessageKind
 from rlfleet.common.schema.reward import RewardWorkerConfig
 from rlfleet.reward.endpoints import Endpoints, EndpointVersion
 from rlfleet.reward.errors import ForbiddenOperation
+from rlfleet.reward.quota_store import open_quotas
 from rlfleet.reward.registry import parse_reward_spec
 from rlfleet.reward.tenants import Tenant, TenantTable
 
@@ -64,7 +66,8 @@ class RewardWorker(Worker[RewardWorkerConfig]):
     async def setup(self) -> None:
         cfg = self.config
         self.tenants = TenantTable(cfg.tenants, admin=cfg.admin, allowed_modules=cfg.allowed_modules,
-                                   max_concurrency=cfg.max_concurrency)  # fmt: skip
+                                   max_concurrency=cfg.max_concurrency,
+                                   quotas=await open_quotas(cfg, self.transport))  # fmt: skip
         self.endpoints = Endpoints(cfg.state_dir)
         await self.endpoints.start(cfg.endpoints)
         self._clients: dict[str, Any] = {}
@@ -104,7 +107,7 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         if isinstance(message, ScoreRequest):
             return await self.score(message)
         if isinstance(message, RewardStatsRequest):
-            return self.stats(message)
+            return await self.stats(message)
         return await super().handle_own(message)
 
     async def _on_score(self, message: AnyMessage) -> AnyMessage | None:
@@ -117,7 +120,7 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         name = message.endpoint
         tenant = self.tenants.identify(credential(message), f"set the reward of {name!r}")
         self.tenants.check_update(tenant, name)
-        self.tenants.take_request(tenant)
+        await self.tenants.take_request(tenant)
         if tenant is not None and message.spec is not None:
             self.tenants.check_spec(tenant, parse_reward_spec(message.spec))
         with self.tenants.slot(tenant):
@@ -136,7 +139,7 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         tenant = self.tenants.identify(credential(request), f"score on {name!r}")
         self.tenants.check_endpoint(tenant, name)
         live = self.endpoints.get(name, self.tenants.visible(tenant, self.endpoints.names()))
-        self.tenants.take_request(tenant)
+        await self.tenants.take_request(tenant)
         self.tenants.check_store(tenant, request.rollout.address)
         with self.tenants.slot(tenant):
             return await self._score_on(request, live, tenant)
@@ -166,10 +169,10 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         return ScoreResult(job_id=request.job_id, endpoint=name, spec_version=live.version, scores=scores,
                            components=batch.components, raw_scores=raw if live.scaler else [])  # fmt: skip
 
-    def stats(self, request: RewardStatsRequest) -> RewardStats:
+    async def stats(self, request: RewardStatsRequest) -> RewardStats:
         """Statistics of the endpoints the token may see (one, when the request names it)."""
         tenant = self.tenants.identify(credential(request), "read reward statistics")
-        self.tenants.take_request(tenant)
+        await self.tenants.take_request(tenant)
         names = self.tenants.visible(tenant, self.endpoints.names())
         if request.endpoint:
             self.tenants.check_endpoint(tenant, request.endpoint)

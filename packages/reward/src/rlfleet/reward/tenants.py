@@ -1,7 +1,9 @@
 """Tenants of a shared reward server: who may score on which endpoint, how fast, and with what code.
 
 A tenant has a name, an API token, a quota (``requests_per_s`` with a ``burst`` over every
-request it sends, ``max_batch`` samples per request, ``concurrency`` requests at once), the
+request it sends, counted by a :class:`~rlfleet.reward.quota_store.QuotaStore` that every replica
+of the server shares by default; ``max_batch`` samples per request; ``concurrency`` requests at
+once in each replica), the
 endpoints it may use and the TensorStore addresses (``stores``) its requests may name. A tenant
 never runs code on the server: a spec it sets may name built-in rules only, or functions of the
 modules the operator lists in ``allowed_modules`` (:meth:`TenantTable.check_spec`). The
@@ -41,6 +43,7 @@ from rlfleet.reward.errors import (
     QuotaExceeded,
     TenantBusy,
 )
+from rlfleet.reward.quota_store import ProcessQuotas, QuotaStore
 from rlfleet.reward.spec import RewardSpec
 
 logger = logging.getLogger(__name__)
@@ -50,39 +53,13 @@ OPEN = ""
 
 
 @dataclass
-class TokenBucket:
-    """``rate`` tokens per second up to ``capacity``; a request takes one token or is refused."""
-
-    rate: float
-    capacity: float
-    clock: Callable[[], float] = time.monotonic
-    tokens: float = field(init=False)
-    updated: float = field(init=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.tokens = self.capacity
-        self.updated = self.clock()
-
-    def take(self) -> float:
-        """0.0 if a token was taken, else the seconds until one is there."""
-        with self._lock:
-            now = self.clock()
-            self.tokens = min(self.capacity, self.tokens + (now - self.updated) * self.rate)
-            self.updated = now
-            if self.tokens >= 1.0:
-                self.tokens -= 1.0
-                return 0.0
-            return (1.0 - self.tokens) / self.rate
-
-
-@dataclass
 class Tenant:
-    """A tenant as the server holds it: config, token digest, quota bucket, slots and refusal counts."""
+    """A tenant as the server holds it: config, token digest, rate and burst, slots, refusal counts."""
 
     config: TenantConfig
     digest: bytes
-    bucket: TokenBucket | None
+    rate: float | None
+    capacity: float
     concurrency: int
     in_flight: int = 0
     refused: dict[str, int] = field(default_factory=dict)
@@ -103,18 +80,18 @@ class TenantTable:
         clock: Callable[[], float] = time.monotonic,
         allowed_modules: Iterable[str] = (),
         max_concurrency: int = 4,
+        quotas: QuotaStore | None = None,
     ) -> None:
         configs = list(tenants)
         share = max(1, max_concurrency // max(1, len(configs)))
         self.allowed_modules = frozenset(allowed_modules)
+        self.quotas: QuotaStore = quotas if quotas is not None else ProcessQuotas(clock)
         self.tenants: list[Tenant] = []
         for cfg in configs:
-            bucket = None
-            if cfg.requests_per_s is not None:
-                capacity = float(cfg.burst or max(1, math.ceil(cfg.requests_per_s)))
-                bucket = TokenBucket(cfg.requests_per_s, capacity, clock)
+            rate = cfg.requests_per_s
+            capacity = float(cfg.burst or max(1, math.ceil(rate or 1.0)))
             slots = cfg.concurrency or share
-            self.tenants.append(Tenant(cfg, cfg.digest(f"tenant {cfg.name!r}"), bucket, slots))
+            self.tenants.append(Tenant(cfg, cfg.digest(f"tenant {cfg.name!r}"), rate, capacity, slots))
         if sum(t.concurrency for t in self.tenants) > max_concurrency:
             logger.warning("the tenants' concurrency caps add up to more than max_concurrency (%d): a busy "
                            "tenant can delay the others' requests", max_concurrency)  # fmt: skip
@@ -215,13 +192,17 @@ class TenantTable:
             with self._slots_lock:
                 tenant.in_flight -= 1
 
-    def take_request(self, tenant: Tenant | None) -> None:
-        """Count one request (of any kind) against the tenant's rate; :class:`QuotaExceeded` when over it."""
-        if tenant is None or tenant.bucket is None:
+    async def take_request(self, tenant: Tenant | None) -> None:
+        """Count one request (of any kind) against the tenant's rate; :class:`QuotaExceeded` when over it.
+
+        The count is the quota store's (:mod:`rlfleet.reward.quota_store`: this process, or a bucket
+        every replica shares); :class:`QuotaStoreUnavailable` when a shared one does not answer.
+        """
+        if tenant is None or tenant.rate is None:
             return
-        wait = tenant.bucket.take()
+        wait = await self.quotas.take(tenant.name, tenant.rate, tenant.capacity)
         if wait > 0:
-            error = QuotaExceeded(tenant.name, tenant.bucket.rate, wait)
+            error = QuotaExceeded(tenant.name, tenant.rate, wait)
             raise self._refuse(tenant, error, error.code)
 
     def check_batch(self, tenant: Tenant | None, samples: int) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -134,6 +134,13 @@ class RewardWorkerConfig(ServiceConfig):
         default_factory=list,
         description="modules whose functions a tenant's spec may name ('module:function'); "
         "empty: tenants may use built-in rules only",
+    )
+    quota_store: Literal["nats", "process"] = Field(
+        default="nats",
+        description="where tenants' requests_per_s quotas are counted: 'nats', a JetStream key-value bucket "
+        "(rlfleet-quotas-<cluster>) that every replica of the server shares, so the quotas hold across "
+        "replicas (the NATS server needs JetStream); 'process', each replica alone (N replicas give a "
+        "tenant N times its rate: for a single replica only)",
     )
     state_dir: str | None = Field(default=None, description="keep endpoint specs and scaler statistics here")
     state_save_s: float = Field(default=30.0, gt=0, description="seconds between saves of the state")
