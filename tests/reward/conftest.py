@@ -3,14 +3,18 @@
 ``make_tiny_rm(num_labels, seed)`` builds (once per session and arguments) a 2-layer BERT
 classifier with a character tokenizer in a temporary folder. ``rollout_store`` is a real
 TensorStore gRPC server holding rollout batches made from texts. ``reward_server`` starts a
-:class:`RewardWorker` on an in-process transport and returns a client transport next to it.
+:class:`RewardWorker` on an in-process transport (tenants' quotas counted in the process) and
+returns a client transport next to it. ``spawn`` starts ``rlfleet-reward serve`` processes (or any
+command) with a log file each, and stops exactly those at the end of the test.
 """
 
 from __future__ import annotations
 
 import string
+import subprocess
+import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +121,9 @@ async def reward_server() -> AsyncIterator[ServerFactory]:
 
     async def start(config: dict[str, Any]) -> tuple[InProcessTransport, RewardWorker]:
         broker = InProcessBroker()
-        cfg = load_config(RewardWorkerConfig, data={"cluster": "test", "worker_id": "reward-0", **config})
+        # No NATS here: quotas are counted in the process (tests/reward/test_shared_quotas.py shares them).
+        data = {"cluster": "test", "worker_id": "reward-0", "quota_store": "process", **config}
+        cfg = load_config(RewardWorkerConfig, data=data)
         server = InProcessTransport(broker, tier="reward", name="server")
         client = InProcessTransport(broker, tier="controller", name="client")
         worker = RewardWorker(cfg, server)
@@ -130,3 +136,52 @@ async def reward_server() -> AsyncIterator[ServerFactory]:
         await worker.stop("test over")
         await client.close()
         await server.close()
+
+
+class Spawned:
+    """Processes one test starts, each logging to ``<name>.log``; :meth:`stop` ends exactly those, by pid."""
+
+    def __init__(self, where: Path) -> None:
+        self.where = where
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def serve(self, name: str, config: Path, *args: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """``rlfleet-reward serve --config CONFIG ARGS...`` (the console script next to this Python)."""
+        script = Path(sys.executable).parent / "rlfleet-reward"
+        assert script.exists(), f"rlfleet-reward is not installed next to {sys.executable}"
+        return self.start(name, [str(script), "serve", "--config", str(config), *args], env=env)
+
+    def start(self, name: str, command: Sequence[str], *, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        with open(self.log_path(name), "wb") as log:
+            proc = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.procs[name] = proc
+        return proc
+
+    def log_path(self, name: str) -> Path:
+        return self.where / f"{name}.log"
+
+    def log(self, name: str) -> str:
+        return self.log_path(name).read_text(errors="replace")
+
+    def stop(self) -> None:
+        """SIGTERM to each process still running, then SIGKILL to any that outlives 15 s."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for name, proc in self.procs.items():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+            if proc.returncode not in (0, -15):
+                print(f"--- {name} exited {proc.returncode}:\n{self.log(name)[-3000:]}")
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Spawned]:
+    started = Spawned(tmp_path)
+    try:
+        yield started
+    finally:
+        started.stop()

@@ -3,15 +3,14 @@
 Its tenants cannot change an endpoint to a code-loading spec, cannot have the server read a
 rollout from a store outside their own networks (another team's), and cannot shut it down; the
 admin token can. The config's safe settings are checked too (no allowed modules, no can_update,
-every tenant pinned to its stores, concurrency caps within max_concurrency).
+every tenant pinned to its stores, concurrency caps within max_concurrency, quotas shared by the
+replicas).
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,29 +41,14 @@ def test_the_deploy_example_is_safe_to_share() -> None:
     for tenant in cfg.tenants:
         assert not tenant.can_update and tenant.stores and tenant.max_batch and tenant.requests_per_s
     assert sum(t.concurrency or 0 for t in cfg.tenants) <= cfg.max_concurrency
+    assert cfg.quota_store == "nats", "replicas share quotas (tests/reward/test_shared_quotas.py)"
 
 
 @pytest.fixture
-def deployed(nats_server: EmbeddedNats, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    script = Path(sys.executable).parent / "rlfleet-reward"
+def deployed(nats_server: EmbeddedNats, tmp_path: Path, spawn) -> subprocess.Popen[bytes]:
     env = {**os.environ, **TOKENS, "PYTHONUNBUFFERED": "1"}
-    log = open(tmp_path / "reward-server.log", "wb")  # noqa: SIM115 (closed below)
-    command = [str(script), "serve", "--config", str(DEPLOY), "--nats", nats_server.url,
-               f"state_dir={tmp_path / 'state'}"]  # fmt: skip
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        yield server
-    finally:
-        if server.poll() is None:
-            server.terminate()
-            try:
-                server.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait(timeout=5)
-        log.close()
-        if server.returncode not in (0, -15):
-            print((tmp_path / "reward-server.log").read_text()[-3000:])
+    return spawn.serve("reward-server", DEPLOY, "--nats", nats_server.url, f"state_dir={tmp_path / 'state'}",
+                       env=env)  # fmt: skip
 
 
 @pytest.mark.timeout(180)

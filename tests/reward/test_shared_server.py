@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,7 +38,7 @@ def script(name: str) -> str:
 
 
 @pytest.fixture
-def shared_server(nats_server: EmbeddedNats, tmp_path: Path, rlfleet_env: dict[str, str]) -> Iterator[Path]:
+def shared_server(nats_server: EmbeddedNats, tmp_path: Path, rlfleet_env: dict[str, str], spawn) -> Path:
     config = {
         "nats_url": nats_server.url, "cluster": CLUSTER, "worker_id": "reward-shared", "max_concurrency": 4,
         "admin": {"token": ADMIN},
@@ -52,19 +52,8 @@ def shared_server(nats_server: EmbeddedNats, tmp_path: Path, rlfleet_env: dict[s
     }  # fmt: skip
     path = tmp_path / "reward.yaml"
     path.write_text(yaml.safe_dump(config))
-    log = tmp_path / "reward-server.log"
-    with open(log, "wb") as out:
-        server = subprocess.Popen([script("rlfleet-reward"), "serve", "--config", str(path)], stdout=out,
-                                  stderr=subprocess.STDOUT, env=rlfleet_env)  # fmt: skip
-    try:
-        yield log
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=5)
+    spawn.serve("reward-server", path, env=rlfleet_env)
+    return spawn.log_path("reward-server")
 
 
 @pytest.fixture
