@@ -45,9 +45,9 @@ async def _round_trip(server: TensorStoreServer) -> None:
     """An honest owner's put and a reader's fetch still work."""
     async with TensorStoreClient(server.address, secret=server.secret) as owner:
         ref = await owner.put("probe", {"p": torch.arange(100)})
-    async with TensorStoreClient(server.address) as reader:
-        assert torch.equal((await reader.fetch(ref))["p"], torch.arange(100))
-        assert await reader.delete(ref)
+        async with TensorStoreClient(server.address) as reader:
+            assert torch.equal((await reader.fetch(ref))["p"], torch.arange(100))
+        assert await owner.delete(ref)
 
 
 @pytest.mark.timeout(60)
@@ -74,6 +74,19 @@ async def test_get_needs_the_refs_capability(server: TensorStoreServer) -> None:
                 await reader.delete(bad)
     assert sorted(server.keys) == sorted([ref.key, other.key])  # nothing was read or deleted
     await _round_trip(server)
+
+
+@pytest.mark.timeout(60)
+async def test_a_capability_reads_but_never_deletes(server: TensorStoreServer) -> None:
+    """A ref holder (a reward worker, the trainer) cannot drop a batch before the others read it."""
+    ref = server.put_local("rollout/job-3", {"x": torch.ones(8)})
+    async with TensorStoreClient(server.address) as holder:
+        with pytest.raises(TensorAccessDenied, match="delete needs the store's secret") as info:
+            await holder.delete(ref)
+        assert info.value.key == ref.key
+        assert torch.equal((await holder.fetch(ref))["x"], torch.ones(8))  # still there, still readable
+    async with TensorStoreClient(server.address, secret=server.secret) as owner:
+        assert await owner.delete(ref) and server.keys == []
 
 
 @pytest.mark.timeout(60)

@@ -32,7 +32,7 @@ from rlfleet.common.schema.config import ConfigModel
 from rlfleet.common.schema.connection import NatsConnection, Secret, mask_url
 from rlfleet.common.schema.rollout import RolloutSettings
 from rlfleet.common.schema.trainer import AlgorithmSettings, BatchSettings, ModelSettings, UpdateSettings
-from rlfleet.common.schema.worker import FleetAddress, Placement
+from rlfleet.common.schema.worker import FleetAddress, Placement, TensorPlaneSettings
 
 POOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 RESERVED_ROUTES = ("any", "text")
@@ -131,14 +131,16 @@ class RolloutPoolConfig(ConfigModel):
 
 
 class TrainerConfig(
-    FleetAddress, Placement, ModelSettings, KLControlFields, UpdateSettings, BatchSettings, AlgorithmSettings
-):
+    FleetAddress, Placement, TensorPlaneSettings, ModelSettings, KLControlFields, UpdateSettings,
+    BatchSettings, AlgorithmSettings,
+):  # fmt: skip
     """Hyperparameters and run settings shared by the GRPO/PPO/DPO trainers.
 
     Inherited, each declared once: the algorithm and its settings (``AlgorithmSettings``), batch
     sizes (``BatchSettings``), optimizer and loss settings (``UpdateSettings``), the KL
     controller (``KLControlFields``), how the trainer holds the model (``ModelSettings``), device
-    and seed (``Placement``), the fleet to join (``FleetAddress``). The rest are the controller's own.
+    and seed (``Placement``), the fleet to join (``FleetAddress``), where every TensorStore of the run
+    listens and its TLS files (``TensorPlaneSettings``). The rest are the controller's own.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)

@@ -30,8 +30,10 @@ import yaml
 from rlfleet.common.control.messages import GenerateResult, TrainerConfigure, WeightsLoaded, WeightsPublished
 from rlfleet.common.schema.algorithms import ALGORITHMS
 from rlfleet.common.schema.connection import NatsConnection, mask_url
+from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.trainer import model_fingerprint
-from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer
+from rlfleet.common.schema.worker import TensorPlaneSettings
+from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer, worker_client, worker_store
 from rlfleet.controller.checkpoints import read_checkpoint_state, resolve_resume, write_checkpoint_state
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptDataset, PromptItem
@@ -87,38 +89,42 @@ STORE_CAPACITY_BYTES = 1 << 30
 
 
 class OwnStore:
-    """The controller's own TensorStore: batches the controller itself makes travel from it.
+    """The controller's own TensorStore, and its clients of the other tiers' stores.
 
     DPO's preference pairs and the responses a rollout fn writes are put here; the reward and
-    trainer tiers fetch them like any rollout worker's batch. The store starts on first use; the
-    run releases consumed batches through it, here or in the rollout workers' stores (one client
-    per store, kept for the run).
+    trainer tiers fetch them like any rollout worker's batch. The store starts on first use, on
+    the run's tensor plane settings (``bind_host``, ``advertise_host``, TLS), as every worker's
+    does; the clients (one per store, kept for the run) speak TLS when the run trusts a CA.
+    Consumed batches are released here; a rollout worker releases its own (only a store's owner
+    may delete).
     """
 
-    def __init__(self, *, listen_all: bool) -> None:
-        self.host = "0.0.0.0" if listen_all else "127.0.0.1"
-        """Workers of a joined cluster may run on other machines: then it listens on every interface."""
+    def __init__(self, settings: TensorPlaneSettings, *, listen_all: bool) -> None:
+        plane = settings.model_dump(include=set(TensorPlaneSettings.model_fields))
+        if listen_all and "bind_host" not in settings.model_fields_set:
+            plane["bind_host"] = "0.0.0.0"  # workers of a joined cluster may run on other machines
+        self.settings = TensorPlaneSettings.model_validate(plane)
         self.server: TensorStoreServer | None = None
         self._clients: dict[str, TensorStoreClient] = {}
 
     async def get(self) -> TensorStoreServer:
         """The controller's own TensorStore, started on first use."""
         if self.server is None:
-            server = TensorStoreServer(capacity_bytes=STORE_CAPACITY_BYTES, ttl_s=3600.0)
-            await server.start(host=self.host)
-            self.server = server
+            self.server = await worker_store(self.settings, capacity_bytes=STORE_CAPACITY_BYTES, ttl_s=3600.0)
         return self.server
 
+    async def fetch(self, ref: TensorRef, names: list[str] | None = None) -> dict[str, Any]:
+        """The tensors a ref names, from whichever tier's store holds them (a few texts, never a batch)."""
+        client = self._clients.get(ref.address)
+        if client is None:
+            client = self._clients[ref.address] = worker_client(ref.address, self.settings)
+        return await client.fetch(ref, names)
+
     async def release(self, results: list[GenerateResult]) -> None:
-        """Free consumed rollout batches in their workers' stores or this one."""
+        """Free the consumed batches this store holds (the fn-written ones)."""
         for result in results:
             if self.server is not None and result.ref.address == self.server.address:
                 self.server.delete(result.ref.key)
-                continue
-            client = self._clients.get(result.ref.address)
-            if client is None:
-                client = self._clients[result.ref.address] = TensorStoreClient(result.ref.address)
-            await client.delete(result.ref)  # the ref's capability releases it
 
     async def stop(self) -> None:
         """Close the clients and stop the store if it was started (idempotent)."""
@@ -163,7 +169,7 @@ class FleetRun:
         self.cluster = config.cluster or f"run-{uuid.uuid4().hex[:8]}"
         self.launcher: EmbeddedFleet | None = None
         self.loop = GuardedLoop(lambda: self.launcher)
-        self.store = OwnStore(listen_all=config.nats_url is not None)
+        self.store = OwnStore(config, listen_all=config.nats_url is not None)
         self.publish_dtype = config.publish_dtype()
         """The dtype weights are published in, fixed by the engines' dtype when the run is made."""
         self.transport: Any = None
@@ -241,7 +247,7 @@ class FleetRun:
                 self._resume(self.resume_path)
             if cfg.sample_table_size and self.online:
                 self._table = SampleTable(self.dataset.sample_items(cfg.sample_table_size), cfg)
-                before = self._table.capture("before", self.fleet, self.weight_version, self.store.release)
+                before = self._table.capture("before", self.fleet, self.weight_version, self.store)
                 self.loop.run(before)
         except BaseException:
             self.close()
@@ -406,7 +412,7 @@ class FleetRun:
         """Final checkpoint and the before/after table."""
         final = self.save(self.output_dir / "final")
         if self._table is not None:
-            self.loop.run(self._table.capture("after", self.fleet, self.weight_version, self.store.release))
+            self.loop.run(self._table.capture("after", self.fleet, self.weight_version, self.store))
             text = self._table.render()
             (self.output_dir / "samples.md").write_text(text)
             self.metrics.say(text)

@@ -7,16 +7,22 @@ never does.
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from rlfleet.common.control.messages import GenerateResult, SamplingParams
 from rlfleet.common.schema.batch import unpack_texts
-from rlfleet.common.tensors.store import TensorStoreClient
+from rlfleet.common.schema.refs import TensorRef
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptItem
 from rlfleet.controller.fleet import Fleet
 from rlfleet.controller.routing import chunk_metadata
+
+
+class RunStore(Protocol):
+    """What the table needs of the run's store (:class:`rlfleet.controller.run.OwnStore`)."""
+
+    async def fetch(self, ref: TensorRef, names: list[str] | None = None) -> dict[str, Any]: ...
+    async def release(self, results: list[GenerateResult]) -> None: ...
 
 
 class SampleTable:
@@ -32,11 +38,12 @@ class SampleTable:
         label: str,
         fleet: Fleet,
         weight_version: int,
-        release: Callable[[list[GenerateResult]], Awaitable[None]],
+        store: RunStore,
     ) -> list[dict[str, Any]]:
         """Generate, score and read back the answers at ``weight_version``; keep them as ``label``.
 
-        ``release`` frees the rollout batches once read (the run's ``OwnStore.release``).
+        ``store`` (the run's) reads the answers with the run's tensor plane settings, then releases
+        what it holds of them.
         """
         cfg = self.config
         sampling = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.max_response_length, seed=cfg.seed)
@@ -44,13 +51,9 @@ class SampleTable:
         scored = await fleet.score(results, chunk_metadata(self.items, results), cfg.reward_endpoint)
         texts: list[str] = []
         for result in results:
-            client = TensorStoreClient(result.ref.address)
-            try:
-                got = await client.fetch(result.ref, names=["response_text", "response_text_offsets"])
-            finally:
-                await client.close()
+            got = await store.fetch(result.ref, names=["response_text", "response_text_offsets"])
             texts.extend(unpack_texts(got["response_text"], got["response_text_offsets"]))
-        await release(results)
+        await store.release(results)
         scores = [s for result in scored for s in result.scores]
         rows = [
             {"prompt": _question(item), "answer": text, "words": len(text.split()), "reward": score}

@@ -14,7 +14,7 @@ from typing import Any
 
 from rlfleet.common.schema.rollout import RolloutSettings, RolloutWorkerConfig
 from rlfleet.common.schema.trainer import ModelSettings, StepSettings, TrainerWorkerConfig
-from rlfleet.common.schema.worker import Placement
+from rlfleet.common.schema.worker import Placement, TensorPlaneSettings
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.launcher import WorkerSpec, trainer_rank_specs
 
@@ -35,7 +35,8 @@ def trainer_worker_config(
     config: TrainerConfig, model_path: Path, cluster: str, critic_path: Path | None = None
 ) -> TrainerWorkerConfig:
     """The trainer worker's config: its model, how it holds it, and the run's step settings."""
-    shared = {*Placement.model_fields, *ModelSettings.model_fields, *StepSettings.model_fields}
+    shared = {*Placement.model_fields, *TensorPlaneSettings.model_fields, *ModelSettings.model_fields,
+              *StepSettings.model_fields}  # fmt: skip
     return TrainerWorkerConfig(
         cluster=cluster, worker_id=TRAINER_ID, model_path=str(model_path),
         critic_model_path=str(critic_path) if critic_path is not None else None,
@@ -61,6 +62,7 @@ def rollout_worker_configs(
                     model_path=str(model_path),
                     device=config.device,
                     seed=config.seed + len(workers),
+                    **tensor_plane(config),
                     **settings.model_dump(include=set(RolloutSettings.model_fields)),
                 )  # fmt: skip
             )
@@ -69,7 +71,13 @@ def rollout_worker_configs(
 
 def reward_worker_config(config: TrainerConfig, cluster: str, reward_spec: Any) -> dict[str, Any]:
     """The run's own reward worker: one endpoint, ``reward_endpoint``, scoring with ``reward_spec``."""
-    return {"cluster": cluster, "endpoints": {config.reward_endpoint: reward_spec}}
+    return {"cluster": cluster, "endpoints": {config.reward_endpoint: reward_spec}, **tensor_plane(config)}
+
+
+def tensor_plane(config: TrainerConfig) -> dict[str, Any]:
+    """The run's tensor plane settings (bind and advertised host, TLS files): every worker's store
+    and clients use them."""
+    return config.model_dump(include=set(TensorPlaneSettings.model_fields))
 
 
 def worker_specs(

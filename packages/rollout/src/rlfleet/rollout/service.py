@@ -1,10 +1,12 @@
 """The rollout tier's worker: generate jobs in, rollout refs out; weights pulled in place.
 
 Results stay in the worker's own TensorStore; the reply carries only a :class:`TensorRef`, so the
-reward and trainer tiers stream them straight from here. Weights arrive by the carrier that
-suits this worker (:mod:`rlfleet.common.schema.carriers`): CUDA IPC from a trainer on the same GPU,
-else the trainer's TensorStore over gRPC. A generate request pinned to a weight
-version this worker does not hold is refused as retryable, never served on stale weights.
+reward and trainer tiers stream them straight from here, until this worker (the store's owner,
+the only one who may delete) loads a newer weight version or ``store_ttl_s`` passes. Weights
+arrive by the carrier that suits this worker (:mod:`rlfleet.common.schema.carriers`): CUDA IPC
+from a trainer on the same GPU, else the trainer's TensorStore over gRPC. A generate request
+pinned to a weight version this worker does not hold is refused as retryable, never served on
+stale weights.
 
 Completions are packed (:func:`to_rollout_tensors`) into the rollout-batch tensor contract shared
 by rollout, reward and trainer; N = number of completions (prompt-major, as ``Engine.generate``
@@ -122,6 +124,7 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         capacity = int(cfg.results_store_mb * 2**20)
         self.store: TensorStoreServer = await worker_store(cfg, capacity_bytes=capacity, ttl_s=cfg.store_ttl_s)  # noqa: E501
         self.data_address = self.store.address
+        self._batches: list[tuple[int, str]] = []  # (weight version, key) of the batches in the store
         self._clients: dict[str, TensorStoreClient] = {}
         self._gpu = asyncio.Lock()  # one engine call at a time: generation and weight loads never overlap
         # late join: hold the trainer's current version before the first announce (never serve stale)
@@ -160,6 +163,7 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
             finally:
                 self.busy -= 1
         ref = self.store.put_local(f"rollout/{request.job_id}", tensors)
+        self._batches.append((self.weight_version, ref.key))
         return GenerateResult(
             job_id=request.job_id, worker_id=self.worker_id, weight_version=self.weight_version, ref=ref,
             num_prompts=len(request.prompt_token_ids), num_samples=len(completions),
@@ -203,10 +207,22 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
                 await asyncio.to_thread(self.engine.load_weights, bucket)
             self.engine.set_weight_version(message.weight_version)
             self.weight_version = message.weight_version
+            self._release_older_batches()
         seconds = time.perf_counter() - t0
         logger.info("loaded weight version %d by %s in %.3fs", message.weight_version, carrier, seconds)
         return WeightsLoaded(worker_id=self.worker_id, weight_version=message.weight_version, seconds=seconds,
                              carrier=carrier)  # fmt: skip
+
+    def _release_older_batches(self) -> None:
+        """Drop the batches generated before the version now loaded: the trainer has trained on them
+        (a step publishes only after it trains). Only the owner deletes; the TTL is the backstop."""
+        kept = []
+        for version, key in self._batches:
+            if version < self.weight_version:
+                self.store.delete(key)
+            else:
+                kept.append((version, key))
+        self._batches = kept
 
     async def teardown(self) -> None:
         for client in self._clients.values():

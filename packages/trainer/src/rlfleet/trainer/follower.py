@@ -42,7 +42,7 @@ class Follower:
 
     def __init__(self, config: TrainerWorkerConfig) -> None:
         self.config = config
-        self.stores = StoreClients()
+        self.stores = StoreClients(config)  # TLS to the rollout stores, as rank 0
 
     async def run(self) -> None:
         """Build the models (collectively with rank 0), then follow commands until ``stop``."""

@@ -61,6 +61,11 @@ class TensorPlaneSettings(ConfigModel):
     tensor_tls_ca: str = Field(
         default="", description="PEM CA this worker trusts for other tiers' TensorStores; empty: plain TCP"
     )
+    tensor_tls_client_ca: str = Field(
+        default="",
+        description="PEM CA that must sign the certificate of every client of this worker's TensorStore "
+        "(mutual TLS; clients present tensor_tls_cert); empty: clients need none",
+    )
 
 
 class ServiceConfig(FleetAddress, Placement, TensorPlaneSettings):

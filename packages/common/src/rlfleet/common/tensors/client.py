@@ -51,7 +51,7 @@ class TensorStoreClient:
     ``chunk_bytes`` is the payload size of the chunks it sends; ``max_message_bytes`` the largest
     chunk payload it accepts; ``max_get_bytes`` the most one ``get`` may make it allocate.
     ``secret`` is the store's own (its owner may then put, delete and stat anything there);
-    without it the client reads and releases only what a ref's capability opens.
+    without it the client only reads what a ref's capability opens.
     ``tls_ca`` (a PEM file) speaks TLS to servers whose certificate it signed, with
     ``tls_cert``/``tls_key`` as this client's own certificate where the server asks for one.
     """
@@ -202,12 +202,16 @@ class TensorStoreClient:
         return min(self.timeout_s, UNARY_TIMEOUT_S)
 
     async def delete(self, key: str | TensorRef) -> bool:
-        """Drop a key on the server (a ref's, with its capability); False if it was not there."""
+        """Drop a key (or a ref's) on the server; False if it was not there.
+
+        Only the store's owner may: it needs the client's ``secret`` (:class:`TensorAccessDenied`
+        without it; a ref's capability only reads).
+        """
         self._check_open()
-        name, cap = (key.key, key.capability) if isinstance(key, TensorRef) else (key, "")
+        name = key.key if isinstance(key, TensorRef) else key
         try:
             reply: pb.DeleteReply = await self._delete_rpc(
-                pb.DeleteRequest(key=name), timeout=self._unary_timeout, metadata=self._reader(cap)
+                pb.DeleteRequest(key=name), timeout=self._unary_timeout, metadata=self._owner()
             )
         except grpc.RpcError as err:
             raise error_from_rpc(err, self.address, rpc="Delete", timeout=self._unary_timeout) from None

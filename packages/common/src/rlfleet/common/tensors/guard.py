@@ -5,9 +5,10 @@ made. The process that owns the store (and anyone it gives the secret to) may ``
 and ``Stat`` anything: it sends the secret as a bearer token (``authorization: Bearer ...`` in the
 gRPC metadata). Everyone else reads only what a :class:`~rlfleet.common.schema.refs.TensorRef`
 names: the ref carries a *capability*, an HMAC-SHA256 of its key under the secret, which the store
-checks before it streams a byte (and which also lets the holder release the key with ``Delete``).
-A capability opens one key of one store and cannot be turned into another's; keys carry a random
-suffix, so they cannot be guessed either.
+checks before it streams a byte. A capability only reads: releasing a key (``Delete``) is the
+owner's alone, so no reader can drop a batch before the others have read it. A capability opens
+one key of one store and cannot be turned into another's; keys carry a random suffix, so they
+cannot be guessed either.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class StoreGuard:
         return hmac.compare_digest(token[len(_BEARER) :].encode(), self.secret.encode())
 
     def may_open(self, key: str, metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
-        """Whether the call may read (or release) ``key``: the owner, or the key's capability."""
+        """Whether the call may read ``key`` (``Get``, ``Stat``): the owner, or the key's capability."""
         if self.is_owner(metadata):
             return True
         cap = _value(metadata, CAPABILITY_KEY)

@@ -9,11 +9,12 @@ Bad input never takes the server down: every tensor-plane error ends only its ow
 :mod:`rlfleet.common.tensors.rpc` for how it reaches the client), and a put that fails or is cut
 off is dropped with its reservation.
 
-Guarded (see :mod:`rlfleet.common.tensors.guard`): ``Get`` needs the key's capability (carried in
-the ref the store handed out) or the store's secret; ``Put`` and a store-wide ``Stat`` need the
-secret; ``Delete`` either. Keys get a random suffix and a put never overwrites. Each server caps
-its concurrent RPCs, refuses chunks under ``min_chunk_bytes`` (but a tensor's last), cuts off a
-``Put`` stream that sends nothing for ``idle_timeout_s``, and serves TLS when given a certificate.
+Guarded (see :mod:`rlfleet.common.tensors.guard`): ``Get`` and a key's ``Stat`` need the key's
+capability (carried in the ref the store handed out) or the store's secret; ``Put``, ``Delete`` and
+a store-wide ``Stat`` need the secret (a reader cannot release a key others still need). Keys get
+a random suffix and a put never overwrites. Each server caps its concurrent RPCs, refuses chunks
+under ``min_chunk_bytes`` (but a tensor's last), cuts off a ``Put`` stream that sends nothing for
+``idle_timeout_s``, and serves TLS when given a certificate (mTLS when also given a client CA).
 """
 
 from __future__ import annotations
@@ -303,8 +304,10 @@ class TensorStoreServer:
             yield encode_chunk(chunk)
 
     async def _delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteReply:
-        if not self.guard.may_open(request.key, context.invocation_metadata()):
-            await self._refuse(context, request.key, "a delete needs the key's capability or the secret")
+        if not self.guard.is_owner(context.invocation_metadata()):
+            await self._refuse(
+                context, request.key, "a delete needs the store's secret (capabilities only read)"
+            )
         return pb.DeleteReply(deleted=self.store.delete(request.key))
 
     async def _stat(self, request: pb.StatRequest, context: grpc.aio.ServicerContext) -> pb.StatReply:

@@ -21,19 +21,23 @@ from rlfleet.common.tensors.server import TensorStoreServer
 async def worker_store(
     settings: TensorPlaneSettings, *, capacity_bytes: int, ttl_s: float
 ) -> TensorStoreServer:
-    """A worker's TensorStore, started on its ``bind_host`` and advertising ``advertise_host``."""
+    """A worker's TensorStore, started on its ``bind_host`` and advertising ``advertise_host``; TLS
+    with ``tensor_tls_cert``/``tensor_tls_key``, requiring client certificates signed by
+    ``tensor_tls_client_ca`` when set (mTLS)."""
     store = TensorStoreServer(
         capacity_bytes=capacity_bytes,
         ttl_s=ttl_s,
         tls_cert=settings.tensor_tls_cert,
         tls_key=settings.tensor_tls_key,
+        tls_client_ca=settings.tensor_tls_client_ca,
     )
     await store.start(host=settings.bind_host, advertise_host=settings.advertise_host)
     return store
 
 
 def worker_client(address: str, settings: TensorPlaneSettings) -> TensorStoreClient:
-    """A client for another tier's store, speaking TLS when the worker trusts a CA (``tensor_tls_ca``)."""
+    """A client for another tier's store, speaking TLS when the worker trusts a CA (``tensor_tls_ca``),
+    with ``tensor_tls_cert``/``tensor_tls_key`` as its own certificate for stores that ask for one."""
     if not settings.tensor_tls_ca:
         return TensorStoreClient(address)
     return TensorStoreClient(
