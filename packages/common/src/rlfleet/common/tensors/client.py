@@ -20,7 +20,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Seq
 import grpc
 import torch
 
-from rlfleet.common.errors import MessageTooLarge, TransportClosed
+from rlfleet.common.errors import MessageTooLarge, TensorStoreUnavailable, TransportClosed
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.tensors._gen import tensors_pb2 as pb
 from rlfleet.common.tensors.codec import (
@@ -137,7 +137,7 @@ class TensorStoreClient:
             summary: pb.PutSummary = await call
         except grpc.RpcError as err:
             initial = await _initial_metadata(call)
-            raise error_from_rpc(err, self.address, initial, rpc="Put", timeout=self.timeout_s) from None
+            raise self._failed(err, "Put", self.timeout_s, initial) from None
         finally:
             if not call.done():
                 call.cancel()
@@ -162,7 +162,7 @@ class TensorStoreClient:
             async for message in call:
                 assembler.feed(decode_chunk(message))
         except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address, rpc="Get", timeout=self.timeout_s) from None
+            raise self._failed(err, "Get", self.timeout_s) from None
         finally:
             if not assembler.done:
                 call.cancel()
@@ -197,6 +197,29 @@ class TensorStoreClient:
     def _reader(self, cap: str) -> tuple[tuple[str, str], ...]:
         return self._owner() + capability_metadata(cap)
 
+    def _failed(
+        self, err: grpc.RpcError, rpc: str, timeout: float, initial: tuple[tuple[str, str | bytes], ...] = ()
+    ) -> Exception:
+        """The tensor-plane error of a failed call; an unreachable store's says what TLS may have refused
+        (gRPC reports a failed handshake only as a closed socket)."""
+        error = error_from_rpc(err, self.address, initial, rpc=rpc, timeout=timeout)
+        if not isinstance(error, TensorStoreUnavailable):
+            return error
+        tls_ca, tls_cert, _ = self._tls
+        if not tls_ca:
+            hint = "a store that serves TLS refuses plain clients (set tensor_tls_ca)"
+        elif not tls_cert:
+            hint = (
+                "this client speaks TLS without a certificate of its own: a store that requires one "
+                "(mTLS, tensor_tls_client_ca) refuses the handshake; set tensor_tls_cert and tensor_tls_key"
+            )
+        else:
+            hint = (
+                "the TLS handshake fails when tensor_tls_ca did not sign the store's certificate, or the "
+                "store's tensor_tls_client_ca did not sign this client's tensor_tls_cert"
+            )
+        return TensorStoreUnavailable(self.address, f"{error.detail}; if the store is up: {hint}")
+
     @property
     def _unary_timeout(self) -> float:
         return min(self.timeout_s, UNARY_TIMEOUT_S)
@@ -214,7 +237,7 @@ class TensorStoreClient:
                 pb.DeleteRequest(key=name), timeout=self._unary_timeout, metadata=self._owner()
             )
         except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address, rpc="Delete", timeout=self._unary_timeout) from None
+            raise self._failed(err, "Delete", self._unary_timeout) from None
         return reply.deleted
 
     async def stat(self, key: str | TensorRef | None = None) -> StoreStat:
@@ -230,7 +253,7 @@ class TensorStoreClient:
                 request, timeout=self._unary_timeout, metadata=self._reader(cap)
             )
         except grpc.RpcError as err:
-            raise error_from_rpc(err, self.address, rpc="Stat", timeout=self._unary_timeout) from None
+            raise self._failed(err, "Stat", self._unary_timeout) from None
         return StoreStat(
             used_bytes=reply.used_bytes,
             capacity_bytes=reply.capacity_bytes,

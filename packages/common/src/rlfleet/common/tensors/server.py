@@ -103,7 +103,7 @@ class TensorStoreServer:
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self.idle_timeout_s = idle_timeout_s
         self.guard = StoreGuard(secret)
-        tls = tls_cert or tls_key
+        tls = tls_cert or tls_key or tls_client_ca
         self._credentials = server_credentials(tls_cert, tls_key, tls_client_ca) if tls else None
         self.address = ""
         self._server: grpc.aio.Server | None = None
