@@ -1,0 +1,55 @@
+"""What every control message shares: the wire schema version, the base model, the generic replies.
+
+Messages carry the wire schema version in ``protocol`` ("MAJOR.MINOR"): another MAJOR is refused
+(``codec.check_protocol``), a MINOR skew is accepted and unknown fields are ignored (``extra="ignore"``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PROTOCOL = "2.0"
+"""The wire schema version this code speaks: bump MINOR for additive changes, MAJOR otherwise."""
+
+Tier = Literal["controller", "rollout", "reward", "trainer"]
+
+
+class Message(BaseModel):
+    """Base of every control message."""
+
+    model_config = ConfigDict(extra="ignore", frozen=False)
+
+    protocol: str = Field(default=PROTOCOL, description="wire schema version, MAJOR.MINOR")
+
+
+MAX_MESSAGE_BYTES = 1 << 20
+"""nats-server's default max_payload; a message over it belongs on the tensor plane."""
+
+
+# --- replies and commands any tier sends -----------------------------------------------------
+
+
+class Ack(Message):
+    """Plain acknowledgement."""
+
+    kind: Literal["ack"] = "ack"
+    detail: str = ""
+
+
+class Shutdown(Message):
+    """Ask a worker to stop after its current job."""
+
+    kind: Literal["shutdown"] = "shutdown"
+    reason: str = ""
+
+
+class ErrorReply(Message):
+    """A request failed: ``code`` is machine-readable, ``message`` is for people."""
+
+    kind: Literal["error"] = "error"
+    tier: str = ""
+    code: str
+    message: str
+    retryable: bool = False

@@ -1,0 +1,73 @@
+"""Rollout messages: generate jobs and their results, and loading new weights into the engines."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlfleet.common.control.messages.base import Message
+from rlfleet.common.schema.carriers import IpcBucket, WeightCarrier
+from rlfleet.common.schema.refs import TensorRef
+
+
+class SamplingParams(BaseModel):
+    """How to sample: mirrors vLLM's SamplingParams for the fields rlfleet uses."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    n: int = Field(default=1, ge=1, description="samples per prompt")
+    temperature: float = Field(default=1.0, ge=0.0, description="0 means greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, description="-1 disables top-k")
+    max_tokens: int = Field(default=64, ge=1, description="response length cap in tokens")
+    stop_token_ids: list[int] = Field(default_factory=list, description="besides the model's EOS")
+    seed: int | None = None
+    logprobs: bool = True
+
+
+class GenerateRequest(Message):
+    """Generate ``n`` samples for each prompt at ``weight_version``."""
+
+    kind: Literal["rollout.generate"] = "rollout.generate"
+    job_id: str
+    prompt_token_ids: list[list[int]]
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    weight_version: int = Field(default=-1, description="-1: whatever the worker holds")
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class GenerateResult(Message):
+    """Where a finished generate job's batch lives (see the rollout-batch tensor contract)."""
+
+    kind: Literal["rollout.result"] = "rollout.result"
+    job_id: str
+    worker_id: str
+    weight_version: int
+    ref: TensorRef
+    num_prompts: int
+    num_samples: int
+    num_tokens: int = Field(default=0, description="generated tokens in the batch")
+    seconds: float = 0.0
+
+
+class LoadWeights(Message):
+    """Tell rollout workers to pull new weights, bucket by bucket, and load them in place."""
+
+    kind: Literal["rollout.load_weights"] = "rollout.load_weights"
+    weight_version: int
+    buckets: list[TensorRef]
+    dtype: str = Field(default="", description="dtype the engine should load as; empty: keep")
+    ipc_buckets: list[IpcBucket] = Field(
+        default_factory=list, description="the same weights shared by CUDA IPC (a worker on that GPU)"
+    )
+
+
+class WeightsLoaded(Message):
+    """A rollout worker now serves ``weight_version``."""
+
+    kind: Literal["rollout.weights_loaded"] = "rollout.weights_loaded"
+    worker_id: str
+    weight_version: int
+    seconds: float = 0.0
+    carrier: WeightCarrier = Field(default="grpc", description="how the weights arrived")

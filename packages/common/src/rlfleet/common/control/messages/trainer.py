@@ -1,0 +1,134 @@
+"""Trainer messages: the run's fixed settings, a train step, publishing weights, checkpoints."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rlfleet.common.control.messages.base import Message
+from rlfleet.common.schema.carriers import IpcBucket, WeightCarrier
+from rlfleet.common.schema.refs import TensorRef
+from rlfleet.common.schema.trainer import ModelSettings, StepSettings
+from rlfleet.common.schema.worker import Device
+
+
+class TrainerConfigure(Message):
+    """The run's fixed trainer settings; a trainer whose own differ refuses the run, naming each field.
+
+    Sent by the controller once the trainer has announced itself, before the first step.
+    """
+
+    kind: Literal["trainer.configure"] = "trainer.configure"
+    model: ModelSettings
+    device: Device
+    critic: bool = Field(description="the run's algorithm trains a critic (the worker must hold one)")
+    model_fingerprint: str = Field(
+        default="", max_length=128, description="hash of the model's config.json; empty: not compared"
+    )
+
+
+class TrainerConfigured(Message):
+    """A trainer accepted the run's settings."""
+
+    kind: Literal["trainer.configured"] = "trainer.configured"
+    worker_id: str
+    weight_version: int
+
+
+class TrainStepRequest(Message):
+    """Run one policy update on rollout batches and their scores, with the step's settings."""
+
+    kind: Literal["trainer.step"] = "trainer.step"
+    step: int
+    rollouts: list[TensorRef]
+    scores: list[float]
+    settings: StepSettings = Field(default_factory=StepSettings, description="how this step updates")
+
+
+class TrainStepResult(Message):
+    """Metrics of one update."""
+
+    kind: Literal["trainer.step_result"] = "trainer.step_result"
+    step: int
+    metrics: dict[str, float]
+    weight_version: int
+
+
+class PublishWeights(Message):
+    """Ask the trainer to push its current weights to the rollout workers."""
+
+    kind: Literal["trainer.publish"] = "trainer.publish"
+    weight_version: int = Field(default=-1, description="-1: next version")
+    bucket_mb: float = 64.0
+    carriers: list[WeightCarrier] = Field(
+        default=["grpc"], min_length=1, max_length=2,  # a list default: pydantic copies it per message
+        description="how the rollout workers will load it (the controller picks one per worker)",
+    )  # fmt: skip
+    dtype: Literal["", "float32", "bfloat16", "float16"] = Field(
+        default="", description="publish floating weights in this dtype (the engines'); empty: the trainer's"
+    )
+
+
+class WeightsPublished(Message):
+    """The trainer has staged a weight version and every rollout worker loaded it."""
+
+    kind: Literal["trainer.published"] = "trainer.published"
+    weight_version: int
+    buckets: list[TensorRef]
+    nbytes: int
+    seconds: float
+    loaded_by: list[str] = Field(default_factory=list)
+    ipc_buckets: list[IpcBucket] = Field(
+        default_factory=list, description="the version's buckets shared by CUDA IPC, when asked for"
+    )
+
+
+class LatestWeights(Message):
+    """Ask the trainer for its current weight version (a late rollout worker catching up).
+
+    The reply is the :class:`WeightsPublished` of that version (``buckets`` empty before the
+    first publish: the model on disk is version 0).
+    """
+
+    kind: Literal["trainer.latest"] = "trainer.latest"
+    worker_id: str = ""
+
+
+class SaveCheckpoint(Message):
+    """Ask the trainer to save a checkpoint to a path.
+
+    ``mode="hf"``: an HF-format export in ``path``. ``mode="full"``: the HF export in ``path/hf``
+    plus the training state (sharded model and optimizer, schedulers, RNG) in ``path/trainer``.
+    """
+
+    kind: Literal["trainer.save"] = "trainer.save"
+    path: str
+    mode: Literal["hf", "full"] = "hf"
+
+
+class Saved(Message):
+    """A checkpoint was written."""
+
+    kind: Literal["trainer.saved"] = "trainer.saved"
+    path: str
+
+
+class LoadCheckpoint(Message):
+    """Ask the trainer to restore the training state a full save wrote in ``path`` (its ``trainer/``).
+
+    ``weight_version`` is the version the restored weights had; the next publish continues from it.
+    """
+
+    kind: Literal["trainer.load"] = "trainer.load"
+    path: str
+    weight_version: int = Field(default=0, ge=0)
+
+
+class CheckpointLoaded(Message):
+    """The trainer restored a checkpoint: its optimizer step count and weight version now."""
+
+    kind: Literal["trainer.loaded"] = "trainer.loaded"
+    path: str
+    steps: int
+    weight_version: int
