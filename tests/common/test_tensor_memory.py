@@ -1,4 +1,5 @@
-"""tensor_memory: huge-page buffers for big received tensors, and the once-per-process malloc tuning."""
+"""Memory for tensor streams: huge-page buffers for big received tensors (``codec.empty_bytes``) and
+the once-per-process malloc tuning (``malloc.keep_stream_buffers``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from rlfleet.common.tensors.codec import HUGE_ALLOC_BYTES, empty_bytes, keep_stream_buffers
+from rlfleet.common.tensors.codec import HUGE_ALLOC_BYTES, empty_bytes
+from rlfleet.common.tensors.malloc import keep_stream_buffers
 
 
 def test_big_buffers_are_aligned_writable_and_outlive_their_mapping_handle() -> None:

@@ -30,11 +30,11 @@ from rlfleet.common.tensors.codec import (
     Chunk,
     ChunkAssembler,
     dtype_name,
-    keep_stream_buffers,
     split_tensors,
 )
 from rlfleet.common.tensors.guard import bearer_metadata, capability, capability_metadata
 from rlfleet.common.tensors.local import StoreStat, TensorInfo
+from rlfleet.common.tensors.malloc import keep_stream_buffers
 from rlfleet.common.tensors.rpc import channel_options, check_sizes, error_from_rpc, method
 from rlfleet.common.tensors.tls import channel_credentials
 from rlfleet.common.tensors.wire import decode_chunk, encode_chunk

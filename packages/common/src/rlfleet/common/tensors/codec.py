@@ -7,22 +7,18 @@ tensor's crc32 on its last piece, then one end-of-stream chunk that counts the t
 :func:`split_tensors` makes that stream and :class:`ChunkAssembler` (or :func:`assemble_tensors`)
 checks every field while rebuilding the tensors, raising the tensor-plane errors of
 :mod:`rlfleet.common.errors` and nothing else. ``tensors.wire`` turns chunks into protobuf bytes.
-The memory the bytes land in is tuned at the end of this module (malloc that keeps chunk
-buffers, huge pages for big tensors).
+A big received tensor lands on huge pages (:func:`empty_bytes`, at the end of this module).
 
 Nothing here pickles; nothing here touches the network.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import math
 import mmap
 import os
 import sys
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -37,6 +33,7 @@ from rlfleet.common.errors import (
     StreamTruncated,
     UnknownDtype,
 )
+from rlfleet.common.tensors.malloc import MMAP_THRESHOLD_BYTES, tuning_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -353,75 +350,15 @@ def assemble_tensors(
     return assembler.finish()
 
 
-# --- memory for tensor streams ------------------------------------------------------------------
-# Memory for tensor streams: glibc malloc that keeps chunk buffers, huge pages for big tensors.
-#
-# Two costs that had nothing to do with the network showed up in profiles of a 512 MiB stream on
-# this project's machines (benchmarks/README.md, "tensor_stream"):
-#
-# - Every chunk passes through short-lived buffers of a few MiB: gRPC's socket read buffers, the
-#   message ``bytes`` it builds, the chunk we encode. By default glibc serves blocks that large with
-#   a fresh ``mmap`` (or trims the heap as soon as they are freed), so each chunk lands on fresh
-#   pages: a page fault and a page clear per 4 KiB, over a third of the receiver's CPU.
-#   :func:`keep_stream_buffers` raises ``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD`` so that glibc
-#   reuses them; up to ``trim_threshold`` bytes of freed memory then stay with the process.
-# - A received tensor needs fresh memory, and faulting it in 4 KiB at a time ran at about 1 GiB/s.
-#   :func:`empty_bytes` maps tensors of 32 MiB and more with ``MADV_HUGEPAGE`` (2 MiB pages),
-#   which runs 3-4x faster. Smaller ones come from malloc, where freed blocks are reused.
-#
-# The TensorStore server and client call :func:`keep_stream_buffers` once per process. Set
-# ``RLFLEET_MALLOC_TUNING=0`` to leave both malloc and page sizes alone. Elsewhere than Linux with
-# glibc both fall back to the defaults.
+# --- where a received tensor's bytes land --------------------------------------------------------
+# A received tensor needs fresh memory, and faulting it in 4 KiB at a time ran at about 1 GiB/s
+# (benchmarks/README.md, "tensor_stream"). :func:`empty_bytes` maps tensors of 32 MiB and more with
+# ``MADV_HUGEPAGE`` (2 MiB pages), which runs 3-4x faster. Smaller ones come from malloc, where freed
+# blocks are reused (:mod:`rlfleet.common.tensors.malloc` keeps them; ``RLFLEET_MALLOC_TUNING=0``
+# turns both off).
 
-
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit systems
-TRIM_THRESHOLD_BYTES = 512 << 20
 HUGE_ALLOC_BYTES = MMAP_THRESHOLD_BYTES  # from here on malloc would mmap fresh pages anyway
 _HUGE_PAGE = 2 << 20
-
-_lock = threading.Lock()
-_tuned: bool | None = None
-
-
-def tuning_enabled() -> bool:
-    """False when ``RLFLEET_MALLOC_TUNING=0`` asks to leave memory management alone."""
-    return os.environ.get("RLFLEET_MALLOC_TUNING", "1") != "0"
-
-
-def keep_stream_buffers(
-    mmap_threshold: int = MMAP_THRESHOLD_BYTES, trim_threshold: int = TRIM_THRESHOLD_BYTES
-) -> bool:
-    """Tune glibc malloc for streaming, once per process; True if this process's malloc is tuned."""
-    global _tuned
-    with _lock:
-        if _tuned is None:
-            _tuned = _apply(mmap_threshold, trim_threshold)
-        return _tuned
-
-
-def _apply(mmap_threshold: int, trim_threshold: int) -> bool:
-    if not tuning_enabled():
-        logger.info("RLFLEET_MALLOC_TUNING=0: leaving malloc as it is")
-        return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    libc = ctypes.CDLL(name)
-    mallopt = getattr(libc, "mallopt", None)
-    if getattr(libc, "gnu_get_libc_version", None) is None or mallopt is None:  # musl, macOS
-        return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
-    ok = mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1 and mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1
-    logger.info(
-        "malloc tuned for tensor streams: M_MMAP_THRESHOLD=%d, M_TRIM_THRESHOLD=%d (%s)",
-        mmap_threshold,
-        trim_threshold,
-        "ok" if ok else "refused",
-    )
-    return ok
 
 
 def empty_bytes(nbytes: int) -> torch.Tensor:

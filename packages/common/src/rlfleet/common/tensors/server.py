@@ -42,11 +42,11 @@ from rlfleet.common.tensors.codec import (
     DEFAULT_CHUNK_BYTES,
     Chunk,
     ChunkAssembler,
-    keep_stream_buffers,
     split_tensors,
 )
 from rlfleet.common.tensors.guard import StoreGuard, unpredictable_key
 from rlfleet.common.tensors.local import LocalTensorStore
+from rlfleet.common.tensors.malloc import keep_stream_buffers
 from rlfleet.common.tensors.rpc import SERVICE, abort_rpc, channel_options, check_sizes
 from rlfleet.common.tensors.tls import server_credentials
 from rlfleet.common.tensors.wire import decode_chunk, encode_chunk
