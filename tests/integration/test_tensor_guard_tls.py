@@ -144,3 +144,53 @@ async def test_worker_stores_and_clients_speak_mtls_from_their_settings(tmp_path
                 await anonymous.fetch(ref)
     finally:
         await store.stop(grace=None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_embedded_run_trains_over_mutual_tls(tmp_path: Path, tiny_model_dir: Path, procs) -> None:
+    """Every store and client of every tier takes the run's settings: a run whose stores all require
+    client certificates trains (rollout to reward and to both trainer ranks, weights to the rollout
+    worker, the controller's sample table), and a client without a certificate reads nothing."""
+    from rlfleet.controller import GRPOTrainer, PromptDataset, TrainerConfig
+
+    ca = CA(tmp_path, "run-ca")
+    cert, key = ca.issue("fleet")
+    data = Path(__file__).resolve().parents[2] / "examples" / "data" / "tiny_digits.jsonl"
+    config = TrainerConfig(
+        rollout_batch_size=4, train_batch_size=4, group_size=2, max_prompt_length=32, max_response_length=8,
+        num_train_workers=2, output_dir=str(tmp_path / "run"), loggers=["jsonl"], sample_table_size=2,
+        device="cpu", tensor_tls_cert=cert, tensor_tls_key=key, tensor_tls_ca=ca.file,
+        tensor_tls_client_ca=ca.file,
+    )  # fmt: skip
+    trainer = GRPOTrainer(str(tiny_model_dir), "charset:allowed=0123456789",
+                          PromptDataset(str(data), max_prompt_length=32, seed=1), config)  # fmt: skip
+    run = trainer.fleet_run
+    published = []
+    publish = run.publish
+
+    async def watched(*args, **kwargs):
+        done = await publish(*args, **kwargs)
+        published.append(done[0])
+        return done
+
+    run.publish = watched  # type: ignore[method-assign]
+    try:
+        results = list(trainer.steps(max_steps=2))
+        assert [r.step for r in results] == [1, 2] and [r.weight_version for r in results] == [1, 2]
+        bucket = published[-1].buckets[0]
+
+        async def read() -> None:
+            async with TensorStoreClient(bucket.address, tls_ca=ca.file, tls_cert=cert, tls_key=key) as ok:
+                assert await ok.fetch(bucket)
+            async with TensorStoreClient(bucket.address, tls_ca=ca.file, timeout_s=3) as anonymous:
+                with pytest.raises(TensorStoreUnavailable, match="without a certificate"):
+                    await anonymous.fetch(bucket)
+
+        trainer.run(read())
+        trainer.finish()  # the "after" sample table: the controller reads answers over mTLS
+        assert "Sample answers" in (run.output_dir / "samples.md").read_text()
+        started = procs.launched(run.output_dir)
+    finally:
+        trainer.close()
+    assert procs.survivors(started) == []
