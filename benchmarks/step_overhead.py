@@ -70,7 +70,8 @@ def in_process_steps(args: argparse.Namespace, out: Path) -> list[dict[str, floa
     from rlfleet.reward.registry import build_reward
     from rlfleet.rollout.engines.registry import make_engine, resolve_engine_name
     from rlfleet.rollout.service import engine_kwargs, to_rollout_tensors
-    from rlfleet.trainer.service import build_models, merge_batch, run_step
+    from rlfleet.trainer.ranks import build_models
+    from rlfleet.trainer.service import merge_batch, run_step
 
     trainer = build(args, out / "inproc")
     cfg = trainer.config

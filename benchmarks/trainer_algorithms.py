@@ -4,7 +4,7 @@
     python3 -m torch.distributed.run --standalone --nproc_per_node=1 benchmarks/trainer_algorithms.py
 
 Every rank builds the trainer's models exactly as a trainer worker does (``build_models`` of
-``rlfleet.trainer.service``: the actor, and for PPO the critic, both FSDP2-sharded over the ranks)
+``rlfleet.trainer.ranks``: the actor, and for PPO the critic, both FSDP2-sharded over the ranks)
 from a random-init Qwen2 preset that rank 0 writes, and runs ``run_step`` (the worker's step)
 on one random batch: PPO on ``--rows`` rollouts (GAE, clipped value loss, KL in the reward), DPO
 on ``--rows`` preference pairs (reference log-probs computed by the trainer). It reports the
@@ -32,11 +32,8 @@ from trainer import PRESETS, sync, write_model  # noqa: E402  (benchmarks/traine
 
 from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig  # noqa: E402
 from rlfleet.trainer.distributed import setup_nccl  # noqa: E402
-from rlfleet.trainer.service import (  # noqa: E402
-    build_models,  # noqa: E402
-    merge_batch,
-    run_step,
-)
+from rlfleet.trainer.ranks import build_models  # noqa: E402
+from rlfleet.trainer.service import merge_batch, run_step  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "trainer_algorithms_h200.json"
 

@@ -31,7 +31,8 @@ from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig
 from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer
 from rlfleet.controller.launcher import EmbeddedFleet, trainer_rank_specs
 from rlfleet.trainer.model_io import load_causal_lm
-from rlfleet.trainer.service import build_models, merge_batch, run_step
+from rlfleet.trainer.ranks import build_models
+from rlfleet.trainer.service import merge_batch, run_step
 
 CLUSTER = "ranks"
 PROMPTS, RESPONSES = [3, 5, 2, 4, 5, 3], [4, 2, 6, 1, 3, 5]

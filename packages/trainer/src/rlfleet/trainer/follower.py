@@ -24,15 +24,8 @@ from rlfleet.common.errors import BatchContractError
 from rlfleet.common.schema.trainer import TrainerWorkerConfig
 from rlfleet.trainer.checkpoint import load_checkpoint, save_checkpoint
 from rlfleet.trainer.errors import SettingsConflict
-from rlfleet.trainer.service import (
-    CommandChannel,
-    StoreClients,
-    build_models,
-    merge_batch,
-    rank_from_env,
-    run_step,
-    use_rank_thread,
-)
+from rlfleet.trainer.ranks import build_models, rank_from_env, use_rank_thread
+from rlfleet.trainer.service import CommandChannel, StoreClients, merge_batch, run_step
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
-"""The trainer worker: what every rank runs (models, commands, one train step) and rank 0's service.
+"""The trainer worker: rank 0's service, the commands it sends the other ranks, and one train step.
 
 Rank 0 runs the :class:`TrainerWorker` and alone talks to NATS; ranks 1..W-1 run a
-:class:`~rlfleet.trainer.follower.Follower`. Both build their models with :func:`build_models`.
+:class:`~rlfleet.trainer.follower.Follower`. Both start alike (:mod:`rlfleet.trainer.ranks`).
 Before rank 0 starts a step, a publish or a save, it sends the command to the other ranks over
 :class:`CommandChannel`; every rank then does the same work in the same order (the FSDP
 collectives pair up)::
@@ -25,7 +25,8 @@ whose critic this worker does not hold) is refused before the first collective, 
 alike, so that the other ranks never wait for one that gave up.
 
 Rank 0's service: ``trainer.configure`` compares the run's fixed settings (ModelSettings, device,
-critic, model fingerprint) with the worker's and refuses the run, naming each field that differs.
+critic, model fingerprint) with the worker's and refuses the run, naming each field that differs
+(:mod:`rlfleet.trainer.admission`).
 A train step pulls its rollout chunks straight from the rollout workers' stores and runs one
 update with the settings the request carries (``trainer.step`` -> :func:`run_step` ->
 :func:`rlfleet.trainer.loop.train_loop`); ranks 1..W-1 get the same request. Publishing stages
@@ -37,13 +38,10 @@ latest version) and/or on its GPU, shared by CUDA IPC with a colocated engine.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -71,29 +69,25 @@ from rlfleet.common.schema.algorithms import ALGORITHMS
 from rlfleet.common.schema.batch import merge_preferences, merge_rollouts
 from rlfleet.common.schema.carriers import IpcBucket
 from rlfleet.common.schema.refs import TensorRef
-from rlfleet.common.schema.trainer import (
-    ModelSettings,
-    StepSettings,
-    TrainerWorkerConfig,
-    model_fingerprint,
-    resolve_precision,
-)
+from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig, model_fingerprint
 from rlfleet.common.schema.worker import TensorPlaneSettings
 from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer, worker_client, worker_store
 from rlfleet.trainer.actor import Actor
+from rlfleet.trainer.admission import conflicts
 from rlfleet.trainer.algorithms import dpo_family, ppo_family
 from rlfleet.trainer.checkpoint import check_contained, confine, load_checkpoint, save_checkpoint
 from rlfleet.trainer.critic import Critic
-from rlfleet.trainer.distributed import DistContext, init_distributed
+from rlfleet.trainer.distributed import DistContext
 from rlfleet.trainer.errors import CarrierUnavailable, SettingsConflict, UnexpectedMessage
 from rlfleet.trainer.ipc_share import gpu_uuid, share_bucket
 from rlfleet.trainer.loop import Plan, batch_sizes, train_loop
+from rlfleet.trainer.ranks import build_models, use_rank_thread
 from rlfleet.trainer.weights import to_host
 
 logger = logging.getLogger(__name__)
 
 
-# --- every rank: models, commands, rollout fetches ------------------------------------------------
+# --- every rank: commands, rollout fetches ------------------------------------------------------
 
 IDLE_TIMEOUT = timedelta(days=30)
 """How long a follower waits for rank 0's next command (the trainer may idle for long)."""
@@ -125,48 +119,6 @@ class CommandChannel:
         dist.broadcast(data, src=0, group=self.group)
         command: dict[str, Any] = json.loads(data.numpy().tobytes())
         return command
-
-
-def use_rank_thread(loop: asyncio.AbstractEventLoop, device: str) -> None:
-    """Run this process's ``asyncio.to_thread`` work on one thread bound to the rank's CUDA device.
-
-    The current CUDA device is per thread; a pool thread would start on device 0, so every rank
-    but the first would put its work on the wrong GPU. One thread also keeps every collective of
-    a rank in one order.
-    """
-    initializer = None
-    if device != "cpu" and torch.cuda.is_available():
-        initializer = functools.partial(torch.cuda.set_device, int(os.environ.get("LOCAL_RANK", "0")))
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-rank", initializer=initializer)
-    loop.set_default_executor(pool)
-
-
-def rank_from_env() -> int:
-    """This process's trainer rank (``RANK``; 0 when unset)."""
-    return int(os.environ.get("RANK", "0"))
-
-
-def build_models(cfg: TrainerWorkerConfig) -> tuple[DistContext, Actor, Critic | None]:
-    """Join the trainer ranks (torchrun environment; one process without it), build actor and critic.
-
-    Every rank calls it, in the same order of collectives. The worker's ``algorithm`` and
-    ``kl_coef`` decide what is loaded up front: a critic for PPO, the reference when the algorithm
-    uses one (it is loaded on first use otherwise).
-    """
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    ctx = init_distributed(cfg.device, cfg.sharding)
-    spec = ALGORITHMS[cfg.algorithm]
-    actor = Actor(cfg.model_path, cfg, ctx, seed=cfg.seed, learning_rate=cfg.learning_rate,
-                  weight_decay=cfg.weight_decay)  # fmt: skip
-    if spec.uses_reference(cfg.kl_coef):
-        actor.reference()
-    critic = None
-    if spec.needs_critic:
-        critic = Critic(cfg.critic_model_path or cfg.model_path, cfg, ctx, seed=cfg.seed,
-                        learning_rate=cfg.critic_learning_rate or cfg.learning_rate,
-                        weight_decay=cfg.weight_decay)  # fmt: skip
-    return ctx, actor, critic
 
 
 class StoreClients:
@@ -288,38 +240,11 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
 
     async def configure(self, request: TrainerConfigure) -> TrainerConfigured:
         """Accept the run's fixed settings when they are this worker's; else refuse, naming each field."""
-        conflicts = self.conflicts(request)
-        if conflicts:
-            raise SettingsConflict(self.worker_id, conflicts)
+        found = conflicts(request, self.config, device=self.actor.device.type, fingerprint=self.fingerprint,
+                          holds_critic=self.critic is not None)  # fmt: skip
+        if found:
+            raise SettingsConflict(self.worker_id, found)
         return TrainerConfigured(worker_id=self.worker_id, weight_version=self.weight_version)
-
-    def conflicts(self, request: TrainerConfigure) -> list[tuple[str, str, str]]:
-        """``(field, run's value, worker's value)`` for every fixed setting the run asks otherwise.
-
-        ``auto`` devices and precisions compare as what they resolve to on this worker's device (a
-        precision that differs only through the device is the device's conflict); the model is compared
-        by the fingerprint of its ``config.json`` when both sides have one.
-        """
-        mine = ModelSettings.model_validate(self.config.model_dump(include=set(ModelSettings.model_fields)))
-        device = self.actor.device.type
-        run_device = device if request.device == "auto" else request.device
-        found = [(name, repr(run), repr(ours)) for name, (run, ours) in request.model.conflicts(mine).items()
-                 if name != "mixed_precision"]  # fmt: skip
-        theirs, ours = request.model.mixed_precision, mine.mixed_precision
-        if resolve_precision(theirs, device) != resolve_precision(ours, device):  # as they run here
-            resolved = f" ({resolve_precision(ours, device)} on {device})" if ours == "auto" else ""
-            found.append(("mixed_precision", repr(theirs), f"{ours!r}{resolved}"))
-        if run_device != device:
-            auto = f" ({device})" if self.config.device == "auto" else ""
-            found.append(("device", repr(request.device), f"{self.config.device!r}{auto}"))
-        if request.model_fingerprint and self.fingerprint and request.model_fingerprint != self.fingerprint:
-            found.append(("model", f"fingerprint {request.model_fingerprint}",
-                          f"fingerprint {self.fingerprint} ({self.config.model_path})"))  # fmt: skip
-        if request.critic != (self.critic is not None):
-            found.append(("critic", "trains one" if request.critic else "trains none",
-                          f"holds {'one' if self.critic is not None else 'none'} "
-                          f"(algorithm {self.config.algorithm})"))  # fmt: skip
-        return found
 
     def step_settings(self, request: TrainStepRequest) -> StepSettings:
         """The request's settings; the worker's own when the request carries none."""
