@@ -16,15 +16,14 @@ import logging
 from collections import defaultdict
 from collections.abc import Mapping
 
-from rlfleet.common.control.messages import MAX_MESSAGE_BYTES, AnyMessage, Message, decode, encode
+from rlfleet.common.control.messages import MAX_MESSAGE_BYTES, AnyMessage, Message, decode
 from rlfleet.common.control.transport import (
     Dispatcher,
     Handler,
     ReplyFn,
-    check_headers,
-    check_subject,
+    Subscriptions,
+    outgoing,
     raise_for_reply,
-    tier_of,
 )
 from rlfleet.common.errors import NoResponders, RequestTimeout, TransportClosed
 
@@ -153,7 +152,7 @@ class InProcessTransport:
         self.broker = broker if broker is not None else InProcessBroker()
         self.tier = tier
         self.name = name or "inproc"
-        self._subs: list[InProcessSubscription] = []
+        self._subs = Subscriptions()
         self._closed = False
 
     def _check_open(self) -> None:
@@ -166,10 +165,8 @@ class InProcessTransport:
     ) -> AnyMessage:  # fmt: skip
         """See :meth:`Transport.request`."""
         self._check_open()
-        check_subject(subject, wildcards=False)
-        sent_headers = check_headers(headers)
-        tier = tier or tier_of(subject) or "unknown"
-        payload = encode(message, limit=self.broker.max_payload)
+        payload, sent_headers, tier = outgoing(subject, message, limit=self.broker.max_payload, tier=tier,
+                                               headers=headers)  # fmt: skip
         inbox, future = self.broker.open_inbox()
         try:
             if self.broker.route(subject, payload, inbox, sent_headers) == 0:
@@ -185,8 +182,7 @@ class InProcessTransport:
     async def publish(self, subject: str, message: Message) -> None:
         """See :meth:`Transport.publish`."""
         self._check_open()
-        check_subject(subject, wildcards=False)
-        self.broker.route(subject, encode(message, limit=self.broker.max_payload), None)
+        self.broker.route(subject, outgoing(subject, message, limit=self.broker.max_payload).payload, None)
 
     async def subscribe(
         self,
@@ -198,14 +194,12 @@ class InProcessTransport:
     ) -> InProcessSubscription:
         """See :meth:`Transport.subscribe`."""
         self._check_open()
-        check_subject(subject, wildcards=True)
         dispatcher = Dispatcher(
             subject, handler, tier=self.tier, max_concurrency=max_concurrency, limit=self.broker.max_payload
         )
         sub = InProcessSubscription(self.broker, subject, queue, dispatcher)
         self.broker.add(sub)
-        self._subs = [s for s in self._subs if s.active]
-        self._subs.append(sub)
+        self._subs.add(sub)
         return sub
 
     async def flush(self) -> None:
@@ -218,9 +212,7 @@ class InProcessTransport:
         if self._closed:
             return
         self._closed = True
-        subs, self._subs = self._subs, []
-        for sub in subs:
-            await sub.unsubscribe()
+        await self._subs.end_all()
 
     async def __aenter__(self) -> InProcessTransport:
         return self

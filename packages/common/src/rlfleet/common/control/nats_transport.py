@@ -23,15 +23,14 @@ from nats.aio.client import Client, Server
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription as NatsSubscription
 
-from rlfleet.common.control.messages import MAX_MESSAGE_BYTES, AnyMessage, Message, decode, encode
+from rlfleet.common.control.messages import MAX_MESSAGE_BYTES, AnyMessage, Message, decode
 from rlfleet.common.control.transport import (
     Dispatcher,
     Handler,
     ReplyFn,
-    check_headers,
-    check_subject,
+    Subscriptions,
+    outgoing,
     raise_for_reply,
-    tier_of,
 )
 from rlfleet.common.errors import NatsServerError, NoResponders, RequestTimeout, TransportClosed
 from rlfleet.common.schema.connection import NatsConnection, mask_url
@@ -114,7 +113,7 @@ class NatsTransport:
         self.client = client
         self.tier = tier
         self.name = name
-        self._subs: list[NatsSubscriptionHandle] = []
+        self._subs = Subscriptions()
         self._closed = False
         self._refusal: Exception | None = None  # the server's "Authorization Violation" while connecting
         self._refused = asyncio.Event()
@@ -245,10 +244,8 @@ class NatsTransport:
     ) -> AnyMessage:  # fmt: skip
         """See :meth:`Transport.request`."""
         self._check_open()
-        check_subject(subject, wildcards=False)
-        sent_headers = check_headers(headers)
-        tier = tier or tier_of(subject) or "unknown"
-        payload = encode(message, limit=self.max_payload)
+        payload, sent_headers, tier = outgoing(subject, message, limit=self.max_payload, tier=tier,
+                                               headers=headers)  # fmt: skip
         try:
             msg = await self.client.request(subject, payload, timeout=timeout, headers=sent_headers)
         except nats.errors.NoRespondersError:
@@ -262,9 +259,9 @@ class NatsTransport:
     async def publish(self, subject: str, message: Message) -> None:
         """See :meth:`Transport.publish`."""
         self._check_open()
-        check_subject(subject, wildcards=False)
+        payload = outgoing(subject, message, limit=self.max_payload).payload
         try:
-            await self.client.publish(subject, encode(message, limit=self.max_payload))
+            await self.client.publish(subject, payload)
         except nats.errors.ConnectionClosedError:
             raise TransportClosed(f"NATS transport {self.name!r}") from None
 
@@ -278,14 +275,12 @@ class NatsTransport:
     ) -> NatsSubscriptionHandle:
         """See :meth:`Transport.subscribe`."""
         self._check_open()
-        check_subject(subject, wildcards=True)
         dispatcher = Dispatcher(
             subject, handler, tier=self.tier, max_concurrency=max_concurrency, limit=self.max_payload
         )
         sub = NatsSubscriptionHandle(self.client, subject, queue, dispatcher)
         await sub.start()
-        self._subs = [s for s in self._subs if s.active]
-        self._subs.append(sub)
+        self._subs.add(sub)
         if self.client.is_connected:
             await self.flush()  # the subscription is live on the server when this returns
         return sub
@@ -307,9 +302,7 @@ class NatsTransport:
         if self._closed:
             return
         self._closed = True
-        subs, self._subs = self._subs, []
-        for sub in subs:
-            await sub.unsubscribe()
+        await self._subs.end_all()
         if not self.client.is_closed:
             await self.client.close()
 

@@ -25,8 +25,8 @@ import asyncio
 import contextvars
 import logging
 import re
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Protocol, runtime_checkable
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from rlfleet.common.control.messages import MAX_MESSAGE_BYTES, AnyMessage, ErrorReply, Message, decode, encode
 from rlfleet.common.errors import (
@@ -79,10 +79,33 @@ class Subscription(Protocol):
 
     subject: str
     queue: str | None
+    active: bool
+    """False once unsubscribed."""
 
     async def unsubscribe(self, *, drain_timeout: float = 0.0) -> None:
         """Stop delivery; give running handlers ``drain_timeout`` s to finish, then cancel them."""
         ...
+
+
+class Subscriptions:
+    """A transport's live subscriptions, all ended when it closes."""
+
+    def __init__(self) -> None:
+        self._live: list[Subscription] = []
+
+    def add(self, sub: Subscription) -> None:
+        """Keep ``sub`` (and let go of those already unsubscribed)."""
+        self._live = [s for s in self._live if s.active]
+        self._live.append(sub)
+
+    def __iter__(self) -> Iterator[Subscription]:
+        return iter(list(self._live))
+
+    async def end_all(self) -> None:
+        """Unsubscribe every one of them."""
+        live, self._live = self._live, []
+        for sub in live:
+            await sub.unsubscribe()
 
 
 @runtime_checkable
@@ -154,6 +177,25 @@ def tier_of(subject: str) -> str:
     return parts[2] if len(parts) >= 4 and parts[0] == "rlfleet" else ""
 
 
+class Outgoing(NamedTuple):
+    """A request or publish, checked and encoded, as a transport sends it."""
+
+    payload: bytes
+    headers: dict[str, str] | None
+    tier: str
+
+
+def outgoing(
+    subject: str, message: Message, *, limit: int, tier: str = "", headers: Mapping[str, str] | None = None
+) -> Outgoing:
+    """What both transports send: ``subject`` checked (no wildcards), ``headers`` checked, the tier
+    that answers (``tier``, else the subject's, else ``"unknown"``) and ``message`` encoded within
+    ``limit`` (:class:`MessageTooLarge` past it)."""
+    check_subject(subject, wildcards=False)
+    checked = check_headers(headers)
+    return Outgoing(encode(message, limit=limit), checked, tier or tier_of(subject) or "unknown")
+
+
 def error_reply(exc: BaseException, tier: str) -> ErrorReply:
     """The :class:`ErrorReply` that tells a requester about ``exc``."""
     code, retryable = wire_code(exc)
@@ -169,7 +211,10 @@ def raise_for_reply(reply: AnyMessage, tier: str) -> AnyMessage:
 
 
 class Dispatcher:
-    """Runs one subscription's handler: decode, call, reply, map failures to ErrorReply."""
+    """Runs one subscription's handler: decode, call, reply, map failures to ErrorReply.
+
+    ``subject`` is the subscription's (``*`` / ``>`` wildcards allowed; ``ValueError`` otherwise).
+    """
 
     def __init__(
         self,
@@ -180,6 +225,7 @@ class Dispatcher:
         max_concurrency: int | None = None,
         limit: int = MAX_MESSAGE_BYTES,
     ) -> None:
+        check_subject(subject, wildcards=True)
         if max_concurrency is not None and max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1 or None, got {max_concurrency}")
         self.subject = subject
