@@ -1,28 +1,15 @@
-"""tensor_rpc: every tensor-plane error survives the trip through gRPC status and metadata."""
+"""tensors.rpc: every tensor-plane error survives the trip through gRPC status and metadata.
+
+The samples are one realistic error of each class the wire table maps (a test checks that they
+cover it); the other tests are behaviours of the mapping: gRPC's own refusals get named errors.
+"""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from rlfleet.common.errors import (
-    ChecksumMismatch,
-    KeyExists,
-    MalformedChunk,
-    MessageTooLarge,
-    RemoteError,
-    RlfleetError,
-    ShapeMismatch,
-    StoreFull,
-    StreamTruncated,
-    TensorAccessDenied,
-    TensorStoreBusy,
-    TensorStoreTimeout,
-    TensorStoreUnavailable,
-    UnknownDtype,
-    UnknownKey,
-    UnknownTensor,
-)
+from rlfleet.common import errors
 from rlfleet.common.tensors.rpc import (
     ERRORS,
     channel_options,
@@ -53,18 +40,18 @@ class FakeRpcError(grpc.RpcError):
         return self._metadata
 
 
-SAMPLES: list[RlfleetError] = [
-    ChecksumMismatch("w", 0x1234, 0x5678),
-    StreamTruncated("k", "no end-of-stream marker"),
-    ShapeMismatch("w", (2, 3), "F32", 20, 24),
-    UnknownDtype("F7", "w"),
-    MalformedChunk("key changed", "k", "w"),
-    MessageTooLarge(100, 50, "tensor chunk"),
-    StoreFull(10, 90, 95),
-    UnknownKey("k", "host:1"),
-    UnknownTensor("k", "zz", ("a", "b")),
-    TensorAccessDenied("k", "host:1", "no valid capability for this key"),
-    KeyExists("k"),
+SAMPLES: list[errors.RlfleetError] = [
+    errors.ChecksumMismatch("w", 0x1234, 0x5678),
+    errors.StreamTruncated("k", "no end-of-stream marker"),
+    errors.ShapeMismatch("w", (2, 3), "F32", 20, 24),
+    errors.UnknownDtype("F7", "w"),
+    errors.MalformedChunk("key changed", "k", "w"),
+    errors.MessageTooLarge(100, 50, "tensor chunk"),
+    errors.StoreFull(10, 90, 95),
+    errors.UnknownKey("k", "host:1"),
+    errors.UnknownTensor("k", "zz", ("a", "b")),
+    errors.TensorAccessDenied("k", "host:1", "no valid capability for this key"),
+    errors.KeyExists("k"),
 ]
 
 
@@ -73,7 +60,7 @@ def test_every_mapped_error_has_a_sample() -> None:
 
 
 @pytest.mark.parametrize("exc", SAMPLES, ids=lambda e: type(e).__name__)
-def test_errors_round_trip_with_their_fields(exc: RlfleetError) -> None:
+def test_errors_round_trip_with_their_fields(exc: errors.RlfleetError) -> None:
     status, metadata = error_metadata(exc)
     rebuilt = error_from_rpc(FakeRpcError(status, str(exc), metadata), "host:1")
     assert type(rebuilt) is type(exc)
@@ -82,36 +69,37 @@ def test_errors_round_trip_with_their_fields(exc: RlfleetError) -> None:
 
 
 def test_error_found_in_initial_metadata_when_the_status_was_replaced() -> None:
-    _, metadata = error_metadata(StoreFull(10, 90, 95))
+    _, metadata = error_metadata(errors.StoreFull(10, 90, 95))
     replaced = FakeRpcError(grpc.StatusCode.INTERNAL, "Internal error from Core")
     rebuilt = error_from_rpc(replaced, "h:1", metadata)
-    assert isinstance(rebuilt, StoreFull) and rebuilt.capacity == 95
-    assert isinstance(error_from_rpc(replaced, "h:1"), RemoteError)
+    assert isinstance(rebuilt, errors.StoreFull) and rebuilt.capacity == 95
+    assert isinstance(error_from_rpc(replaced, "h:1"), errors.RemoteError)
 
 
 def test_unknown_key_gets_the_client_address() -> None:
-    status, metadata = error_metadata(UnknownKey("k"))
+    status, metadata = error_metadata(errors.UnknownKey("k"))
     rebuilt = error_from_rpc(FakeRpcError(status, "", metadata), "store:7")
-    assert isinstance(rebuilt, UnknownKey) and rebuilt.address == "store:7"
+    assert isinstance(rebuilt, errors.UnknownKey) and rebuilt.address == "store:7"
 
 
 def test_long_fields_are_clipped_to_fit_metadata() -> None:
-    _, metadata = error_metadata(UnknownTensor("k" * 5000, "n", tuple(str(i) for i in range(1000))))
+    _, metadata = error_metadata(errors.UnknownTensor("k" * 5000, "n", tuple(str(i) for i in range(1000))))
     assert sum(len(v) for _, v in metadata) < 8192
 
 
 def test_status_without_our_metadata() -> None:
     unavailable = error_from_rpc(FakeRpcError(grpc.StatusCode.UNAVAILABLE, "connection refused"), "h:1")
-    assert isinstance(unavailable, TensorStoreUnavailable) and unavailable.address == "h:1"
+    assert isinstance(unavailable, errors.TensorStoreUnavailable) and unavailable.address == "h:1"
     too_large = error_from_rpc(
         FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (200 vs. 100)"),
         "h:1",
     )
-    assert isinstance(too_large, MessageTooLarge) and (too_large.size, too_large.limit) == (200, 100)
+    assert isinstance(too_large, errors.MessageTooLarge) and (too_large.size, too_large.limit) == (200, 100)
     other = error_from_rpc(FakeRpcError(grpc.StatusCode.INTERNAL, "boom"), "h:1")
-    assert isinstance(other, RemoteError) and other.code == "INTERNAL"
+    assert isinstance(other, errors.RemoteError) and other.code == "INTERNAL"
     garbled = (("rlfleet-error", "store_full"), ("rlfleet-error-fields", "{not json"))
-    assert isinstance(error_from_rpc(FakeRpcError(grpc.StatusCode.UNKNOWN, "x", garbled), "h:1"), RemoteError)
+    unreadable = error_from_rpc(FakeRpcError(grpc.StatusCode.UNKNOWN, "x", garbled), "h:1")
+    assert isinstance(unreadable, errors.RemoteError)
 
 
 def test_helpers() -> None:
@@ -125,17 +113,18 @@ def test_helpers() -> None:
     with pytest.raises(ValueError):
         check_sizes(0, 10)
     with pytest.raises(TypeError, match="no wire code"):
-        error_metadata(RemoteError("t", "c", "m"))
+        error_metadata(errors.RemoteError("t", "c", "m"))
 
 
 def test_refusals_without_our_metadata_get_named_errors() -> None:
     timeout = error_from_rpc(
         FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), "h:1", rpc="Get", timeout=2.5
     )
-    assert isinstance(timeout, TensorStoreTimeout) and "Get at h:1" in str(timeout) and "2.5s" in str(timeout)
+    assert isinstance(timeout, errors.TensorStoreTimeout)
+    assert "Get at h:1" in str(timeout) and "2.5s" in str(timeout)
     busy = error_from_rpc(
         FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!"), "h:1"
     )
-    assert isinstance(busy, TensorStoreBusy) and busy.retryable
+    assert isinstance(busy, errors.TensorStoreBusy) and busy.retryable
     denied = error_from_rpc(FakeRpcError(grpc.StatusCode.UNAUTHENTICATED, "no"), "h:1")
-    assert isinstance(denied, TensorAccessDenied) and denied.address == "h:1"
+    assert isinstance(denied, errors.TensorAccessDenied) and denied.address == "h:1"
