@@ -49,6 +49,21 @@ class ModelConversionError(Failure, RuntimeError):
         super().__init__(f"model {spec!r}: conversion failed: {reason}")
 
 
+def _worker_exit(
+    exc: Exception, tier: str, worker_id: str, returncode: int | None, *, error: str = "",
+    log_path: str | Path = "", log_tail: str = "",
+) -> None:  # fmt: skip
+    """``__init__`` of :class:`TierDied` and :class:`TierRefused`: the exit's fields, its message."""
+    exc.tier, exc.worker_id, exc.returncode, exc.error = tier, worker_id, returncode, error  # type: ignore[attr-defined]
+    exc.log_path, exc.log_tail = str(log_path), log_tail  # type: ignore[attr-defined]
+    how = "exited" if returncode is None else f"exited with code {returncode}"
+    if returncode is not None and returncode < 0:
+        how = f"was killed by signal {_signal_name(-returncode)} (exit code {returncode})"
+    cause = f": {error}" if error else ""
+    where = f" (log: {log_path})" if log_path else ""
+    Exception.__init__(exc, f"{tier} worker {worker_id} {how}{cause}{where}")
+
+
 class TierDied(Failure, RuntimeError):
     """A process started by the embedded launcher exited while the run needed it.
 
@@ -57,49 +72,14 @@ class TierDied(Failure, RuntimeError):
     with), ``log_path`` where its whole output is, ``log_tail`` the last lines of that log.
     """
 
-    def __init__(
-        self,
-        tier: str,
-        worker_id: str,
-        returncode: int | None,
-        *,
-        error: str = "",
-        log_path: str | Path = "",
-        log_tail: str = "",
-    ) -> None:
-        super().__init__(_tier_exit(self, tier, worker_id, returncode, error, log_path, log_tail))
-
-
-def _tier_exit(
-    exc: Exception, tier: str, worker_id: str, returncode: int | None, error: str, log_path: str | Path,
-    log_tail: str,
-) -> str:  # fmt: skip
-    """Set a worker exit's fields on ``exc`` and return its message."""
-    exc.tier, exc.worker_id, exc.returncode, exc.error = tier, worker_id, returncode, error  # type: ignore[attr-defined]
-    exc.log_path, exc.log_tail = str(log_path), log_tail  # type: ignore[attr-defined]
-    how = "exited" if returncode is None else f"exited with code {returncode}"
-    if returncode is not None and returncode < 0:
-        how = f"was killed by signal {_signal_name(-returncode)} (exit code {returncode})"
-    cause = f": {error}" if error else ""
-    where = f" (log: {log_path})" if log_path else ""
-    return f"{tier} worker {worker_id} {how}{cause}{where}"
+    __init__ = _worker_exit
 
 
 class TierRefused(UserError, RuntimeError):
     """A worker exited with code 2: it refused its settings (a bad reward spec, a missing model...),
     which is the user's to fix; ``error`` is its one-line reason. Same fields as :class:`TierDied`."""
 
-    def __init__(
-        self,
-        tier: str,
-        worker_id: str,
-        returncode: int | None,
-        *,
-        error: str = "",
-        log_path: str | Path = "",
-        log_tail: str = "",
-    ) -> None:
-        super().__init__(_tier_exit(self, tier, worker_id, returncode, error, log_path, log_tail))
+    __init__ = _worker_exit
 
 
 class TierNotReady(Failure, TimeoutError):
