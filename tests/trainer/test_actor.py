@@ -180,6 +180,16 @@ def test_gradient_checkpointing_gives_the_same_gradient(tiny_model_dir: Path, ma
         torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_the_compile_setting_compiles_policy_and_reference_blocks(tiny_model_dir: Path) -> None:
+    # construction only wraps each block's forward; nothing compiles until the first forward
+    actor = _actor(tiny_model_dir, compile=True)
+    assert actor.compiled
+    for model in (actor.model, actor.reference()):
+        assert all(hasattr(block.forward, "_torchdynamo_orig_callable") for block in model.model.layers)
+    assert not _actor(tiny_model_dir).compiled
+    assert not Actor(tiny_model_dir, ModelSettings(compile=True), compile=False).compiled  # the argument wins
+
+
 def test_dropout_is_disabled_so_the_first_ratio_is_one(
     tiny_model_dir: Path, make_batch: Callable, tmp_path: Path
 ) -> None:

@@ -51,6 +51,27 @@ def test_checkpointed_chunks_give_the_plain_gradient() -> None:
     torch.testing.assert_close(chunked.grad, plain.grad)
 
 
+def test_entropy_as_a_metric_has_no_gradient_and_the_same_values() -> None:
+    gen = torch.Generator().manual_seed(2)
+    base = torch.randn(2, 4, 9, generator=gen) * 300  # large logits: the max is taken out first
+    labels = torch.randint(0, 9, (2, 4), generator=gen)
+    weights = torch.randn(2, 4, generator=gen)
+
+    metric = base.clone().requires_grad_(True)
+    logp, ent = logprobs_from_logits(metric, labels, temperature=0.5, chunk_rows=3, entropy_grad=False)
+    assert ent is not None and not ent.requires_grad and logp.requires_grad
+    (logp * weights).sum().backward()
+
+    plain = base.clone().requires_grad_(True)
+    z = plain / 0.5
+    ref_logp = torch.log_softmax(z, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    (ref_logp * weights).sum().backward()
+    torch.testing.assert_close(logp, ref_logp)
+    exact = z.detach().double().log_softmax(-1)  # float64: logsumexp - sum p z cancels at this scale
+    torch.testing.assert_close(ent, -(exact.exp() * exact).sum(-1).float())
+    torch.testing.assert_close(metric.grad, plain.grad)
+
+
 def test_bad_temperature_is_refused() -> None:
     with pytest.raises(ValueError, match="temperature"):
         logprobs_from_logits(torch.zeros(1, 1, 2), torch.zeros(1, 1, dtype=torch.int64), temperature=0.0)

@@ -61,8 +61,9 @@ class Actor(Trainable):
         attn_implementation: HF attention kernel (``sdpa``, ``eager``...); None lets HF choose.
         reshard_after_forward: FSDP frees each block's gathered weights after its forward (ZeRO-3);
             False keeps them for backward (more memory, one all-gather less per block and micro-batch).
-        compile: ``torch.compile`` the decoder blocks and the logprob reduction (the first steps
-            compile, and each new sequence shape may compile again).
+        compile: ``torch.compile`` the decoder blocks (the policy's and the reference's) and the
+            logprob reduction (the first steps compile, and each new sequence shape may compile
+            again); None: the settings' ``compile``.
         logprob_chunk_rows: tokens per chunk of the logprob reduction.
     """
 
@@ -82,7 +83,7 @@ class Actor(Trainable):
         warmup_steps: int = 0,
         attn_implementation: str | None = None,
         reshard_after_forward: bool = True,
-        compile: bool = False,
+        compile: bool | None = None,
         logprob_chunk_rows: int = DEFAULT_CHUNK_ROWS,
     ) -> None:
         self.model_path = str(model_path)
@@ -92,13 +93,13 @@ class Actor(Trainable):
         self._dtype = getattr(torch, self.settings.param_dtype)
         self._attn = attn_implementation
         self._reshard = reshard_after_forward
-        self.compiled = compile
+        self.compiled = self.settings.compile if compile is None else compile
         self.logprob_chunk_rows = logprob_chunk_rows
         policy = self._load(dist)
         disable_dropout(policy)
         if self.settings.gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if compile:
+        if self.compiled:
             compile_blocks(policy)
         policy.requires_grad_(True)
         self.trainable: set[str] | None = None
@@ -126,6 +127,8 @@ class Actor(Trainable):
         """
         if self.ref_model is None:
             ref = freeze(self._load(self.dist))
+            if self.compiled:
+                compile_blocks(ref)
             shard_model(ref, self.dist, bf16=self.bf16, reshard_after_forward=self._reshard)
             self.ref_model = ref
         return self.ref_model
@@ -136,18 +139,20 @@ class Actor(Trainable):
         *,
         temperature: float,
         entropy: bool = True,
+        entropy_grad: bool = True,
         model: PreTrainedModel | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Logprobs (and entropy) of one micro-batch's response tokens: (B, P + R) -> (B, R) float32.
 
-        With grad when grad is enabled; ``model`` defaults to the policy. Values at padding are
+        With grad when grad is enabled; the entropy only with ``entropy_grad`` (otherwise a metric,
+        whose backward costs nothing). ``model`` defaults to the policy. Values at padding are
         meaningless (mask them).
         """
         with self.autocast():
             return token_logprobs(
                 model if model is not None else self.model, mb.input_ids, mb.attention_mask, mb.response_len,
                 position_ids=mb.position_ids, temperature=temperature, compute_entropy=entropy,
-                chunk_rows=self.logprob_chunk_rows, compiled=self.compiled,
+                entropy_grad=entropy_grad, chunk_rows=self.logprob_chunk_rows, compiled=self.compiled,
             )  # fmt: skip
 
     @torch.no_grad()

@@ -9,9 +9,10 @@ Logprobs (and entropy) of the response tokens under a causal LM. Memory: the mod
 for the logits of the R positions that predict response tokens (``logits_to_keep`` as an index
 tensor), never the whole (B, T, V). They are then reduced in chunks of rows; each chunk is cast
 to float32, divided by the temperature, and reduced to ``logit[label] - logsumexp`` and to the
-entropy. Under autograd each chunk runs inside an activation checkpoint, so the float32 copies
-and softmax of the (B, R, V) logits are not kept for backward: only the logits themselves are,
-and the chunk's intermediates are rebuilt in backward.
+entropy (one max, then both sums in one pass; the entropy carries a gradient only when the loss
+has an entropy term). Under autograd each chunk runs inside an activation checkpoint, so the
+float32 copies and softmax of the (B, R, V) logits are not kept for backward: only the logits
+themselves are, and the chunk's intermediates are rebuilt in backward.
 
 With ``compiled=True`` the per-chunk reduction runs as one ``torch.compile``d kernel chain: the
 (C, V) float32 intermediates then never reach device memory, which matters for large vocabularies
@@ -146,21 +147,31 @@ DEFAULT_CHUNK_ROWS = 1024
 
 
 def _chunk_logprob_entropy(
-    logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool
+    logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool, entropy_grad: bool = True
 ) -> tuple[Tensor, Tensor]:
-    """(C, V) logits, (C,) labels -> logprob (C,), entropy (C,) (zeros when not asked)."""
+    """(C, V) logits, (C,) labels -> logprob (C,), entropy (C,) (zeros when not asked).
+
+    One max, then the two sums ``s = sum exp(z - m)`` and ``sum exp(z - m) (z - m)`` over the same
+    row (one pass each when compiled): ``logsumexp = m + log s``, entropy ``log s - sum / s``. The
+    max is detached (the gradient of either does not depend on it). Without ``entropy_grad`` the
+    entropy is computed from detached values: a metric only, so backward does no work for it.
+    """
     z = logits.float() / temperature
-    lse = torch.logsumexp(z, dim=-1)
-    logprob = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
-    if with_entropy:
-        entropy = lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
-    else:
-        entropy = torch.zeros_like(logprob)
-    return logprob, entropy
+    peak = z.detach().amax(dim=-1, keepdim=True)
+    shifted = z - peak
+    exp = shifted.exp()
+    total = exp.sum(dim=-1)
+    log_total = total.log()
+    logprob = shifted.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - log_total
+    if not with_entropy:
+        return logprob, torch.zeros_like(logprob)
+    if not entropy_grad:
+        shifted, exp, total, log_total = shifted.detach(), exp.detach(), total.detach(), log_total.detach()
+    return logprob, log_total - (exp * shifted).sum(dim=-1) / total
 
 
 @functools.cache
-def _compiled_chunk() -> Callable[[Tensor, Tensor, float, bool], tuple[Tensor, Tensor]]:
+def _compiled_chunk() -> Callable[[Tensor, Tensor, float, bool, bool], tuple[Tensor, Tensor]]:
     """``_chunk_logprob_entropy`` under ``torch.compile``, built on first use."""
     return torch.compile(_chunk_logprob_entropy)  # type: ignore[return-value]
 
@@ -171,6 +182,7 @@ def logprobs_from_logits(
     *,
     temperature: float = 1.0,
     compute_entropy: bool = True,
+    entropy_grad: bool = True,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     compiled: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
@@ -181,6 +193,7 @@ def logprobs_from_logits(
         labels: (B, R) int64 token ids.
         temperature: logits are divided by it first (> 0).
         compute_entropy: also return the entropy of each position's distribution.
+        entropy_grad: the entropy takes part in the loss (False: a metric, returned without grad).
         chunk_rows: tokens reduced at once.
         compiled: reduce each chunk with the ``torch.compile``d kernel (see the module docstring).
 
@@ -204,7 +217,7 @@ def logprobs_from_logits(
     # where each slice's backward would write a zero-filled full-size (B * R, V) gradient
     step = max(chunk_rows, 1)
     for chunk, chunk_labels in zip(flat_logits.split(step), flat_labels.split(step), strict=True):
-        args = (chunk, chunk_labels, temperature, compute_entropy)
+        args = (chunk, chunk_labels, temperature, compute_entropy, entropy_grad)
         if use_checkpoint:
             logprob, entropy = checkpoint(reduce, *args, use_reentrant=False)
         else:
@@ -230,6 +243,7 @@ def token_logprobs(
     position_ids: Tensor | None = None,
     temperature: float = 1.0,
     compute_entropy: bool = True,
+    entropy_grad: bool = True,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     compiled: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
@@ -243,6 +257,7 @@ def token_logprobs(
         position_ids: (B, T); defaults to the cumsum of the mask (left padding harmless).
         temperature: sampling temperature of the rollout engine.
         compute_entropy: also return per-token entropy.
+        entropy_grad: the entropy takes part in the loss (False: returned without grad).
         chunk_rows: tokens reduced at once (see the module docstring).
         compiled: reduce with the ``torch.compile``d kernel.
 
@@ -271,6 +286,7 @@ def token_logprobs(
         labels,
         temperature=temperature,
         compute_entropy=compute_entropy,
+        entropy_grad=entropy_grad,
         chunk_rows=chunk_rows,
         compiled=compiled,
     )

@@ -234,7 +234,8 @@ class PolicyObjective:
         """Loss share of the rows ``chunk`` (B,) and the shares of :attr:`keys` (see the loop)."""
         s, batch, tokens = self.settings, self.batch, divisors.num_tokens
         mb = batch.inputs.select(chunk)
-        logp, entropy = self.actor.logprobs(mb, temperature=s.temperature)
+        # the entropy is a metric unless the loss has an entropy term: then its backward costs nothing
+        logp, entropy = self.actor.logprobs(mb, temperature=s.temperature, entropy_grad=s.entropy_coef != 0)
         assert entropy is not None
         mask = mb.response_mask * weights[:, None]
         if batch.old_logprobs is not None:
