@@ -28,8 +28,10 @@ import struct
 import threading
 import time
 import zlib
+from collections.abc import Awaitable, Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -41,6 +43,7 @@ logger = logging.getLogger(__name__)
 KEY = "payload"
 TENSOR_MB = 16
 RESULTS = Path(__file__).parent / "results" / "tensor_stream.json"
+T = TypeVar("T")
 
 
 def make_payload(mb: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -226,6 +229,22 @@ async def consume(info: dict, mb: int, reps: int, chunk_bytes: int, with_put: bo
     return rounds
 
 
+def with_producer(target: Callable[..., None], args: tuple, consume: Callable[[dict], Awaitable[T]]) -> T:
+    """Start ``target(*args, conn)`` in a spawned process, run ``consume`` on the first thing it sends
+    (in an event loop of this process), then tell it to stop (the producer waits on ``conn.recv``)."""
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(*args, theirs), daemon=True)
+    proc.start()
+    try:
+        return asyncio.run(consume(ours.recv()))
+    finally:
+        ours.send("done")
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.terminate()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -243,18 +262,11 @@ def main() -> None:
 
     chunk_bytes = int(args.chunk_mb * 2**20) if args.chunk_mb else DEFAULT_CHUNK_BYTES
     load = [os.getloadavg()[0]]
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=producer, args=(args.mb, chunk_bytes, theirs), daemon=True)
-    proc.start()
-    try:
-        info = ours.recv()
-        rounds = asyncio.run(consume(info, args.mb, args.reps, chunk_bytes, not args.no_put))
-    finally:
-        ours.send("done")
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.terminate()
+    rounds = with_producer(
+        producer,
+        (args.mb, chunk_bytes),
+        lambda info: consume(info, args.mb, args.reps, chunk_bytes, not args.no_put),
+    )
     load.append(os.getloadavg()[0])
     result = summarize(rounds, args, chunk_bytes, load)
     print_table(result)

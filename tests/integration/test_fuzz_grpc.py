@@ -46,21 +46,29 @@ KINDS: dict[str, Callable[[random.Random], Stream]] = {
     "garbage after a chunk": lambda r: [_chunk(), b"\xff" * r.randint(1, 50)],
     "unknown dtype": lambda r: [_chunk(dtype=r.choice(["F99", "", "float32", "I128", "\u00e9"])), _end()],
     "shape and size disagree": lambda r: [_chunk(shape=[r.randint(1, 10**6)]), _end()],
-    "negative or huge shape": lambda r: [_chunk(shape=[r.choice([-1, -(2**40), 2**62])], total_bytes=8192),
-                                         _end()],  # fmt: skip
+    "negative or huge shape": lambda r: [
+        _chunk(shape=[r.choice([-1, -(2**40), 2**62])], total_bytes=8192),
+        _end(),
+    ],  # fmt: skip
     "oversized declared size": lambda r: [_chunk(shape=[2**40], total_bytes=2**42), _end()],
     "total bytes past 2**63": lambda r: [_chunk(total_bytes=2**64 - r.randint(1, 1000)), _end()],
     "chunks out of order": lambda r: [
-        _chunk(shape=[4096], total_bytes=16384, offset=8192), _chunk(shape=[4096], total_bytes=16384), _end()
+        _chunk(shape=[4096], total_bytes=16384, offset=8192),
+        _chunk(shape=[4096], total_bytes=16384),
+        _end(),
     ],
     "overlapping chunks": lambda r: [
-        _chunk(shape=[4096], total_bytes=16384), _chunk(shape=[4096], total_bytes=16384), _end()
+        _chunk(shape=[4096], total_bytes=16384),
+        _chunk(shape=[4096], total_bytes=16384),
+        _end(),
     ],
     "offset past the end": lambda r: [_chunk(offset=2**50), _end()],
     "bad checksum": lambda r: [_chunk(crc32=r.getrandbits(32) | 1), _end()],
     "keys change mid stream": lambda r: [
-        _chunk(shape=[4096], total_bytes=16384), _chunk(key="fuzz/b", shape=[4096], total_bytes=16384,
-                                                        offset=8192), _end()],  # fmt: skip
+        _chunk(shape=[4096], total_bytes=16384),
+        _chunk(key="fuzz/b", shape=[4096], total_bytes=16384, offset=8192),
+        _end(),
+    ],  # fmt: skip
     "wrong tensor count": lambda r: [_chunk(), _end(count=r.choice([0, 2, 2**31]))],
     "chunk after the end": lambda r: [_chunk(), _end(), _chunk(name="u")],
     "truncated (no end marker)": lambda r: [_chunk(shape=[4096], total_bytes=16384)],

@@ -49,6 +49,7 @@ PER_SUBJECT = 10_000
 CONCURRENCY = 64
 REPLY_TIMEOUT = 20.0
 
+
 def _kinds() -> dict[str, type]:
     """Every message kind -> its class (from the one union)."""
     import typing
@@ -117,9 +118,7 @@ def _malformed(rng: random.Random) -> bytes:
     if choice < 0.12:
         return bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 64))) + b"\xff\xc3("
     if choice < 0.18:
-        return rng.choice(
-            [b"{", b"{'kind': 'ping'}", b"kind=ping", b"\x00" * 16, b"{\"protocol\": \"2.0\",}"]
-        )
+        return rng.choice([b"{", b"{'kind': 'ping'}", b"kind=ping", b"\x00" * 16, b'{"protocol": "2.0",}'])
     if choice < 0.25:
         return _literal(rng).encode()
     return _hostile_object(rng)
@@ -290,4 +289,3 @@ def test_the_stream_is_deterministic_and_never_acceptable() -> None:
     first, again = malformed_stream(seed=3, count=500), malformed_stream(seed=3, count=500)
     assert first == again and not any(_acceptable(d) for d in first)
     assert max(len(d) for d in malformed_stream(seed=0, count=2000)) < 1 << 20
-

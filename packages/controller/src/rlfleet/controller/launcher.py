@@ -10,7 +10,8 @@ under the run directory; the pids go to ``processes.json`` there. The launcher s
 processes it started (each worker leads its own process group, so whatever a worker spawned goes
 with it): on normal exit, on Ctrl-C and on error. Workers also get SIGTERM from the kernel if the
 thread that started them dies (``PR_SET_PDEATHSIG``), so a controller killed outright does not
-leave them running.
+leave them running. :class:`NatsSecurity` holds the benchmark-only ways to run the server
+otherwise (open, or with TLS too), for ``benchmarks/security_overhead.py``.
 
 The controller's event loop (:class:`GuardedLoop`) turns synchronous calls into async fleet code:
 users drive training with plain calls (``trainer.steps()``, ``trainer.set_reward_fn(...)``); each
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,7 @@ from rlfleet.common.control.embedded_nats import EmbeddedNats
 from rlfleet.common.control.nats_roles import ROLES, RunCredentials, server_config
 from rlfleet.common.control.procs import die_with_parent
 from rlfleet.common.control.worker import USER_ERROR_EXIT
+from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.connection import ENV_PREFIX as NATS_ENV_PREFIX
 from rlfleet.common.schema.connection import NatsConnection
 from rlfleet.controller.errors import TierDied, TierRefused
@@ -168,21 +170,64 @@ def _sigint_deferred() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-class EmbeddedFleet:
-    """Starts and stops a private nats-server plus worker processes for one run."""
+BENCHMARK_NATS_ENV = "RLFLEET_BENCHMARK_NATS"
+"""Benchmark-only: ``open`` or ``tls:CERT_FILE,KEY_FILE`` (see :class:`NatsSecurity`)."""
 
-    def __init__(self, run_dir: Path, *, jetstream: bool = False) -> None:
+
+@dataclass(frozen=True)
+class NatsSecurity:
+    """How an embedded run's nats-server is secured. Every run gets the default: a credential and
+    permissions per role. The others exist only so that ``benchmarks/security_overhead.py`` can
+    measure what security costs; no job-file setting reaches them, only the ``security`` argument
+    or the ``RLFLEET_BENCHMARK_NATS`` variable of the controller's environment. ``open``: no
+    credentials, no permissions (any local process may command the run). ``tls_cert`` and
+    ``tls_key``: the default plus TLS; clients trust that certificate as their CA (self-signed)."""
+
+    open: bool = False
+    tls_cert: str = ""
+    tls_key: str = ""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> NatsSecurity:
+        """``RLFLEET_BENCHMARK_NATS`` of ``env``: unset (the default), ``open`` or ``tls:CERT,KEY``."""
+        value = env.get(BENCHMARK_NATS_ENV, "").strip()
+        if not value:
+            return cls()
+        if value == "open":
+            return cls(open=True)
+        cert, _, key = value.removeprefix("tls:").partition(",")
+        if not value.startswith("tls:") or not cert or not key:
+            raise ConfigError(
+                BENCHMARK_NATS_ENV, value, "a benchmark-only switch: 'open' or 'tls:CERT_FILE,KEY_FILE'"
+            )
+        return cls(tls_cert=cert, tls_key=key)
+
+
+class EmbeddedFleet:
+    """Starts and stops a private nats-server plus worker processes for one run.
+
+    ``security`` is for benchmarks only (:class:`NatsSecurity`; None: ``RLFLEET_BENCHMARK_NATS``,
+    which is normally unset: per-role credentials and permissions).
+    """
+
+    def __init__(
+        self, run_dir: Path, *, jetstream: bool = False, security: NatsSecurity | None = None
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.jetstream = jetstream
+        self.security = security if security is not None else NatsSecurity.from_env(os.environ)
+        if self.security != NatsSecurity():
+            logger.warning("benchmark-only NATS security for this run: %s", self.security)
         self.nats: EmbeddedNats | None = None
         self.workers: list[WorkerProcess] = []
         self.credentials: RunCredentials | None = None
-        """The run's per-role NATS credentials, made by :meth:`start_nats`."""
+        """The run's per-role NATS credentials, made by :meth:`start_nats` (None when open)."""
 
     def connection(self, role: str = "controller") -> NatsConnection:
         """How a client of ``role`` connects to this fleet's nats-server."""
-        assert self.credentials is not None, "start_nats() first"
-        return self.credentials.connection(role)
+        assert self.nats is not None, "start_nats() first"
+        login = self.credentials.connection(role) if self.credentials is not None else NatsConnection()
+        return login.model_copy(update={"tls_ca_file": self.security.tls_cert})
 
     @property
     def url(self) -> str:
@@ -198,8 +243,10 @@ class EmbeddedFleet:
     def start_nats(self, cluster: str = "*") -> str:
         """Start the private nats-server with fresh credentials for ``cluster`` (``*``: any)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.credentials = RunCredentials.generate(cluster)
-        self.nats = EmbeddedNats(jetstream=self.jetstream, config=server_config(self.credentials))
+        self.credentials = None if self.security.open else RunCredentials.generate(cluster)
+        config = server_config(self.credentials) if self.credentials is not None else ""
+        self.nats = EmbeddedNats(jetstream=self.jetstream, config=config, tls_cert=self.security.tls_cert,
+                                 tls_key=self.security.tls_key)  # fmt: skip
         self.nats.start()
         logger.info("embedded nats-server pid %s at %s", self.nats.pid, self.nats.url)
         self._write_processes()
@@ -216,6 +263,8 @@ class EmbeddedFleet:
         command = [*program, "serve", "--config", str(config_path)]
         inherited = {k: v for k, v in os.environ.items() if not k.startswith(NATS_ENV_PREFIX)}
         role = self.credentials.env(spec.tier) if self.credentials is not None and spec.tier in ROLES else {}
+        if self.security.tls_cert:
+            role[f"{NATS_ENV_PREFIX}TLS_CA_FILE"] = self.security.tls_cert
         env = {**inherited, "PYTHONUNBUFFERED": "1", **spec.env, **role}
         with open(log_path, "wb") as log:
             process = subprocess.Popen(

@@ -122,7 +122,9 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         self.weight_version = self.engine.weight_version
         self.gpu_uuids: list[str] = list(getattr(self.engine, "gpu_uuids", []))
         capacity = int(cfg.results_store_mb * 2**20)
-        self.store: TensorStoreServer = await worker_store(cfg, capacity_bytes=capacity, ttl_s=cfg.store_ttl_s)  # noqa: E501
+        self.store: TensorStoreServer = await worker_store(
+            cfg, capacity_bytes=capacity, ttl_s=cfg.store_ttl_s
+        )  # noqa: E501
         self.data_address = self.store.address
         self._batches: list[tuple[int, str]] = []  # (weight version, key) of the batches in the store
         self._clients: dict[str, TensorStoreClient] = {}

@@ -6,8 +6,9 @@ from the ports file the server writes, waits until it accepts TCP connections an
 exactly the process it started and removes its temporary directory.
 
 ``config`` is extra nats-server configuration (an ``authorization`` block with users and
-permissions, TLS...), written to a file only this user can read in the server's private
-temporary directory.
+permissions...), written to a file only this user can read in the server's private
+temporary directory. ``tls_cert`` and ``tls_key`` (PEM files) make the server speak TLS only:
+clients must then trust the certificate's CA (``NatsConnection.tls_ca_file``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from types import TracebackType
 
 from rlfleet.common.control.procs import die_with_parent
-from rlfleet.common.errors import NatsServerError
+from rlfleet.common.errors import ConfigError, NatsServerError
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,12 @@ class EmbeddedNats:
         startup_timeout: float = 10.0,
         binary: str | Path | None = None,
         config: str = "",
+        tls_cert: str | Path = "",
+        tls_key: str | Path = "",
     ) -> None:
+        if bool(tls_cert) != bool(tls_key):
+            field = "tls_key" if tls_cert else "tls_cert"
+            raise ConfigError(field, "", "embedded nats-server TLS needs a certificate and its key")
         self.requested_port = port
         self.jetstream = jetstream
         self.store_dir = Path(store_dir) if store_dir is not None else None
@@ -69,6 +75,7 @@ class EmbeddedNats:
         self.startup_timeout = startup_timeout
         self.binary = Path(binary) if binary is not None else None
         self.config = config
+        self.tls_cert, self.tls_key = str(tls_cert), str(tls_key)
         self.port: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._tmp: Path | None = None
@@ -106,6 +113,8 @@ class EmbeddedNats:
         text = self.config
         if self.max_payload is not None:
             text += f"max_payload: {int(self.max_payload)}\n"
+        if self.tls_cert:
+            text += f"tls: {json.dumps({'cert_file': self.tls_cert, 'key_file': self.tls_key})}\n"
         if text:
             config = tmp / "nats.conf"
             config.touch(mode=0o600)  # it may hold passwords: created unreadable by others, then written

@@ -185,7 +185,7 @@ SECRET_FIELDS = frozenset({"password", "token", "reward_token"})
 
 
 def _redact(loc: tuple[int | str, ...], value: Any) -> Any:
-    """``value`` with credentials replaced by ``'***'``: the value of a secret field, or such keys of a table."""
+    """``value`` with credentials replaced by ``'***'``: a secret field's value, or such keys of a table."""
     if loc and loc[-1] in SECRET_FIELDS:
         return "***"
     if isinstance(value, dict):

@@ -34,7 +34,7 @@ class FleetAddress(ConfigModel):
     )
     nats_auth: NatsConnection = Field(
         default_factory=NatsConnection,
-        description="NATS credentials and TLS (unset fields from RLFLEET_NATS_*; an embedded run makes its own)",
+        description="NATS credentials and TLS (unset fields: RLFLEET_NATS_*; an embedded run makes its own)",
     )
 
 
