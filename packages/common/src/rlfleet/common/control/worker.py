@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ClassVar, Generic, TypeVar
@@ -52,6 +53,8 @@ class Worker(Generic[C]):
         self.worker_id = config.worker_id or f"{self.tier}-{socket.gethostname()}-{os.getpid()}"
         self.weight_version = -1
         self.busy = 0
+        self.incarnation = uuid.uuid4().hex[:16]
+        """This process's life: announces (and replies that say so) carry it; a restart makes another."""
         self._stopped = asyncio.Event()
         self._membership: Heartbeater | None = None
         self._set_up = False
@@ -85,6 +88,7 @@ class Worker(Generic[C]):
             weight_version=self.weight_version,
             pool=self.config.pool,
             pid=os.getpid(),
+            incarnation=self.incarnation,
             **self.announce_fields(),  # type: ignore[arg-type]
         )
 

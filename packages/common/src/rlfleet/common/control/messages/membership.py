@@ -29,6 +29,11 @@ class WorkerAnnounce(Message):
     gpu_uuids: list[str] = Field(
         default_factory=list, max_length=64, description="GPUs the worker's model lives on (empty: CPU)"
     )
+    incarnation: str = Field(
+        default="",
+        max_length=64,
+        description="random id of this life of the process (restarted: a new one)",
+    )
 
 
 class Heartbeat(Message):
@@ -40,6 +45,13 @@ class Heartbeat(Message):
     weight_version: int = -1
     busy: int = Field(default=0, description="jobs in progress")
     pool: str = "default"
+    incarnation: str = Field(
+        default="",
+        max_length=64,
+        description="random id of this life of the process (restarted: a new one)",
+    )
+    activity: str = Field(default="", max_length=256, description="what the worker is doing now ('': idle)")
+    activity_s: float = Field(default=0.0, ge=0.0, description="seconds since the activity began")
 
 
 class WorkerLeave(Message):

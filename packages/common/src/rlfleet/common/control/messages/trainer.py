@@ -34,6 +34,7 @@ class TrainerConfigured(Message):
     kind: Literal["trainer.configured"] = "trainer.configured"
     worker_id: str
     weight_version: int
+    incarnation: str = Field(default="", max_length=64, description="the answering trainer's incarnation")
 
 
 class TrainStepRequest(Message):
@@ -44,6 +45,9 @@ class TrainStepRequest(Message):
     rollouts: list[TensorRef]
     scores: list[float]
     settings: StepSettings = Field(default_factory=StepSettings, description="how this step updates")
+    job_id: str = Field(
+        default="", max_length=128, description="idempotency key: a retry with this id gets the first answer"
+    )
 
 
 class TrainStepResult(Message):
@@ -53,6 +57,7 @@ class TrainStepResult(Message):
     step: int
     metrics: dict[str, float]
     weight_version: int
+    incarnation: str = Field(default="", max_length=64, description="the answering trainer's incarnation")
 
 
 class PublishWeights(Message):
@@ -68,6 +73,9 @@ class PublishWeights(Message):
     dtype: Literal["", "float32", "bfloat16", "float16"] = Field(
         default="", description="publish floating weights in this dtype (the engines'); empty: the trainer's"
     )
+    job_id: str = Field(
+        default="", max_length=128, description="idempotency key: a retry with this id gets the first answer"
+    )
 
 
 class WeightsPublished(Message):
@@ -82,6 +90,7 @@ class WeightsPublished(Message):
     ipc_buckets: list[IpcBucket] = Field(
         default_factory=list, description="the version's buckets shared by CUDA IPC, when asked for"
     )
+    incarnation: str = Field(default="", max_length=64, description="the answering trainer's incarnation")
 
 
 class LatestWeights(Message):
@@ -112,6 +121,7 @@ class Saved(Message):
 
     kind: Literal["trainer.saved"] = "trainer.saved"
     path: str
+    incarnation: str = Field(default="", max_length=64, description="the answering trainer's incarnation")
 
 
 class LoadCheckpoint(Message):
@@ -132,3 +142,4 @@ class CheckpointLoaded(Message):
     path: str
     steps: int
     weight_version: int
+    incarnation: str = Field(default="", max_length=64, description="the answering trainer's incarnation")
