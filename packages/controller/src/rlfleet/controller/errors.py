@@ -190,3 +190,24 @@ class NoWorkerServed(Failure, RuntimeError):
     def __init__(self, what: str) -> None:
         self.what = what
         super().__init__(what)
+
+
+class TrainerRestarted(Failure, RuntimeError):
+    """The trainer answering is another process than the one the run configured (a restart: it
+    came back with the weights it loaded at start, not the run's). Never adopted silently: the
+    run restores it from its last checkpoint, or stops with this error."""
+
+    def __init__(self, worker_id: str, configured: str, now: str) -> None:
+        self.worker_id, self.configured, self.now = worker_id, configured, now
+        super().__init__(
+            f"trainer {worker_id} restarted (incarnation {configured or '?'} -> {now or '?'}): it lost the "
+            "run's training state; set save_every so that the run can restore it from a checkpoint"
+        )
+
+
+class RetriesExhausted(Failure, RuntimeError):
+    """A request failed on a retryable error more times than the run's retry budget allows."""
+
+    def __init__(self, what: str, attempts: int, last: BaseException) -> None:
+        self.what, self.attempts, self.last = what, attempts, last
+        super().__init__(f"{what}: gave up after {attempts} attempts; last error: {last}")
