@@ -33,6 +33,7 @@ from rlfleet.common.schema.connection import NatsConnection, Secret, mask_url
 from rlfleet.common.schema.rollout import RolloutSettings
 from rlfleet.common.schema.trainer import AlgorithmSettings, BatchSettings, ModelSettings, UpdateSettings
 from rlfleet.common.schema.worker import FleetAddress, Placement, TensorPlaneSettings
+from rlfleet.controller.fault_settings import FaultSettings
 
 POOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 RESERVED_ROUTES = ("any", "text")
@@ -203,6 +204,9 @@ class TrainerConfig(
         default=900.0, gt=0, description="longest a single tier request may take"
     )
     sample_table_size: int = Field(default=4, ge=0, description="prompts shown in the before/after table")
+    faults: FaultSettings = Field(
+        default_factory=FaultSettings, description="retries, restarts, the stall watchdog (issue 12)"
+    )
 
     @model_validator(mode="after")
     def _check_lengths(self) -> TrainerConfig:

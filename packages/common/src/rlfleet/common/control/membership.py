@@ -56,6 +56,8 @@ class WorkerStatus(NamedTuple):
 
     weight_version: int = -1
     busy: int = 0
+    activity: str = ""  # what the worker is doing now ('' when idle), e.g. "generate rollout-3f2a"
+    activity_s: float = 0.0  # seconds since that activity began
 
 
 class Heartbeater:
@@ -119,8 +121,11 @@ class Heartbeater:
         while True:
             await asyncio.sleep(self.interval)
             a, now = self.announce, self.status()
-            beat = Heartbeat(tier=a.tier, worker_id=a.worker_id, weight_version=now.weight_version,
-                             busy=now.busy, pool=a.pool)  # fmt: skip
+            beat = Heartbeat(
+                tier=a.tier, worker_id=a.worker_id, weight_version=now.weight_version, busy=now.busy,
+                pool=a.pool, incarnation=a.incarnation, activity=now.activity[:256],
+                activity_s=max(0.0, now.activity_s),
+            )
             try:
                 await self.transport.publish(where, beat)
             except TransportClosed:

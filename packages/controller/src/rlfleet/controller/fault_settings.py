@@ -1,0 +1,62 @@
+"""How a run meets faults (issue 12): retry budgets, restart budgets, the stall watchdog, timeouts.
+
+``TrainerConfig.faults`` holds one :class:`FaultSettings`; a job file sets it as a mapping::
+
+    faults:
+      retry_attempts: 6        # tries per request on a retryable error (QuotaExceeded, a dead peer)
+      restart_budget: 2        # crashes the embedded launcher restarts per worker
+      stall_report_s: 30       # the watchdog names a worker that owes a result for this long
+
+Every field has a default that suits the embedded default; nothing here is needed to start.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from rlfleet.common.schema.config import ConfigModel
+
+
+class FaultSettings(ConfigModel):
+    """Retries, restarts, liveness and deadlines for one run."""
+
+    retry_attempts: int = Field(
+        default=5, ge=1, le=100,
+        description="tries per score, train-step, publish or weight-load request on a retryable error "
+        "(1: no retry); when they are spent the run stops with RetriesExhausted",
+    )  # fmt: skip
+    retry_backoff_s: float = Field(
+        default=0.5, gt=0.0, le=60.0, description="wait before the first retry; it doubles on each retry"
+    )
+    retry_backoff_max_s: float = Field(
+        default=15.0, gt=0.0, le=600.0, description="longest wait between two tries (retry_after may exceed it)"
+    )
+    restart_budget: int = Field(
+        default=3, ge=0, le=100,
+        description="embedded launcher: restarts of a crashed rollout, reward or trainer process per worker "
+        "over the run (0: any crash ends the run with TierDied)",
+    )  # fmt: skip
+    stall_report_s: float = Field(
+        default=60.0, gt=0.0, le=3600.0,
+        description="the watchdog reports a worker that owes a result for this long (alive or not), naming "
+        "it, what it is doing and for how long",
+    )  # fmt: skip
+    dead_after_s: float = Field(
+        default=10.0, gt=0.0, le=600.0,
+        description="a worker unheard for this long while the controller's own NATS connection is up is dead "
+        "(an outage of the connection pauses the count)",
+    )  # fmt: skip
+    outage_grace_s: float = Field(
+        default=120.0, gt=0.0, le=3600.0,
+        description="how long the run waits for a lost NATS connection to come back before it stops with a "
+        "named cause",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _check_backoff(self) -> FaultSettings:
+        if self.retry_backoff_max_s < self.retry_backoff_s:
+            raise ValueError(
+                f"faults.retry_backoff_max_s ({self.retry_backoff_max_s}) is below faults.retry_backoff_s "
+                f"({self.retry_backoff_s})"
+            )
+        return self
