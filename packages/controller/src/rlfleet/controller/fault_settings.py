@@ -29,7 +29,7 @@ class FaultSettings(ConfigModel):
         default=0.5, gt=0.0, le=60.0, description="wait before the first retry; it doubles on each retry"
     )
     retry_backoff_max_s: float = Field(
-        default=15.0, gt=0.0, le=600.0, description="longest wait between two tries (retry_after may exceed it)"
+        default=15.0, gt=0.0, le=600.0, description="longest wait between two tries (retry_after can exceed)"
     )
     restart_budget: int = Field(
         default=3, ge=0, le=100,
