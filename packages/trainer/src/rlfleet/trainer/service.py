@@ -79,6 +79,7 @@ from rlfleet.trainer.checkpoint import check_contained, confine, load_checkpoint
 from rlfleet.trainer.critic import Critic
 from rlfleet.trainer.distributed import DistContext
 from rlfleet.trainer.errors import CarrierUnavailable, SettingsConflict, UnexpectedMessage
+from rlfleet.trainer.idempotency import ReplyCache
 from rlfleet.trainer.ipc_share import gpu_uuid, share_bucket
 from rlfleet.trainer.loop import Plan, batch_sizes, train_loop
 from rlfleet.trainer.ranks import build_models, use_rank_thread
@@ -220,6 +221,7 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
         self._shared: list[IpcBucket] = []  # the current version by CUDA IPC, when it was asked for
         self._shared_buffers: list[dict[str, torch.Tensor]] = []  # kept alive for the receivers
         self._lock = asyncio.Lock()
+        self.replies = ReplyCache()  # a retried step or publish (same job_id) gets its first reply
         handlers: list[tuple[str, type, Callable[..., Awaitable[AnyMessage]]]] = [
             ("configure", TrainerConfigure, self.configure),
             ("step", TrainStepRequest, self.step),
@@ -244,14 +246,19 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
                           holds_critic=self.critic is not None)  # fmt: skip
         if found:
             raise SettingsConflict(self.worker_id, found)
-        return TrainerConfigured(worker_id=self.worker_id, weight_version=self.weight_version)
+        return TrainerConfigured(worker_id=self.worker_id, weight_version=self.weight_version,
+                                 incarnation=self.incarnation)  # fmt: skip
 
     def step_settings(self, request: TrainStepRequest) -> StepSettings:
         """The request's settings; the worker's own when the request carries none."""
         return request.settings if "settings" in request.model_fields_set else StepSettings.of(self.config)
 
     async def step(self, request: TrainStepRequest) -> TrainStepResult:
-        """One update on the referenced rollouts and their scores, with the step's settings."""
+        """One update on the referenced rollouts and their scores, with the step's settings; a repeat of
+        a ``job_id`` gets the first reply (:mod:`rlfleet.trainer.idempotency`)."""
+        return await self.replies.once(request, request.job_id, lambda: self._step(request))
+
+    async def _step(self, request: TrainStepRequest) -> TrainStepResult:
         request = request.model_copy(update={"settings": self.step_settings(request)})
         async with self._lock:
             self.busy += 1
@@ -262,7 +269,8 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
                 metrics = await asyncio.to_thread(self._update, batch, request)
             finally:
                 self.busy -= 1
-        return TrainStepResult(step=request.step, metrics=metrics, weight_version=self.weight_version)
+        return TrainStepResult(step=request.step, metrics=metrics, weight_version=self.weight_version,
+                               incarnation=self.incarnation)  # fmt: skip
 
     def _update(self, batch: dict[str, torch.Tensor], request: TrainStepRequest) -> dict[str, float]:
         """One update with ``request.settings``; see :func:`run_step`."""
@@ -279,7 +287,7 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
             await asyncio.to_thread(self.channel.send, command)
             actor, critic = self.actor, self.critic
             path = await asyncio.to_thread(save_checkpoint, target, actor, critic, request.mode)
-        return Saved(path=str(path))
+        return Saved(path=str(path), incarnation=self.incarnation)
 
     async def load(self, request: LoadCheckpoint) -> CheckpointLoaded:
         """Restore a full checkpoint on every rank; the weights are then ``request.weight_version``."""
@@ -289,7 +297,8 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
             await asyncio.to_thread(self.channel.send, {"op": "load", "path": str(source)})
             steps = await asyncio.to_thread(load_checkpoint, source, self.actor, self.critic)
             self.weight_version = request.weight_version
-        return CheckpointLoaded(path=request.path, steps=steps, weight_version=self.weight_version)
+        return CheckpointLoaded(path=request.path, steps=steps, weight_version=self.weight_version,
+                                incarnation=self.incarnation)  # fmt: skip
 
     async def latest(self, request: LatestWeights) -> WeightsPublished:
         """The current version's buckets, for a rollout worker that joins late (no lock: the pair
@@ -297,14 +306,18 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
         refs, shared = list(self._published), list(self._shared)
         return WeightsPublished(weight_version=self.weight_version, buckets=refs, ipc_buckets=shared,
                                 nbytes=sum(r.nbytes for r in refs) or sum(b.nbytes for b in shared),
-                                seconds=0.0)  # fmt: skip
+                                seconds=0.0, incarnation=self.incarnation)  # fmt: skip
 
     async def publish(self, request: PublishWeights) -> WeightsPublished:
         """Stage the current weights as a new version, bucket by bucket, for the carriers asked for.
 
         ``grpc``: buckets in this worker's TensorStore. ``cuda_ipc``: buckets kept on this GPU and
-        shared by IPC handle (:mod:`rlfleet.trainer.ipc_share`) until the next publish.
+        shared by IPC handle (:mod:`rlfleet.trainer.ipc_share`) until the next publish. A repeat of
+        a ``job_id`` gets the first reply (no second version).
         """
+        return await self.replies.once(request, request.job_id, lambda: self._publish(request))
+
+    async def _publish(self, request: PublishWeights) -> WeightsPublished:
         if "cuda_ipc" in request.carriers and self.actor.device.type != "cuda":
             raise CarrierUnavailable("cuda_ipc", "needs the trainer on a GPU; this trainer runs on CPU")
         async with self._lock:
@@ -332,7 +345,7 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
             seconds,
         )
         return WeightsPublished(weight_version=version, buckets=refs, ipc_buckets=shared, nbytes=nbytes,
-                                seconds=seconds)  # fmt: skip
+                                seconds=seconds, incarnation=self.incarnation)  # fmt: skip
 
     def _stage(
         self, version: int, bucket_bytes: int, carriers: set[str], dtype: str
