@@ -256,6 +256,15 @@ class WorkerRegistry:
         """One live worker, or None."""
         return self._workers.get((tier, worker_id))
 
+    def forget(self, tier: str, worker_id: str) -> WorkerInfo | None:
+        """Drop a worker known to be gone (its launcher saw the process exit) without waiting
+        ``dead_after``, so that its next announce is a join; returns what was known of it, or None.
+        No callback runs: the caller knows already."""
+        info = self._workers.pop((tier, worker_id), None)
+        if info is not None:
+            self._changed.set()
+        return info
+
     async def wait_for(
         self, tier: str, count: int, timeout: float, *, pool: str | None = None
     ) -> list[WorkerInfo]:
