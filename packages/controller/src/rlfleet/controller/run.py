@@ -44,6 +44,7 @@ from rlfleet.controller.loggers import RunMetrics
 from rlfleet.controller.models import resolve_model
 from rlfleet.controller.reward_control import RunReward, attach_reward
 from rlfleet.controller.samples import SampleTable
+from rlfleet.controller.watchdog import Watchdog
 from rlfleet.controller.worker_configs import tier_counts, worker_specs
 
 logger = logging.getLogger(__name__)
@@ -276,9 +277,13 @@ class FleetRun:
 
         cfg = self.config
         self.transport = await NatsTransport.connect(
-            url, name="rlfleet-controller", tier="controller", auth=auth, env=env
-        )
-        fleet = Fleet(self.transport, self.cluster, request_timeout=cfg.request_timeout_s)
+            url, name="rlfleet-controller", tier="controller", auth=auth, env=env,
+            outage_grace_s=cfg.faults.outage_grace_s,
+        )  # fmt: skip
+        self.watchdog = Watchdog(cfg.faults.stall_report_s)  # names a worker that owes a result too long
+        fleet = Fleet(self.watchdog.watch(self.transport), self.cluster,
+                      request_timeout=cfg.request_timeout_s, dead_after=cfg.faults.dead_after_s)  # fmt: skip
+        self.watchdog.attach(fleet.registry)
         await fleet.start()
         self._fleet = fleet
         counts = tier_counts(cfg, self.online)

@@ -9,6 +9,10 @@ exactly the process it started and removes its temporary directory.
 permissions...), written to a file only this user can read in the server's private
 temporary directory. ``tls_cert`` and ``tls_key`` (PEM files) make the server speak TLS only:
 clients must then trust the certificate's CA (``NatsConnection.tls_ca_file``).
+
+Outages and clusters (issue 12): ``stop(keep_port=True)`` then ``start()`` restarts the server on
+the port it had (its clients reconnect to the same URL). ``cluster_port`` and ``routes`` make the
+server one node of a NATS cluster (``cluster_name``); :func:`free_port` picks ports for them.
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ class EmbeddedNats:
         config: str = "",
         tls_cert: str | Path = "",
         tls_key: str | Path = "",
+        cluster_name: str = "",
+        cluster_port: int | None = None,
+        routes: tuple[str, ...] | list[str] = (),
     ) -> None:
         if bool(tls_cert) != bool(tls_key):
             field = "tls_key" if tls_cert else "tls_cert"
@@ -76,6 +83,11 @@ class EmbeddedNats:
         self.binary = Path(binary) if binary is not None else None
         self.config = config
         self.tls_cert, self.tls_key = str(tls_cert), str(tls_key)
+        if routes and cluster_port is None:
+            raise ConfigError("routes", list(routes), "a cluster node needs its own cluster_port")
+        self.cluster_name = cluster_name or "rlfleet"
+        self.cluster_port = cluster_port
+        self.routes = tuple(routes)
         self.port: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._tmp: Path | None = None
@@ -110,6 +122,15 @@ class EmbeddedNats:
         if self.jetstream:
             store = self.store_dir if self.store_dir is not None else tmp / "jetstream"
             cmd += ["-js", "-sd", str(store)]
+        if self.cluster_port is not None:
+            cmd += [
+                "--cluster_name",
+                self.cluster_name,
+                "--cluster",
+                f"nats://{self.host}:{self.cluster_port}",
+            ]
+            if self.routes:
+                cmd += ["--routes", ",".join(self.routes)]
         text = self.config
         if self.max_payload is not None:
             text += f"max_payload: {int(self.max_payload)}\n"
@@ -181,8 +202,20 @@ class EmbeddedNats:
             return "(no output)"
         return "\n".join(text.splitlines()[-lines:]) or "(no output)"
 
-    def stop(self, grace: float = 5.0) -> None:
-        """Stop the process this object started (SIGTERM, then SIGKILL after ``grace`` s)."""
+    @property
+    def cluster_url(self) -> str:
+        """``nats://HOST:CLUSTER_PORT``, the route other nodes of the cluster join by."""
+        if self.cluster_port is None:
+            raise NatsServerError("this nats-server is not a cluster node (no cluster_port)")
+        return f"nats://{self.host}:{self.cluster_port}"
+
+    def stop(self, grace: float = 5.0, *, keep_port: bool = False) -> None:
+        """Stop the process this object started (SIGTERM, then SIGKILL after ``grace`` s).
+
+        ``keep_port``: the next :meth:`start` listens on the same port (a restart, for outages).
+        """
+        if keep_port and self.port is not None:
+            self.requested_port = self.port
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
             proc.terminate()
@@ -206,6 +239,13 @@ class EmbeddedNats:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free now on ``host`` (for a cluster node's ports, chosen before it starts)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def _read_port(ports_file: Path) -> int | None:

@@ -8,6 +8,12 @@ a :class:`WorkerRegistry` that listens on every tier's membership subject, pings
 controller that joins late learns the running workers) and drops workers that miss heartbeats for
 ``dead_after`` s.
 
+Outages (issue 12): silence counts only while the registry's own connection is up. While it is
+down (a nats-server restart, the loss of the cluster node it was on) nobody can be heard, so
+nobody is declared dead; when it comes back, every worker not heard since gets
+``dead_after + reconnect_grace`` s from that moment (workers reconnect with backoff of their own).
+A heartbeat loop survives any error of a beat: it logs it and beats again.
+
 Forgery: the registry takes a message about tier T only from T's own membership subject (which a
 role-permissioned server lets only T's role publish), and an announce only when its reply subject
 is the worker's own (:func:`worker_subject`) or unset (then it is set to that), so requests (and
@@ -113,26 +119,43 @@ class Heartbeater:
 
     async def _on_ping(self, message: AnyMessage) -> Message | None:
         if isinstance(message, Ping):
-            await self.announce_now()
+            try:
+                await self.announce_now()
+            except ConnectionError as exc:  # the next ping (or beat after a reconnect) tries again
+                logger.warning("%s did not answer a ping: %s", self._worker_id(), exc)
         return None
 
     async def _beat(self) -> None:
-        where = membership_subject(self.cluster, self.announce.tier)
+        failures = 0
         while True:
             await asyncio.sleep(self.interval)
-            a, now = self.announce, self.status()
-            beat = Heartbeat(
-                tier=a.tier, worker_id=a.worker_id, weight_version=now.weight_version, busy=now.busy,
-                pool=a.pool, incarnation=a.incarnation, activity=now.activity[:256],
-                activity_s=max(0.0, now.activity_s),
-            )
             try:
-                await self.transport.publish(where, beat)
+                await self._beat_once()
+                failures = 0
             except TransportClosed:
-                logger.warning("heartbeat of %s stops: transport closed", a.worker_id)
+                logger.warning("heartbeat of %s stops: transport closed", self._worker_id())
                 return
             except ConnectionError as exc:  # reconnecting: this beat is lost, the next one retries
-                logger.warning("heartbeat of %s not sent: %s", a.worker_id, exc)
+                logger.warning("heartbeat of %s not sent: %s", self._worker_id(), exc)
+            except Exception:  # noqa: BLE001 - no error of one beat may end the worker's liveness
+                failures += 1
+                log = logger.exception if failures <= 3 or failures % 100 == 0 else logger.debug
+                log("heartbeat of %s failed (%d in a row); beating on", self._worker_id(), failures)
+
+    async def _beat_once(self) -> None:
+        a, now = self.announce, self.status()
+        beat = Heartbeat(
+            tier=a.tier, worker_id=a.worker_id, weight_version=now.weight_version, busy=now.busy,
+            pool=a.pool, incarnation=a.incarnation, activity=now.activity[:256],
+            activity_s=max(0.0, now.activity_s),
+        )  # fmt: skip
+        await self.transport.publish(membership_subject(self.cluster, a.tier), beat)
+
+    def _worker_id(self) -> str:
+        try:
+            return self.announce.worker_id
+        except Exception:  # noqa: BLE001 - only for a log line
+            return "?"
 
     async def stop(self, reason: str = "shutdown") -> None:
         """Stop beating and publish a :class:`WorkerLeave` (if the transport is still open)."""
@@ -167,6 +190,10 @@ class WorkerInfo:
     last_seen: float
     weight_version: int
     busy: int = 0
+    activity: str = ""
+    """What the worker's last heartbeat said it was doing ('' when idle)."""
+    activity_s: float = 0.0
+    """For how long, as of that heartbeat (``last_seen``)."""
 
     @property
     def tier(self) -> str:
@@ -202,6 +229,7 @@ class WorkerRegistry:
         cluster: str,
         *,
         dead_after: float = 10.0,
+        reconnect_grace: float = 10.0,
         on_join: Callback | None = None,
         on_leave: Callback | None = None,
         on_dead: Callback | None = None,
@@ -209,9 +237,12 @@ class WorkerRegistry:
     ) -> None:
         if dead_after <= 0:
             raise ValueError(f"dead_after must be > 0 s, got {dead_after}")
+        if reconnect_grace < 0:
+            raise ValueError(f"reconnect_grace must be >= 0 s, got {reconnect_grace}")
         self.transport = transport
         self.cluster = cluster
         self.dead_after = dead_after
+        self.reconnect_grace = reconnect_grace
         self.on_join, self.on_leave, self.on_dead = on_join, on_leave, on_dead
         self.clock = clock
         self._workers: dict[tuple[str, str], WorkerInfo] = {}
@@ -219,6 +250,9 @@ class WorkerRegistry:
         self._subs: list[Subscription] = []
         self._reaper: asyncio.Task[None] | None = None
         self._pinged = -float("inf")
+        self._drops = 0  # the transport's drop count at the last look
+        self._offline = False  # the registry's own connection was down at the last look
+        self._back_at = -float("inf")  # when it last came back
 
     async def start(self) -> None:
         """Listen on the membership subject, ping the workers, start dead-worker detection."""
@@ -322,6 +356,7 @@ class WorkerRegistry:
                 await self._ping()  # a worker we missed or declared dead: ask again
             else:
                 info.last_seen, info.weight_version, info.busy = now, message.weight_version, message.busy
+                info.activity, info.activity_s = message.activity, message.activity_s
         elif isinstance(message, WorkerLeave):
             info = self._workers.pop((message.tier, message.worker_id), None)
             if info is not None:
@@ -351,21 +386,67 @@ class WorkerRegistry:
         self._pinged = now
         await self.transport.publish(ping_subject(self.cluster), Ping())
 
+    @property
+    def online(self) -> bool:
+        """Whether the registry's own connection is up (a transport that cannot tell: always)."""
+        return bool(getattr(self.transport, "is_connected", True))
+
+    def _connection_back(self, now: float) -> bool:
+        """Look at the connection: False while it is down; on the first look after it came back
+        (or after a drop too short to be seen down), start the grace and ping the workers."""
+        drops = int(getattr(self.transport, "drops", 0))
+        if not self.online:
+            if not self._offline:
+                logger.warning("membership of cluster %s: NATS connection down; no worker is declared dead "
+                               "until it is back", self.cluster)  # fmt: skip
+            self._offline, self._drops = True, drops
+            return False
+        if self._offline or drops != self._drops:
+            self._offline, self._drops, self._back_at = False, drops, now
+            self._pinged = -float("inf")
+            logger.info("membership of cluster %s: NATS connection back; workers have %.1fs to be heard",
+                        self.cluster, self.dead_after + self.reconnect_grace)  # fmt: skip
+            return True
+        return False
+
+    def silent_for(self, info: WorkerInfo, now: float | None = None) -> float:
+        """Seconds of silence that count against ``info``: since its last heartbeat, or since the
+        registry's connection came back when that is later (an outage is nobody's silence)."""
+        now = self.clock() if now is None else now
+        return now - max(info.last_seen, self._back_at)
+
+    def _allowed(self, info: WorkerInfo) -> float:
+        """The silence ``info`` may keep: ``dead_after``, plus the grace when not heard since the
+        registry's connection came back."""
+        return self.dead_after + (self.reconnect_grace if info.last_seen < self._back_at else 0.0)
+
     async def _reap(self) -> None:
         while True:
-            await asyncio.sleep(self.dead_after / 4)
-            now = self.clock()
-            dead = [k for k, w in self._workers.items() if now - w.last_seen > self.dead_after]
-            for key in dead:
-                info = self._workers.pop(key)
-                logger.warning(
-                    "%s worker %s is dead: no heartbeat for %.1fs",
-                    info.tier,
-                    info.worker_id,
-                    now - info.last_seen,
-                )
-                self._changed.set()
-                await self._call(self.on_dead, info)
+            await asyncio.sleep(min(self.dead_after / 4, 1.0))
+            try:
+                await self._reap_once()
+            except Exception:  # noqa: BLE001 - dead-worker detection must go on
+                logger.exception("membership of cluster %s: a reaper pass failed", self.cluster)
+
+    async def _reap_once(self) -> None:
+        now = self.clock()
+        if self._connection_back(now):
+            await self._ping_quietly()
+        if self._offline:
+            return
+        dead = [k for k, w in self._workers.items() if self.silent_for(w, now) > self._allowed(w)]
+        for key in dead:
+            info = self._workers.pop(key)
+            logger.warning("%s worker %s is dead: no heartbeat for %.1fs (NATS connection up)", info.tier,
+                           info.worker_id, now - info.last_seen)  # fmt: skip
+            self._changed.set()
+            await self._call(self.on_dead, info)
+
+    async def _ping_quietly(self) -> None:
+        try:
+            await self._ping()
+        except ConnectionError as exc:
+            logger.warning("membership of cluster %s: ping not sent: %s", self.cluster, exc)
 
     async def _call(self, callback: Callback | None, info: WorkerInfo) -> None:
         if callback is None:

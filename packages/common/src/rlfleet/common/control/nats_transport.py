@@ -3,7 +3,14 @@
 The client reconnects forever by default, waiting ``reconnect_time_wait`` doubled on each failed
 attempt up to ``reconnect_max_wait``, with random jitter so that a fleet of workers does not
 reconnect in lock step after a server restart. Subscriptions survive a reconnect (nats-py replays
-them); requests in flight during an outage end in :class:`RequestTimeout`.
+them), and what is published while the connection is down waits in the client's buffer.
+
+Outages (issue 12): ``url`` may name several servers, the nodes of one NATS cluster
+(``nats://a:4222,nats://b:4222``), and the client fails over between them. A reply sent while the
+asker was cut off is lost, so a request that is safe to repeat (it carries a ``job_id``, which the
+worker answers once, or is idempotent by what it says) is sent again as soon as the connection
+returns, within the same deadline. A connection down for longer than ``outage_grace_s`` fails the
+requests waiting on it with :class:`NatsServerError`, which names the servers and how long.
 
 Credentials and TLS come from a :class:`~rlfleet.common.schema.connection.NatsConnection` (its
 unset fields from ``RLFLEET_NATS_*``); URLs are logged and reported with their credentials masked.
@@ -14,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,9 +41,22 @@ from rlfleet.common.control.transport import (
     raise_for_reply,
 )
 from rlfleet.common.errors import NatsServerError, NoResponders, RequestTimeout, TransportClosed
-from rlfleet.common.schema.connection import NatsConnection, mask_url
+from rlfleet.common.schema.connection import NatsConnection, mask_url, server_urls
 
 logger = logging.getLogger(__name__)
+
+POLL_S = 0.25
+"""How often a waiting request looks at the connection (came back after a drop, down for too long)."""
+
+IDEMPOTENT_KINDS = frozenset({"trainer.configure", "trainer.latest", "reward.stats"})
+"""Requests without a ``job_id`` that a worker may get twice with the same effect as once."""
+
+
+def resendable(message: Message) -> bool:
+    """Whether ``message`` may be sent again when its reply may have been lost in an outage: it
+    carries a ``job_id`` (its worker answers a repeat with the first reply, or does the same work
+    again) or its kind is in :data:`IDEMPOTENT_KINDS`."""
+    return bool(getattr(message, "job_id", "")) or message.kind in IDEMPOTENT_KINDS
 
 
 def backoff_delay(attempt: int, base: float, cap: float, jitter: float, rng: random.Random) -> float:
@@ -109,10 +130,19 @@ class NatsSubscriptionHandle:
 class NatsTransport:
     """A :class:`~rlfleet.common.control.transport.Transport` over a nats-server."""
 
-    def __init__(self, client: Client, *, tier: str = "", name: str = "") -> None:
+    def __init__(
+        self, client: Client, *, tier: str = "", name: str = "", outage_grace_s: float | None = None
+    ) -> None:
+        if outage_grace_s is not None and outage_grace_s <= 0:
+            raise ValueError(f"outage_grace_s must be > 0 s (or None: no limit), got {outage_grace_s}")
         self.client = client
         self.tier = tier
         self.name = name
+        self.outage_grace_s = outage_grace_s
+        self.drops = 0
+        """How many times the connection was lost (each outage counts once)."""
+        self._down_since: float | None = None  # time.monotonic() of the current outage's start
+        self._servers = ""
         self._subs = Subscriptions()
         self._closed = False
         self._refusal: Exception | None = None  # the server's "Authorization Violation" while connecting
@@ -132,6 +162,7 @@ class NatsTransport:
         tier: str = "",
         auth: NatsConnection | None = None,
         env: Mapping[str, str] | None = None,
+        outage_grace_s: float | None = None,
     ) -> NatsTransport:
         """Connect to ``url`` (or any of several) within ``connect_timeout`` s, with ``auth``'s
         credentials and TLS (None: only what ``RLFLEET_NATS_*`` says; unset fields are read there, or
@@ -139,13 +170,17 @@ class NatsTransport:
 
         After a disconnect it retries ``max_reconnect_attempts`` times per server (-1: forever),
         with exponential backoff from ``reconnect_time_wait`` to ``reconnect_max_wait`` s and
-        ``reconnect_jitter`` (a fraction) of randomness. Raises :class:`NatsServerError` when the
-        first connection does not succeed in time.
+        ``reconnect_jitter`` (a fraction) of randomness. ``url`` may be several servers
+        (comma-separated or a list: the nodes of a cluster); the client fails over between them.
+        Requests waiting on a connection down for over ``outage_grace_s`` s fail (None: they wait
+        for their own deadline). Raises :class:`NatsServerError` when the first connection does
+        not succeed in time.
         """
-        servers = [url] if isinstance(url, str) else list(url)
+        servers = server_urls(url)
         shown = ", ".join(mask_url(s) for s in servers)
         secure = (auth or NatsConnection()).resolved(env).connect_options()
-        transport = cls(nats.NATS(), tier=tier, name=name)
+        transport = cls(nats.NATS(), tier=tier, name=name, outage_grace_s=outage_grace_s)
+        transport._servers = shown
         rng = random.Random()
 
         def choose(pool: list[Server], info: dict[str, Any]) -> tuple[Server | None, float]:
@@ -214,11 +249,16 @@ class NatsTransport:
             logger.warning("%s: NATS error: %s", self.name, _masked(exc))
 
     async def _on_disconnected(self) -> None:
+        if self._down_since is None:
+            self.drops += 1
+            self._down_since = time.monotonic()
         if not self._closed:
             logger.warning("%s: disconnected from NATS; reconnecting", self.name)
 
     async def _on_reconnected(self) -> None:
-        logger.info("%s: reconnected to NATS at %s", self.name, self._url())
+        down = self.down_for
+        self._down_since = None
+        logger.info("%s: reconnected to NATS at %s after %.1fs", self.name, self._url(), down)
 
     async def _on_closed(self) -> None:
         logger.info("%s: NATS connection closed", self.name)
@@ -227,6 +267,12 @@ class NatsTransport:
     def is_connected(self) -> bool:
         """Whether the client holds a live connection right now."""
         return self.client.is_connected
+
+    @property
+    def down_for(self) -> float:
+        """Seconds the connection has been lost for (0.0 while it is up)."""
+        since = self._down_since
+        return 0.0 if since is None else time.monotonic() - since
 
     @property
     def max_payload(self) -> int:
@@ -242,19 +288,67 @@ class NatsTransport:
         self, subject: str, message: Message, *, timeout: float, tier: str = "",
         headers: Mapping[str, str] | None = None,
     ) -> AnyMessage:  # fmt: skip
-        """See :meth:`Transport.request`."""
+        """See :meth:`Transport.request`.
+
+        A :func:`resendable` request whose connection dropped and came back while it waited is
+        sent again (its reply may have been lost), within the same ``timeout``.
+        """
         self._check_open()
         payload, sent_headers, tier = outgoing(subject, message, limit=self.max_payload, tier=tier,
                                                headers=headers)  # fmt: skip
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        again = resendable(message)
+        while True:
+            drops, left = self.drops, deadline - loop.time()
+            if left <= 0:
+                raise RequestTimeout(subject, tier, timeout)
+            attempt = asyncio.ensure_future(self.client.request(subject, payload, timeout=left,
+                                                                headers=sent_headers))  # fmt: skip
+            try:
+                lost = await self._wait_reply(attempt, drops if again else None, subject, tier)
+            finally:
+                if not attempt.done():
+                    attempt.cancel()
+                    await asyncio.gather(attempt, return_exceptions=True)
+            if not lost:
+                break
+            logger.warning("%s: NATS connection came back; sending %s on %s again (its reply may be lost)",
+                           self.name, message.kind, subject)  # fmt: skip
         try:
-            msg = await self.client.request(subject, payload, timeout=timeout, headers=sent_headers)
+            msg = attempt.result()
         except nats.errors.NoRespondersError:
             raise NoResponders(subject, tier) from None
         except nats.errors.TimeoutError:
             raise RequestTimeout(subject, tier, timeout) from None
         except nats.errors.ConnectionClosedError:
             raise TransportClosed(f"NATS transport {self.name!r}") from None
+        except nats.errors.OutboundBufferLimitError:
+            raise ConnectionError(f"request on {subject!r} not sent: the NATS connection is down and "
+                                  "its send buffer is full") from None  # fmt: skip
         return raise_for_reply(decode(msg.data), tier)
+
+    async def _wait_reply(
+        self, attempt: asyncio.Future[Msg], drops: int | None, subject: str, tier: str
+    ) -> bool:
+        """Wait for ``attempt``; True when it should be sent again: ``drops`` is not None and the
+        connection dropped since (``self.drops > drops``) and is back.
+
+        Raises :class:`NatsServerError` when the connection stays down past ``outage_grace_s``.
+        """
+        while True:
+            done, _ = await asyncio.wait({attempt}, timeout=POLL_S)
+            if done:
+                return False
+            grace = self.outage_grace_s
+            if grace is not None and self.down_for > grace:
+                raise NatsServerError(
+                    f"{self.name}: the NATS connection to {self._servers or self._url()} has been down for "
+                    f"{self.down_for:.0f}s (outage_grace_s {grace:g}); a request on {subject!r} to the "
+                    f"{tier or 'remote'} tier cannot be answered. Is nats-server running?"
+                )
+            if drops is not None and self.drops > drops and self.client.is_connected:
+                return True
 
     async def publish(self, subject: str, message: Message) -> None:
         """See :meth:`Transport.publish`."""
@@ -264,6 +358,9 @@ class NatsTransport:
             await self.client.publish(subject, payload)
         except nats.errors.ConnectionClosedError:
             raise TransportClosed(f"NATS transport {self.name!r}") from None
+        except nats.errors.OutboundBufferLimitError:
+            raise ConnectionError(f"{message.kind} on {subject!r} not sent: the NATS connection is down "
+                                  "and its send buffer is full") from None  # fmt: skip
 
     async def subscribe(
         self,

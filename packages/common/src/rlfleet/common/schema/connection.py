@@ -12,6 +12,10 @@ never lands in a config object that is dumped.
 Secrets never show: a dumped config (``model_dump(mode="json")``, the ``config.yaml`` a run writes)
 holds ``'***'`` for a password or token that is set, and :func:`mask_url` hides the credentials of
 a ``nats://user:pass@host`` URL in logs and error messages.
+
+A NATS URL may name several servers, the nodes of one NATS cluster, comma-separated
+(``nats://a:4222,nats://b:4222``): :func:`server_urls` splits and checks it, and clients fail over
+between them.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import os
 import re
 import ssl
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit, urlunsplit
@@ -152,6 +156,34 @@ class NatsConnection(ConfigModel):
                 "nats_auth.tls_*", "(files)", f"not a usable certificate or key: {exc.reason}"
             ) from None
         return context
+
+
+URL_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+def server_urls(url: str | Sequence[str]) -> list[str]:
+    """The servers of a NATS URL: ``"nats://a:4222,nats://b:4222"`` (or a list) -> one URL each.
+
+    A client given several servers (the nodes of one NATS cluster) connects to one and fails over
+    to another when it goes. Raises :class:`ConfigError` for an empty list or a URL without a
+    ``nats://``, ``tls://``, ``ws://`` or ``wss://`` scheme and a host (credentials masked).
+    """
+    parts = url.split(",") if isinstance(url, str) else [p for u in url for p in u.split(",")]
+    servers = [part.strip() for part in parts if part.strip()]
+    if not servers:
+        raise ConfigError("nats_url", url, "no NATS server URL given")
+    for server in servers:
+        try:
+            split = urlsplit(server)
+            host = split.hostname
+        except ValueError:
+            split, host = None, None
+        if split is None or split.scheme not in URL_SCHEMES or not host:
+            raise ConfigError(
+                "nats_url", mask_url(server), f"not a NATS server URL (want {URL_SCHEMES[0]}://HOST:PORT, "
+                "comma-separated for the nodes of a cluster)",
+            )  # fmt: skip
+    return servers
 
 
 def mask_url(url: str) -> str:
