@@ -75,6 +75,18 @@ class TierDied(Failure, RuntimeError):
     __init__ = _worker_exit
 
 
+class TierNotRestarted(TierDied):
+    """A worker died and the run could not bring it back: its restart budget is spent, or (the
+    trainer) there is no checkpoint to restore it from. ``reason`` says which; the other fields are
+    those of its exit (:class:`TierDied`)."""
+
+    def __init__(self, died: TierDied, reason: str) -> None:
+        _worker_exit(self, died.tier, died.worker_id, died.returncode, error=died.error,
+                     log_path=died.log_path, log_tail=died.log_tail)  # fmt: skip
+        self.reason = reason
+        self.args = (f"{self.args[0]}; {reason}",)
+
+
 class TierRefused(UserError, RuntimeError):
     """A worker exited with code 2: it refused its settings (a bad reward spec, a missing model...),
     which is the user's to fix; ``error`` is its one-line reason. Same fields as :class:`TierDied`."""
