@@ -13,6 +13,10 @@ last, once the trainer has replied, so a checkpoint with ``controller_state.json
 Resuming restores the trainer (``trainer.load``), republishes the restored weights under their
 saved version so the rollout workers serve them, then restores the controller's own position
 (:class:`~rlfleet.controller.run.FleetRun` does both; this module finds and reads checkpoints).
+The same restores a trainer that crashed mid-run (:mod:`rlfleet.controller.supervision`), and
+``resume_from=auto`` continues a run whose controller was killed outright: ``controller_state.json``
+is written atomically (:func:`~rlfleet.controller.state_files.write_atomic`), so a checkpoint cut
+short by the kill has none and is skipped.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.controller.errors import CheckpointNotFound
+from rlfleet.controller.state_files import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +65,9 @@ def resolve_resume(resume_from: str | None, output_dir: str | Path) -> Path | No
 
 
 def write_checkpoint_state(path: Path, state: dict[str, Any]) -> None:
-    """Write ``controller_state.json`` in ``path``, once the trainer has saved its part there."""
-    (path / CONTROLLER_STATE).write_text(json.dumps(state, indent=1))
+    """Write ``controller_state.json`` in ``path``, once the trainer has saved its part there:
+    atomically, so that a controller killed while writing leaves no checkpoint that looks complete."""
+    write_atomic(path / CONTROLLER_STATE, json.dumps(state, indent=1))
 
 
 def read_checkpoint_state(path: Path) -> dict[str, Any]:

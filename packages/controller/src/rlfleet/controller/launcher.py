@@ -1,4 +1,4 @@
-"""Start and watch the worker processes, and the event loop that fails fast when one dies.
+"""Start, watch and restart the worker processes of an embedded run.
 
 The embedded launcher runs a private nats-server and every tier as a local process. The server
 takes only the run's generated credentials, one per role, each allowed only its role's subjects
@@ -13,16 +13,17 @@ thread that started them dies (``PR_SET_PDEATHSIG``), so a controller killed out
 leave them running. :class:`NatsSecurity` holds the benchmark-only ways to run the server
 otherwise (open, or with TLS too), for ``benchmarks/security_overhead.py``.
 
-The controller's event loop (:class:`GuardedLoop`) turns synchronous calls into async fleet code:
-users drive training with plain calls (``trainer.steps()``, ``trainer.set_reward_fn(...)``); each
-runs a coroutine there to the end. While it runs, the processes the run started are checked four
-times a second (:meth:`EmbeddedFleet.check`), so a worker that dies ends the wait at once with its
-:class:`~rlfleet.controller.errors.TierDied` instead of a request timing out later.
+Supervision (issue 12): :meth:`EmbeddedFleet.check`, which the run's event loop calls four times a
+second (:mod:`rlfleet.controller.guarded_loop`), starts a crashed rollout or reward worker again
+under the same id and config, up to ``restart_budget`` times per worker, and tells ``on_restart``
+(the run forgets the dead process and waits for the new one to announce; a rollout worker loads
+the current weights before it announces). The trainer is restarted only when the run asks
+(:meth:`EmbeddedFleet.restart_tier`: it must be restored from a checkpoint); any other exit, an exit
+with code 2 (the worker refused its settings) and a crash past the budget raise.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -34,11 +35,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 import yaml
 from pydantic import BaseModel
@@ -50,10 +51,10 @@ from rlfleet.common.control.worker import USER_ERROR_EXIT
 from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.connection import ENV_PREFIX as NATS_ENV_PREFIX
 from rlfleet.common.schema.connection import NatsConnection
-from rlfleet.controller.errors import TierDied, TierRefused
+from rlfleet.controller.errors import TierDied, TierNotRestarted, TierRefused
+from rlfleet.controller.state_files import write_atomic
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # The final line of a Python traceback: "pkg.mod.SomeError: what went wrong".
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Z]\w*): (\S.*)$")
@@ -207,12 +208,14 @@ class EmbeddedFleet:
     """Starts and stops a private nats-server plus worker processes for one run.
 
     ``security`` is for benchmarks only (:class:`NatsSecurity`; None: ``RLFLEET_BENCHMARK_NATS``,
-    which is normally unset: per-role credentials and permissions).
+    which is normally unset: per-role credentials and permissions). ``restart_budget``: restarts
+    of each crashed worker over the run (0: any crash raises, as before supervision).
     """
 
     def __init__(
-        self, run_dir: Path, *, jetstream: bool = False, security: NatsSecurity | None = None
-    ) -> None:
+        self, run_dir: Path, *, jetstream: bool = False, security: NatsSecurity | None = None,
+        restart_budget: int = 0,
+    ) -> None:  # fmt: skip
         self.run_dir = Path(run_dir)
         self.jetstream = jetstream
         self.security = security if security is not None else NatsSecurity.from_env(os.environ)
@@ -222,6 +225,12 @@ class EmbeddedFleet:
         self.workers: list[WorkerProcess] = []
         self.credentials: RunCredentials | None = None
         """The run's per-role NATS credentials, made by :meth:`start_nats` (None when open)."""
+        self.restart_budget = restart_budget
+        self.restarts: dict[str, int] = {}
+        """Restarts so far, by worker id (a trainer's ranks count under rank 0's id)."""
+        self.on_restart: Callable[[WorkerProcess, TierDied], None] | None = None
+        """Called (in :meth:`check`) with each rollout or reward worker started again and its death;
+        what it raises, :meth:`check` raises."""
 
     def connection(self, role: str = "controller") -> NatsConnection:
         """How a client of ``role`` connects to this fleet's nats-server."""
@@ -254,10 +263,17 @@ class EmbeddedFleet:
 
     def spawn(self, spec: WorkerSpec) -> WorkerProcess:
         """Start one worker; its config gets this fleet's NATS URL."""
+        worker = self._start(spec)
+        self.workers.append(worker)
+        self._write_processes()
+        return worker
+
+    def _start(self, spec: WorkerSpec, restart: int = 0) -> WorkerProcess:
+        """Start ``spec``'s process; a restart appends to the worker's log after a marker line."""
         config_dir = self.run_dir / "workers"
         config_dir.mkdir(parents=True, exist_ok=True)
         config_path = config_dir / f"{spec.worker_id}.yaml"
-        config_path.write_text(yaml.safe_dump(spec.config_data(self.url), sort_keys=False))
+        write_atomic(config_path, yaml.safe_dump(spec.config_data(self.url), sort_keys=False))
         log_path = config_dir / f"{spec.worker_id}.log"
         program = list(spec.command) if spec.command else [find_script(spec.script)]
         command = [*program, "serve", "--config", str(config_path)]
@@ -266,40 +282,83 @@ class EmbeddedFleet:
         if self.security.tls_cert:
             role[f"{NATS_ENV_PREFIX}TLS_CA_FILE"] = self.security.tls_cert
         env = {**inherited, "PYTHONUNBUFFERED": "1", **spec.env, **role}
-        with open(log_path, "wb") as log:
+        with open(log_path, "ab" if restart else "wb") as log:
+            if restart:
+                log.write(f"\n--- rlfleet: restart {restart} of {spec.worker_id} ---\n".encode())
+                log.flush()
             process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=env, start_new_session=True, preexec_fn=die_with_parent,
             )  # fmt: skip
         logger.info("started %s worker %s (pid %d), log %s", spec.tier, spec.worker_id, process.pid, log_path)
-        worker = WorkerProcess(spec, process, log_path)
-        self.workers.append(worker)
-        self._write_processes()
-        return worker
+        return WorkerProcess(spec, process, log_path)
 
     def _write_processes(self) -> None:
         """``processes.json``: what this fleet started, for operators and for tests."""
         data = {
             "controller_pid": os.getpid(),
             "nats": {"pid": self.nats.pid, "url": self.nats.url} if self.nats is not None else None,
-            "workers": [
-                {"tier": w.spec.tier, "worker_id": w.spec.worker_id, "pid": w.pid, "log": str(w.log_path)}
-                for w in self.workers
-            ],
+            "workers": [self._record(w) for w in self.workers],
         }
-        path = self.run_dir / "processes.json"
-        partial = path.with_suffix(".json.tmp")
-        partial.write_text(json.dumps(data, indent=2))
-        partial.replace(path)  # readers never see half a file
+        write_atomic(self.run_dir / "processes.json", json.dumps(data, indent=2))  # never half a file
+
+    def _record(self, worker: WorkerProcess) -> dict[str, Any]:
+        """A worker's line of ``processes.json`` (``restarts`` once it was started again)."""
+        record: dict[str, Any] = {"tier": worker.spec.tier, "worker_id": worker.spec.worker_id,
+                                  "pid": worker.pid, "log": str(worker.log_path)}  # fmt: skip
+        if self.restarts.get(worker.spec.worker_id):
+            record["restarts"] = self.restarts[worker.spec.worker_id]
+        return record
 
     def check(self) -> None:
-        """Raise :class:`TierDied` if the nats-server or any worker process has exited."""
+        """Restart each crashed rollout or reward worker (within its budget, telling ``on_restart``);
+        raise :class:`TierDied` for the nats-server, for any other exit, and past the budget."""
         if self.nats is not None and not self.nats.running:
             raise TierDied("nats", "nats-server", None, error="the embedded nats-server is gone")
-        for worker in self.workers:
+        for i, worker in enumerate(self.workers):
             died = worker.died()
-            if died is not None:
+            if died is None:
+                continue
+            if isinstance(died, TierRefused) or worker.spec.tier not in SUPERVISED_TIERS:
                 raise died
+            self._spend_restart(worker.spec.worker_id, died)
+            _kill_group(worker.pid)  # whatever the dead worker started and left behind
+            self.workers[i] = self._start(worker.spec, self.restarts[worker.spec.worker_id])
+            self._write_processes()
+            if self.on_restart is not None:
+                self.on_restart(self.workers[i], died)
+
+    def _spend_restart(self, worker_id: str, died: TierDied) -> None:
+        """Count one restart of ``worker_id``, or raise when its budget is spent (0: ``died`` itself)."""
+        used = self.restarts.get(worker_id, 0)
+        if self.restart_budget == 0:
+            raise died
+        if used >= self.restart_budget:
+            raise TierNotRestarted(died, f"its restart budget is spent ({used} of faults.restart_budget="
+                                   f"{self.restart_budget} restarts used)")  # fmt: skip
+        self.restarts[worker_id] = used + 1
+        logger.warning("%s; starting it again (restart %d of %d)", died, used + 1, self.restart_budget)
+
+    def restart_tier(self, tier: str, died: TierDied) -> list[WorkerProcess]:
+        """Stop every process of ``tier`` (a trainer's ranks fall together) and start them again,
+        ranks on a fresh rendezvous port; counts as one restart of its first worker. ``died`` is
+        the death that asks for it (raised, as :class:`TierNotRestarted`, past the budget)."""
+        group = [i for i, w in enumerate(self.workers) if w.spec.tier == tier]
+        if not group:
+            raise died
+        first = self.workers[group[0]].spec.worker_id
+        self._spend_restart(first, died)
+        for i in group:
+            _kill_group(self.workers[i].pid)
+            self.workers[i].process.wait(timeout=10)
+        port = {"MASTER_PORT": str(free_port())}
+        for i in group:
+            spec = self.workers[i].spec
+            if "MASTER_PORT" in spec.env:
+                spec = replace(spec, env={**spec.env, **port})
+            self.workers[i] = self._start(spec, self.restarts[first])
+        self._write_processes()
+        return [self.workers[i] for i in group]
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop exactly the processes this fleet started: SIGTERM, wait, then SIGKILL their groups."""
@@ -328,6 +387,11 @@ class EmbeddedFleet:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+SUPERVISED_TIERS = ("rollout", "reward")
+"""Tiers whose crashed workers :meth:`EmbeddedFleet.check` starts again on its own (a trainer needs
+its state restored: the run restarts it, :meth:`EmbeddedFleet.restart_tier`)."""
 
 
 def _kill_group(pgid: int) -> None:
@@ -365,94 +429,3 @@ def trainer_rank_specs(
         name = worker_id if rank == 0 else f"{worker_id}-rank{rank}"
         specs.append(WorkerSpec("trainer", name, config, env=env))
     return specs
-
-
-# --- the event loop: synchronous calls into async fleet code, watched for dying processes ---------
-
-
-class Watched(Protocol):
-    """What the loop watches: the embedded launcher (``check`` raises TierDied for a dead process)."""
-
-    def check(self) -> None: ...
-
-
-class GuardedLoop:
-    """One event loop for a run; ``watch()`` gives the launcher to check (None: nothing to watch)."""
-
-    def __init__(self, watch: Callable[[], Watched | None]) -> None:
-        self._watch = watch
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        """The loop (a new one once the last was closed)."""
-        if self._loop is None or self._loop.is_closed():
-            self._loop = asyncio.new_event_loop()
-        return self._loop
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run a coroutine to its end, failing fast if a watched process dies."""
-        task = self.loop.create_task(self._guarded(coro))
-        self._tasks.add(task)  # kept if Ctrl-C leaves it pending, so close() can cancel it
-        result = self.loop.run_until_complete(task)
-        self._tasks.discard(task)
-        return result
-
-    def create_task(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
-        """Start ``coro`` in the background; it progresses while later calls run the loop."""
-        return self.loop.create_task(coro, name=name)
-
-    async def _guarded(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Await ``coro`` while watching; a request that fails because its worker died is reported as
-        that death (:class:`TierDied`, caused by the request's error), not as its own error."""
-        task = asyncio.ensure_future(coro)
-        try:
-            self._check()
-            while not task.done():
-                await asyncio.wait({task}, timeout=0.25)
-                self._check()
-        finally:
-            if not task.done():
-                task.cancel()
-            await asyncio.gather(task, return_exceptions=True)  # also when Ctrl-C left it failed
-        error = None if task.cancelled() else task.exception()
-        if error is not None and self._watch() is not None:
-            try:
-                for _ in range(10):  # a worker's sockets close a moment before its exit is visible
-                    self._check()
-                    await asyncio.sleep(0.1)
-            except (TierDied, TierRefused) as died:
-                raise died from error
-        return task.result()
-
-    def _check(self) -> None:
-        watched = self._watch()
-        if watched is not None:
-            watched.check()
-
-    def shutdown(self, leave: Callable[[], Awaitable[None]] | None) -> None:
-        """Cancel what a Ctrl-C left running, await ``leave()`` (10 s at most), cancel what is left."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        _cancel(loop, list(self._tasks))
-        self._tasks.clear()
-        if leave is not None:
-            try:
-                loop.run_until_complete(asyncio.wait_for(leave(), timeout=10.0))
-            except (ConnectionError, RuntimeError, TimeoutError) as exc:
-                logger.debug("leaving the control plane: %s", exc)
-        _cancel(loop, list(asyncio.all_tasks(loop)))
-
-    def close(self) -> None:
-        """Close the loop (idempotent)."""
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.close()
-
-
-def _cancel(loop: asyncio.AbstractEventLoop, tasks: list[asyncio.Task[Any]]) -> None:
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))

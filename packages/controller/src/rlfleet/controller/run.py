@@ -9,6 +9,8 @@ checkpoints, and stops exactly what it started::
     start():  launcher.spawn(worker specs) ─► connect ─► wait_ready ─► reward tier ─► trainer.configure
               ─► resume_from? ─► "before" sample table
     steps():  for each batch: program.step(batch) ─► metrics ─► sinks / [PROGRESS] ─► checkpoint?
+              (a crashed worker: restarted, the step run again; the trainer: restored from the
+              latest checkpoint, the steps after it run again; see supervision.py)
     finish(): final HF export ─► "after" sample table;  close(): leave, stop every started process
 
 A step program (:class:`StepProgram`: online RL or DPO) writes one step against the run's
@@ -39,11 +41,14 @@ from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptDataset, PromptItem
 from rlfleet.controller.errors import TierNotReady
 from rlfleet.controller.fleet import Fleet
-from rlfleet.controller.launcher import EmbeddedFleet, GuardedLoop, WorkerSpec
+from rlfleet.controller.guarded_loop import GuardedLoop
+from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec
 from rlfleet.controller.loggers import RunMetrics
 from rlfleet.controller.models import resolve_model
 from rlfleet.controller.reward_control import RunReward, attach_reward
 from rlfleet.controller.samples import SampleTable
+from rlfleet.controller.state_files import write_atomic
+from rlfleet.controller.supervision import SupervisedFleet, Supervisor
 from rlfleet.controller.watchdog import Watchdog
 from rlfleet.controller.worker_configs import tier_counts, worker_specs
 
@@ -170,6 +175,7 @@ class FleetRun:
         self.cluster = config.cluster or f"run-{uuid.uuid4().hex[:8]}"
         self.launcher: EmbeddedFleet | None = None
         self.loop = GuardedLoop(lambda: self.launcher)
+        self.supervisor = Supervisor(self)
         self.store = OwnStore(config, listen_all=config.nats_url is not None)
         self.publish_dtype = config.publish_dtype()
         """The dtype weights are published in, fixed by the engines' dtype when the run is made."""
@@ -233,11 +239,13 @@ class FleetRun:
             return
         cfg = self.config
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "config.yaml").write_text(self.resolved_config_yaml())
+        write_atomic(self.output_dir / "config.yaml", self.resolved_config_yaml())
         try:
             url, auth, env = cfg.nats_url, cfg.nats_auth, None
             if url is None:
-                self.launcher = EmbeddedFleet(self.output_dir / "fleet")
+                budget = cfg.faults.restart_budget
+                self.launcher = EmbeddedFleet(self.output_dir / "fleet", restart_budget=budget)
+                self.supervisor.attach(self.launcher)
                 url = self.launcher.start_nats(self.cluster)
                 auth, env = self.launcher.connection("controller"), {}  # not the shell's RLFLEET_NATS_*
                 self._write_join_config(url)
@@ -245,7 +253,7 @@ class FleetRun:
                     self.launcher.spawn(spec)
             self.loop.run(self._connect(url, auth, env))
             if self.resume_path is not None:
-                self._resume(self.resume_path)
+                self.resume(self.resume_path)
             if cfg.sample_table_size and self.online:
                 self._table = SampleTable(self.dataset.sample_items(cfg.sample_table_size), cfg)
                 before = self._table.capture("before", self.fleet, self.weight_version, self.store)
@@ -268,9 +276,7 @@ class FleetRun:
         login = {"user": auth.user, "password": password, "inbox_prefix": auth.inbox_prefix}
         data = {"nats_url": url, "cluster": self.cluster, "nats_auth": login}
         self.join_config.parent.mkdir(parents=True, exist_ok=True)
-        self.join_config.unlink(missing_ok=True)
-        self.join_config.touch(mode=0o600)
-        self.join_config.write_text(yaml.safe_dump(data, sort_keys=False))
+        write_atomic(self.join_config, yaml.safe_dump(data, sort_keys=False), mode=0o600)
 
     async def _connect(self, url: str, auth: NatsConnection, env: dict[str, str] | None = None) -> None:
         from rlfleet.common.control.nats_transport import NatsTransport
@@ -281,8 +287,9 @@ class FleetRun:
             outage_grace_s=cfg.faults.outage_grace_s,
         )  # fmt: skip
         self.watchdog = Watchdog(cfg.faults.stall_report_s)  # names a worker that owes a result too long
-        fleet = Fleet(self.watchdog.watch(self.transport), self.cluster,
-                      request_timeout=cfg.request_timeout_s, dead_after=cfg.faults.dead_after_s)  # fmt: skip
+        fleet = SupervisedFleet(self.watchdog.watch(self.transport), self.cluster,
+                                request_timeout=cfg.request_timeout_s,
+                                dead_after=cfg.faults.dead_after_s)  # fmt: skip
         self.watchdog.attach(fleet.registry)
         await fleet.start()
         self._fleet = fleet
@@ -290,7 +297,7 @@ class FleetRun:
         try:
             await fleet.wait_ready(counts, cfg.startup_timeout_s)
         except TimeoutError as exc:
-            raise self._not_ready(fleet, str(exc)) from None
+            raise self.not_ready(fleet, str(exc)) from None
         if self.online:
             await attach_reward(fleet, cfg, url)  # the run's own reward tier, or reward_url's
         await fleet.configure_trainer(self.trainer_configure())
@@ -302,7 +309,7 @@ class FleetRun:
                         "--nats %s --cluster %s --pool NAME", counts, mask_url(url),
                         self.cluster)  # fmt: skip
 
-    def _not_ready(self, fleet: Fleet, detail: str) -> TierNotReady:
+    def not_ready(self, fleet: Fleet, detail: str) -> TierNotReady:
         """Name the started workers that never announced (or just the tiers, when joining a cluster)."""
         missing: list[str] = []
         if self.launcher is not None:
@@ -312,6 +319,13 @@ class FleetRun:
                 if fleet.registry.get(worker.spec.tier, worker.spec.worker_id) is None
             ]
         return TierNotReady(self.config.startup_timeout_s, missing, detail)
+
+    def describe_worker(self, worker_id: str) -> str:
+        """A started worker's id, pid, state and log (just its id when this run did not start it)."""
+        for worker in self.launcher.workers if self.launcher is not None else []:
+            if worker.spec.worker_id == worker_id:
+                return worker.describe()
+        return worker_id
 
     def resolved_config_yaml(self) -> str:
         data = {
@@ -340,27 +354,44 @@ class FleetRun:
         return min(total, max_steps) if max_steps else total
 
     def steps(self, program: StepProgram, num_epochs: int, max_steps: int | None) -> Iterator[StepResult]:
-        """Run ``program`` one step at a time. A failed step (a worker died, Ctrl-C) stops the fleet
-        before the error reaches the caller; leaving the loop early keeps it running."""
+        """Run ``program`` one step at a time. A worker's crash is survived where the supervisor can
+        (:mod:`rlfleet.controller.supervision`: a trainer restored from a checkpoint rewinds the
+        run, whose steps after it come again); a failed step (a worker lost for good, Ctrl-C) stops
+        the fleet before the error reaches the caller; leaving the loop early keeps it running."""
         self.start()
         total = self.total_steps(num_epochs, max_steps)
         self.metrics.begin(total, num_epochs)
-        for epoch in range(self.epoch, num_epochs):
-            for batch in self.dataset.batches(self.config.rollout_batch_size, epoch=epoch):
+        rewound = True
+        while rewound:
+            rewound = False
+            for epoch, batch in self._batches(num_epochs):
                 if self.global_step >= total:
                     return
                 try:
-                    metrics = self.loop.run(program.step(batch))
+                    metrics = self.supervisor.run_step(program, batch)
+                    if metrics is None:  # the trainer was restored from a checkpoint: go on from there
+                        rewound = True
+                        break
                     self.global_step += 1
                     self.epoch = epoch
-                    self._record(self.global_step, epoch + 1, metrics)
+                    rewound = self.supervisor.guard(self._record, epoch + 1, metrics) is None
                 except BaseException:  # re-raised: only makes sure no process outlives a failed run
                     self.close()
                     raise
+                if rewound:
+                    break
                 routes = dict(program.last_routes)
                 yield StepResult(self.global_step, epoch + 1, metrics, self.weight_version, routes=routes)
 
-    def _record(self, step: int, epoch: int, metrics: dict[str, float]) -> None:
+    def _batches(self, num_epochs: int) -> Iterator[tuple[int, list[PromptItem]]]:
+        """``(epoch, batch)`` from the dataset's position on (a rewind moves the position back)."""
+        for epoch in range(self.epoch, num_epochs):
+            for batch in self.dataset.batches(self.config.rollout_batch_size, epoch=epoch):
+                yield epoch, batch
+
+    def _record(self, epoch: int, metrics: dict[str, float]) -> bool:
+        """Log a step's metrics; save a checkpoint when it is due."""
+        step = self.global_step
         metrics["epoch"] = float(epoch)
         reward = getattr(self._fleet, "reward", None)  # a RewardControl once an online fleet is up
         if reward is not None:
@@ -368,6 +399,7 @@ class FleetRun:
         self.metrics.log(step, epoch, metrics)
         if self.config.save_every and step % self.config.save_every == 0:
             self.save_checkpoint(self.output_dir / f"checkpoint-{step}")
+        return True
 
     # --- checkpoints -----------------------------------------------------------------------------
 
@@ -392,10 +424,13 @@ class FleetRun:
         logger.info("checkpoint of step %d saved to %s", self.global_step, root)
         return root
 
-    def _resume(self, path: Path) -> None:
-        """Restore the trainer from ``path``, republish its weights, restore the controller's position."""
+    def resume(self, path: Path, weight_version: int | None = None) -> None:
+        """Restore the trainer from ``path``, republish its weights, restore the controller's position.
+
+        The weights go out as the checkpoint's version, or as ``weight_version`` (a trainer restored
+        mid-run: a new version, so that no worker takes them for the ones it holds)."""
         state = read_checkpoint_state(path)
-        version = int(state["weight_version"])
+        version = int(state["weight_version"]) if weight_version is None else weight_version
         self.loop.run(self._restore_tiers(path.resolve(), version))
         self.dataset.load_state_dict(state["dataset"])
         self.kl_controller.load_state_dict(state["kl_controller"])

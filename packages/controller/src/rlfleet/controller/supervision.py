@@ -1,0 +1,214 @@
+"""Supervision in the embedded default (issue 12, point 5): what a run does when a worker crashes.
+
+A **rollout or reward worker** is started again by the launcher, under the same id and config,
+within ``faults.restart_budget`` (:meth:`~rlfleet.controller.launcher.EmbeddedFleet.check`). The
+run then forgets the dead process at once (a request in flight to it ends with ``WorkerGone`` and
+its chunk goes to another worker), and before the next step waits for the new process to
+announce when its tier has no other worker left (a rollout worker loads the trainer's current
+weights before it announces: ``rollout/catch_up.py``; a stale one is loaded by the fleet before it
+serves). A reward switched by ``set_reward_fn`` is sent again to a restarted reward worker. A
+step that failed because of the crash before it reached the trainer is run again, with the same
+prompts and sampling seed; a reward worker crashing mid-step interrupts the step at once (its
+score requests went to the dead process and would only time out). Past the budget the run stops
+with :class:`~rlfleet.controller.errors.TierNotRestarted`.
+
+A **trainer** that crashes (``TierDied`` of the trainer), or answers with another incarnation
+than the one the run configured (``TrainerRestarted``: restarted behind the run's back), has lost
+the run's training state. With ``save_every`` set and a checkpoint written, the run starts the
+trainer again (its ranks together), configures it, restores the latest ``checkpoint-<step>``
+(the weights then go out under a new version, which every rollout worker loads), rewinds its
+step counter, data position and KL controller to the checkpoint's, and goes on from there: the
+steps after the checkpoint run again. Without a checkpoint it stops with ``TierNotRestarted``
+naming why.
+
+::
+
+    step ──► crash? ── rollout/reward ──► launcher restarts it ──► step again (if it had not trained)
+                   └── trainer ──► restart + configure ──► load checkpoint-<k> ──► steps k+1.. again
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from rlfleet.common.errors import Failure, RemoteError, UserError
+from rlfleet.controller.checkpoints import latest_checkpoint
+from rlfleet.controller.errors import TierDied, TierNotReady, TierNotRestarted, TrainerRestarted
+from rlfleet.controller.fleet import Fleet
+
+if TYPE_CHECKING:
+    from rlfleet.controller.dataset import PromptItem
+    from rlfleet.controller.launcher import EmbeddedFleet, WorkerProcess
+    from rlfleet.controller.run import FleetRun, StepProgram
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+REPLAYABLE = (Failure, RemoteError, ConnectionError, TimeoutError)
+"""Errors of a step that a worker's crash explains (a request to it failed, timed out, found nobody,
+a tier could not fetch what the dead worker held); a local user error never is one."""
+
+
+class SupervisedFleet(Fleet):
+    """The run's :class:`Fleet`, counting the train steps it asked for: a step that reached the
+    trainer is never run twice."""
+
+    train_requests = 0
+
+    async def train_step(self, step: int, *args: Any, **kwargs: Any) -> Any:
+        self.train_requests += 1
+        return await super().train_step(step, *args, **kwargs)
+
+
+class StepInterrupted(Exception):
+    """Raised from the launcher's check into the running step: a worker it waits on was restarted
+    before the step reached the trainer, so the step runs again. Never leaves :class:`Supervisor`."""
+
+    def __init__(self, died: TierDied) -> None:
+        self.died = died
+        super().__init__(str(died))
+
+
+class Supervisor:
+    """Restarts, rejoins, step replays and trainer restores for one :class:`FleetRun`."""
+
+    def __init__(self, run: FleetRun) -> None:
+        self.run = run
+        self.rejoining: dict[tuple[str, str], str | None] = {}
+        """Restarted workers not seen back yet: (tier, worker id) -> rollout pool (None: any)."""
+        self._in_step = False
+        self._crashed = False  # a worker was restarted during the running step
+        self._mark = 0  # train requests when the running step began
+
+    def attach(self, launcher: EmbeddedFleet) -> None:
+        launcher.on_restart = self.worker_restarted
+
+    # --- rollout and reward workers ----------------------------------------------------------
+
+    def worker_restarted(self, worker: WorkerProcess, died: TierDied) -> None:
+        """Launcher callback: forget the dead process; interrupt a step that waits on a reward."""
+        tier, worker_id = worker.spec.tier, worker.spec.worker_id
+        pool = getattr(worker.spec.config, "pool", None) if tier == "rollout" else None
+        self.rejoining[(tier, worker_id)] = pool
+        fleet = self.run._fleet
+        if fleet is not None:
+            info = fleet.registry.forget(tier, worker_id)
+            if info is not None:
+                fleet.gone.mark_gone(info)  # requests in flight to it end now, not at their timeout
+        if self._in_step:
+            self._crashed = True
+            if tier == "reward" and not self._trained():
+                raise StepInterrupted(died)
+
+    def _trained(self) -> bool:
+        fleet = self.run._fleet
+        return isinstance(fleet, SupervisedFleet) and fleet.train_requests != self._mark
+
+    async def rejoined(self) -> None:
+        """Wait for the restarted workers whose tier (pool) has no live worker left; re-send a
+        switched reward to a restarted reward worker."""
+        fleet, timeout = self.run.fleet, self.run.config.startup_timeout_s
+        for (tier, worker_id), pool in list(self.rejoining.items()):
+            info = fleet.registry.get(tier, worker_id)
+            if info is None and not fleet.registry.workers(tier, pool):
+                await self._wait_for(tier, worker_id, timeout)
+                info = fleet.registry.get(tier, worker_id)
+            if info is None:
+                continue  # the others serve meanwhile; it is admitted when it announces
+            del self.rejoining[(tier, worker_id)]
+            logger.warning("%s worker %s is back (weight version %d)", tier, worker_id, info.weight_version)
+            reward = self.run.reward
+            if tier == "reward" and reward is not None and reward.spec != reward.initial_spec:
+                await reward.switch(fleet.reward, {"spec": reward.spec})
+
+    async def _wait_for(self, tier: str, worker_id: str, timeout: float) -> None:
+        fleet = self.run.fleet
+        deadline = asyncio.get_running_loop().time() + timeout
+        while fleet.registry.get(tier, worker_id) is None:
+            if asyncio.get_running_loop().time() > deadline:
+                missing = [self.run.describe_worker(worker_id)]
+                raise TierNotReady(timeout, missing, f"restarted {tier} worker {worker_id} did not announce")
+            await asyncio.sleep(0.1)
+
+    # --- a step ------------------------------------------------------------------------------
+
+    def run_step(self, program: StepProgram, batch: list[PromptItem]) -> dict[str, float] | None:
+        """Run one step to its end, again after a worker's crash explains its failure; None when
+        the trainer was restored from a checkpoint instead (the run goes on from there)."""
+        while True:
+            fleet = self.run.fleet
+            self._mark = fleet.train_requests if isinstance(fleet, SupervisedFleet) else 0
+            self._in_step, self._crashed = True, False
+            try:
+                return self.run.loop.run(self._step(program, batch))
+            except StepInterrupted as exc:
+                logger.warning("step %d interrupted: %s; running it again", self.run.global_step + 1, exc)
+            except (TierDied, TrainerRestarted) as exc:
+                self.restore_trainer(exc)
+                return None
+            except REPLAYABLE as exc:
+                mine = isinstance(exc, UserError) and not isinstance(exc, RemoteError)
+                if mine or not self._crashed or self._trained():
+                    raise
+                logger.warning("step %d failed after a worker restarted (%s); running it again",
+                               self.run.global_step + 1, exc)  # fmt: skip
+            finally:
+                self._in_step = False
+
+    async def _step(self, program: StepProgram, batch: list[PromptItem]) -> dict[str, float]:
+        if self.rejoining:
+            await self.rejoined()
+        return await program.step(batch)
+
+    def guard(self, call: Callable[..., T], *args: Any) -> T | None:
+        """``call(*args)``, or None when the trainer died during it and was restored from a checkpoint."""
+        try:
+            return call(*args)
+        except (TierDied, TrainerRestarted) as exc:
+            self.restore_trainer(exc)
+            return None
+
+    # --- the trainer ---------------------------------------------------------------------------
+
+    def restore_trainer(self, cause: TierDied | TrainerRestarted) -> None:
+        """Start the trainer again and restore the latest checkpoint, or raise why it cannot be."""
+        run, cfg = self.run, self.run.config
+        if isinstance(cause, TierNotRestarted) or (isinstance(cause, TierDied) and cause.tier != "trainer"):
+            raise cause
+        checkpoint = latest_checkpoint(run.output_dir) if cfg.save_every else None
+        if checkpoint is None:
+            why = (
+                "save_every is not set, so there is no checkpoint to restore it from"
+                if not cfg.save_every
+                else f"no checkpoint is written yet (save_every={cfg.save_every}, at step {run.global_step})"
+            )
+            if isinstance(cause, TrainerRestarted):
+                raise cause
+            raise TierNotRestarted(cause, f"the run cannot restore the trainer: {why}") from cause
+        if run.launcher is not None and isinstance(cause, TierDied):
+            run.launcher.restart_tier("trainer", cause)  # TierNotRestarted past the budget
+        logger.warning("%s; restoring the trainer from %s", cause, checkpoint)
+        run.loop.run(self._trainer_back())
+        step = run.global_step
+        run.resume(checkpoint, weight_version=run.weight_version + 1)
+        run.metrics.say(
+            f"rlfleet: the trainer was restored from {checkpoint.name} after: {cause}; steps "
+            f"{run.global_step + 1}..{step + 1} run again"
+        )
+
+    async def _trainer_back(self) -> None:
+        """Forget the trainer that is gone, wait for the new one to announce, configure it."""
+        run = self.run
+        fleet = run.fleet
+        for worker in fleet.registry.workers("trainer"):
+            info = fleet.registry.forget("trainer", worker.worker_id)
+            if info is not None:
+                fleet.gone.mark_gone(info)
+        try:
+            await fleet.wait_ready({"trainer": 1}, run.config.startup_timeout_s)
+        except TimeoutError as exc:
+            raise run.not_ready(fleet, str(exc)) from None
+        await fleet.configure_trainer(run.trainer_configure())
