@@ -1,8 +1,11 @@
 """Failures end a run quickly, say which tier failed and why, and leave no process behind.
 
 Covered: a missing dataset file, a model path that does not exist, an unknown reward function
-(the reward worker fails at startup), a worker that crashes at startup, a worker that never
-announces, a worker killed mid-run, and Ctrl-C on the controller. Each asserts the run ends
+(the reward worker fails at startup), a worker that crashes at startup (again on each restart,
+until its restart budget is spent), a worker that never announces, a trainer killed mid-run with
+no checkpoint to restore it from (a rollout or reward worker killed mid-run, and a trainer with
+checkpoints, are survived: tests/faults/test_supervision.py, test_trainer_restart.py), and Ctrl-C
+on the controller. Each asserts the run ends
 within 60 s, the message names the tier and the cause, and every pid the launcher recorded in
 ``processes.json`` is gone.
 """
@@ -19,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.controller import GRPOTrainer, PromptDataset, TrainerConfig
-from rlfleet.controller.errors import TierDied, TierNotReady
+from rlfleet.controller.errors import TierNotReady, TierNotRestarted
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny_grpo.yaml"
@@ -96,14 +99,15 @@ def test_unknown_reward_names_the_reward_worker_and_the_cause(
 @pytest.mark.timeout(90)
 def test_worker_crashing_at_startup_is_noticed_at_once(tmp_path: Path, tiny_model_dir: Path, procs) -> None:
     out = tmp_path / "run"
-    trainer = _trainer(tiny_model_dir, out, startup_timeout_s=120.0)
+    trainer = _trainer(tiny_model_dir, out, startup_timeout_s=120.0, faults={"restart_budget": 2})
     _replace_rollout_command(trainer, [sys.executable, "-c", "raise RuntimeError('engine exploded')"])
     t0 = time.monotonic()
-    with pytest.raises(TierDied) as caught:
+    with pytest.raises(TierNotRestarted) as caught:
         trainer.start()
     assert time.monotonic() - t0 < 30, "a dead process must not wait for startup_timeout_s"
     assert caught.value.tier == "rollout" and caught.value.returncode == 1
     assert "rollout worker rollout-0 exited with code 1: RuntimeError: engine exploded" in str(caught.value)
+    assert "restart budget is spent (2 of faults.restart_budget=2 restarts used)" in str(caught.value)
     assert procs.survivors(procs.launched(out)) == []
 
 
@@ -123,7 +127,9 @@ def test_worker_that_never_announces_times_out(tmp_path: Path, tiny_model_dir: P
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_worker_killed_mid_run_ends_the_run(tmp_path: Path, tiny_model_dir: Path, procs) -> None:
+def test_trainer_killed_mid_run_without_checkpoints_ends_the_run(
+    tmp_path: Path, tiny_model_dir: Path, procs
+) -> None:
     out = tmp_path / "run"
     trainer = _trainer(tiny_model_dir, out)
     steps = trainer.steps(num_epochs=1, max_steps=50)
@@ -138,10 +144,11 @@ def test_worker_killed_mid_run_ends_the_run(tmp_path: Path, tiny_model_dir: Path
     assert all(procs.alive(pid) for pid in pids.values())
     os.kill(pids["trainer-0"], signal.SIGKILL)
     t0 = time.monotonic()
-    with pytest.raises(TierDied) as caught:
+    with pytest.raises(TierNotRestarted) as caught:
         next(steps)
     assert time.monotonic() - t0 < 60
     assert "trainer worker trainer-0 was killed by signal SIGKILL" in str(caught.value)
+    assert "save_every is not set, so there is no checkpoint to restore it from" in str(caught.value)
     assert procs.survivors(pids) == []
 
 
