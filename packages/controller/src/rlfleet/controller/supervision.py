@@ -42,7 +42,6 @@ from rlfleet.controller.fleet import Fleet
 if TYPE_CHECKING:
     from rlfleet.controller.dataset import PromptItem
     from rlfleet.controller.launcher import EmbeddedFleet, WorkerProcess
-    from rlfleet.controller.run import FleetRun, StepProgram
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,9 +72,11 @@ class StepInterrupted(Exception):
 
 
 class Supervisor:
-    """Restarts, rejoins, step replays and trainer restores for one :class:`FleetRun`."""
+    """Restarts, rejoins, step replays and trainer restores for one
+    :class:`~rlfleet.controller.run.FleetRun` (``run``: typed ``Any``, as run.py imports this
+    module; likewise ``program``, a ``StepProgram``)."""
 
-    def __init__(self, run: FleetRun) -> None:
+    def __init__(self, run: Any) -> None:
         self.run = run
         self.rejoining: dict[tuple[str, str], str | None] = {}
         """Restarted workers not seen back yet: (tier, worker id) -> rollout pool (None: any)."""
@@ -135,7 +136,7 @@ class Supervisor:
 
     # --- a step ------------------------------------------------------------------------------
 
-    def run_step(self, program: StepProgram, batch: list[PromptItem]) -> dict[str, float] | None:
+    def run_step(self, program: Any, batch: list[PromptItem]) -> dict[str, float] | None:
         """Run one step to its end, again after a worker's crash explains its failure; None when
         the trainer was restored from a checkpoint instead (the run goes on from there)."""
         while True:
@@ -158,7 +159,7 @@ class Supervisor:
             finally:
                 self._in_step = False
 
-    async def _step(self, program: StepProgram, batch: list[PromptItem]) -> dict[str, float]:
+    async def _step(self, program: Any, batch: list[PromptItem]) -> dict[str, float]:
         if self.rejoining:
             await self.rejoined()
         return await program.step(batch)
