@@ -5,7 +5,9 @@ started again under its id within ``restart_budget`` (new pid in ``processes.jso
 after a marker line, ``on_restart`` told), and a crash past the budget is a
 :class:`TierNotRestarted` naming the budget; a trainer is never restarted behind the run's back.
 Then a real tiny ``rlfleet train`` run: SIGKILL a rollout worker, then the reward worker, mid-run;
-the run completes every step, each step logged once, and stops every process it started.
+the run completes every step, each step logged once, and stops every process it started. And a
+real run whose rollout worker is killed once more than ``restart_budget`` allows stops with
+``TierNotRestarted`` naming the worker and the budget.
 """
 
 from __future__ import annotations
@@ -144,3 +146,34 @@ def test_a_run_survives_sigkill_of_a_rollout_worker_and_of_the_reward_worker(
     assert last["rollout-0"] != first["rollout-0"] and last["reward-0"] != first["reward-0"]
     assert last["trainer-0"] == first["trainer-0"] and last["rollout-1"] == first["rollout-1"]
     assert procs.survivors({**first, **last}) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rollout_worker_crashing_past_its_budget_stops_the_run_naming_it(
+    tmp_path: Path, tiny_model_dir: Path, procs
+) -> None:
+    from rlfleet.controller import GRPOTrainer, PromptDataset, TrainerConfig
+
+    out = tmp_path / "run"
+    config = TrainerConfig(
+        rollout_batch_size=4, train_batch_size=4, group_size=4, max_response_length=8, max_prompt_length=32,
+        kl_coef=0.0, output_dir=str(out), loggers=["jsonl"], sample_table_size=0, seed=0,
+        faults={"restart_budget": 1},
+    )  # fmt: skip
+    dataset = PromptDataset(str(REPO / "examples" / "data" / "tiny_digits.jsonl"), max_prompt_length=32)
+    trainer = GRPOTrainer(str(tiny_model_dir), "charset:allowed=0123456789", dataset, config)
+    steps = trainer.steps(num_epochs=3, max_steps=50)
+    next(steps)
+    first = procs.launched(out)
+    os.kill(first["rollout-0"], signal.SIGKILL)
+    next(steps)  # restarted, rejoined, the step done
+    second = procs.launched(out)
+    assert second["rollout-0"] != first["rollout-0"] and _restarts(out)["rollout-0"] == 1
+    os.kill(second["rollout-0"], signal.SIGKILL)
+    with pytest.raises(TierNotRestarted) as caught:
+        next(steps)
+    message = str(caught.value)
+    assert message.startswith("rollout worker rollout-0 was killed by signal SIGKILL")
+    assert "its restart budget is spent (1 of faults.restart_budget=1 restarts used)" in message
+    assert procs.survivors({**first, **second}) == []
