@@ -7,20 +7,24 @@ damaged on the way, ``TensorStoreUnavailable`` for a server that cannot be reach
 ``TensorAccessDenied`` for a call without the capability or secret it needs,
 ``TensorStoreTimeout`` past a call's deadline, ``TensorStoreBusy`` from a server at its RPC cap.
 
-Every call has a deadline: ``timeout_s`` for the streams (Put, Get), at most ``UNARY_TIMEOUT_S``
-for Delete and Stat.
+Every call has a deadline (issue 12, point 6): a stream (Put, Get) gets ``timeout_s`` plus the
+time its bytes take at ``MIN_BYTES_PER_S`` (so a large transfer is not cut off by a deadline made
+for a small one), Delete and Stat at most ``UNARY_TIMEOUT_S``. A stream that stops moving (no chunk
+arrives, or the server takes none) for ``idle_timeout_s`` is cut off at once with
+:class:`TensorStoreTimeout` naming the call and the stall, instead of waiting for the deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 import grpc
 import torch
 
-from rlfleet.common.errors import MessageTooLarge, TensorStoreUnavailable, TransportClosed
+from rlfleet.common.errors import MessageTooLarge, TensorStoreTimeout, TensorStoreUnavailable, TransportClosed
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.tensors._gen import tensors_pb2 as pb
 from rlfleet.common.tensors.codec import (
@@ -41,8 +45,19 @@ from rlfleet.common.tensors.wire import decode_chunk, encode_chunk
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 DEFAULT_TIMEOUT_S = 300.0
 UNARY_TIMEOUT_S = 30.0
+DEFAULT_IDLE_TIMEOUT_S = 60.0
+"""The longest a stream may sit without moving a chunk (the server cuts a silent Put at 30 s)."""
+MIN_BYTES_PER_S = 32 << 20
+"""The slowest transfer rate a stream's deadline allows for: 32 MiB/s on top of ``timeout_s``."""
+
+
+def stream_deadline(timeout_s: float, nbytes: int) -> float:
+    """A stream's deadline: ``timeout_s`` plus ``nbytes`` at :data:`MIN_BYTES_PER_S`."""
+    return timeout_s + max(0, nbytes) / MIN_BYTES_PER_S
 
 
 class TensorStoreClient:
@@ -50,6 +65,8 @@ class TensorStoreClient:
 
     ``chunk_bytes`` is the payload size of the chunks it sends; ``max_message_bytes`` the largest
     chunk payload it accepts; ``max_get_bytes`` the most one ``get`` may make it allocate.
+    ``timeout_s`` is a stream's deadline before its size is added (:func:`stream_deadline`),
+    ``idle_timeout_s`` how long a stream may move nothing before it is cut off.
     ``secret`` is the store's own (its owner may then put, delete and stat anything there);
     without it the client only reads what a ref's capability opens.
     ``tls_ca`` (a PEM file) speaks TLS to servers whose certificate it signed, with
@@ -65,13 +82,16 @@ class TensorStoreClient:
         max_get_bytes: int | None = PHYSICAL_MEMORY_BYTES,
         secret: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
         tls_ca: str = "",
         tls_cert: str = "",
         tls_key: str = "",
     ) -> None:
         check_sizes(chunk_bytes, max_message_bytes)
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if timeout_s <= 0 or idle_timeout_s <= 0:
+            raise ValueError(
+                f"timeout_s and idle_timeout_s must be positive, got {timeout_s}, {idle_timeout_s}"
+            )
         keep_stream_buffers()
         self.address = address
         self.chunk_bytes = chunk_bytes
@@ -79,6 +99,7 @@ class TensorStoreClient:
         self.max_get_bytes = max_get_bytes
         self.secret = secret
         self.timeout_s = timeout_s
+        self.idle_timeout_s = idle_timeout_s
         self._tls = (tls_ca, tls_cert, tls_key)
         options = channel_options(max_message_bytes)
         if tls_ca:
@@ -117,27 +138,39 @@ class TensorStoreClient:
         for name, tensor in tensors.items():
             dtype_name(tensor.dtype, name)
         chunk_bytes = min(self.chunk_bytes, await self._server_limit())
-        return await self.put_chunks(split_tensors(key, tensors, chunk_bytes))
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return await self.put_chunks(split_tensors(key, tensors, chunk_bytes), nbytes=nbytes)
 
-    async def put_chunks(self, chunks: Iterable[Chunk] | AsyncIterable[Chunk]) -> TensorRef:
-        """Send a ready-made chunk stream as one put (what :meth:`put` does with its tensors).
+    async def put_chunks(
+        self, chunks: Iterable[Chunk] | AsyncIterable[Chunk], *, nbytes: int = 0
+    ) -> TensorRef:
+        """Send a ready-made chunk stream as one put (what :meth:`put` does with its tensors);
+        ``nbytes`` (its size, when known) lengthens the deadline (:func:`stream_deadline`).
 
         A chunk over the server's limit raises :class:`MessageTooLarge` before it is sent. The
         server checks the rest: a stream that is malformed, damaged or lacks its end marker raises
-        here, and the store stays as it was (so it does when this call is cancelled).
+        here, and the store stays as it was (so it does when this call is cancelled). A server that
+        takes no chunk for ``idle_timeout_s`` raises :class:`TensorStoreTimeout`.
         """
         limit = await self._server_limit()
-        call = self._put_rpc(timeout=self.timeout_s, metadata=self._owner())
+        deadline = stream_deadline(self.timeout_s, nbytes)
+        call = self._put_rpc(timeout=deadline, metadata=self._owner())
         try:
             async for chunk in _each(chunks):
                 if len(chunk.data) > limit:
                     raise MessageTooLarge(len(chunk.data), limit, "tensor chunk", CHUNK_HINT)
-                await call.write(encode_chunk(chunk))
-            await call.done_writing()
+                if call.done():
+                    break  # the server ended the put (a refusal): its status, awaited below, says why
+                try:
+                    await self._moving(call.write(encode_chunk(chunk)), "Put")
+                except asyncio.InvalidStateError:
+                    break  # ended while this chunk waited to be sent
+            if not call.done():
+                await self._moving(call.done_writing(), "Put")
             summary: pb.PutSummary = await call
         except grpc.RpcError as err:
             initial = await _initial_metadata(call)
-            raise self._failed(err, "Put", self.timeout_s, initial) from None
+            raise self._failed(err, "Put", deadline, initial) from None
         finally:
             if not call.done():
                 call.cancel()
@@ -145,34 +178,48 @@ class TensorStoreClient:
         return TensorRef(address=self.address, key=summary.key, nbytes=summary.nbytes, capability=cap)
 
     async def get(
-        self, key: str, names: Sequence[str] | None = None, *, capability: str = ""
+        self, key: str, names: Sequence[str] | None = None, *, capability: str = "", nbytes: int = 0
     ) -> dict[str, torch.Tensor]:
         """The tensors under ``key`` (all, or only ``names``), checked chunk by chunk on arrival.
 
         Needs the key's ``capability`` (see :meth:`fetch`, which takes it from the ref) or the
-        store's secret; else :class:`TensorAccessDenied`.
+        store's secret; else :class:`TensorAccessDenied`. ``nbytes`` (the size, when known)
+        lengthens the deadline; a stream with no chunk for ``idle_timeout_s`` raises
+        :class:`TensorStoreTimeout`.
         """
         self._check_open()
         assembler = ChunkAssembler(
             key, max_chunk_bytes=self.max_message_bytes, max_total_bytes=self.max_get_bytes
         )
         request = pb.GetRequest(key=key, names=list(names or ()), max_chunk_bytes=self.max_message_bytes)
-        call = self._get_rpc(request, timeout=self.timeout_s, metadata=self._reader(capability))
+        deadline = stream_deadline(self.timeout_s, nbytes)
+        call = self._get_rpc(request, timeout=deadline, metadata=self._reader(capability))
         try:
-            async for message in call:
+            while (message := await self._moving(call.read(), "Get")) is not grpc.aio.EOF:
                 assembler.feed(decode_chunk(message))
         except grpc.RpcError as err:
-            raise self._failed(err, "Get", self.timeout_s) from None
+            raise self._failed(err, "Get", deadline) from None
         finally:
             if not assembler.done:
                 call.cancel()
         return assembler.finish()
 
+    async def _moving(self, step: Awaitable[T], rpc: str) -> T:
+        """``step`` (one read or write of a stream), cut off after ``idle_timeout_s`` without progress."""
+        try:
+            return await asyncio.wait_for(step, self.idle_timeout_s)
+        except TimeoutError:
+            idle = self.idle_timeout_s
+            raise TensorStoreTimeout(
+                self.address, f"{rpc} (stalled: no chunk moved for {idle:g}s)", idle
+            ) from None
+
     async def fetch(self, ref: TensorRef, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
-        """The tensors a :class:`TensorRef` points to, from whichever server holds them."""
-        if ref.address == self.address:
-            return await self.get(ref.key, names, capability=ref.capability)
-        return await self._peer(ref.address).get(ref.key, names, capability=ref.capability)
+        """The tensors a :class:`TensorRef` points to, from whichever server holds them (the ref's
+        size lengthens the deadline when all its tensors are read)."""
+        nbytes = ref.nbytes if not names else 0
+        client = self if ref.address == self.address else self._peer(ref.address)
+        return await client.get(ref.key, names, capability=ref.capability, nbytes=nbytes)
 
     def _peer(self, address: str) -> TensorStoreClient:
         """A client for another store, with this one's limits, deadline and TLS (never its secret)."""
@@ -185,6 +232,7 @@ class TensorStoreClient:
                 max_message_bytes=self.max_message_bytes,
                 max_get_bytes=self.max_get_bytes,
                 timeout_s=self.timeout_s,
+                idle_timeout_s=self.idle_timeout_s,
                 tls_ca=tls_ca,
                 tls_cert=tls_cert,
                 tls_key=tls_key,
