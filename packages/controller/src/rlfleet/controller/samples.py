@@ -19,7 +19,7 @@ from rlfleet.controller.routing import chunk_metadata
 
 
 class RunStore(Protocol):
-    """What the table needs of the run's store (:class:`rlfleet.controller.own_store.OwnStore`)."""
+    """What the table needs of the run's store (:class:`rlfleet.controller.run.OwnStore`)."""
 
     async def fetch(self, ref: TensorRef, names: list[str] | None = None) -> dict[str, Any]: ...
     async def release(self, results: list[GenerateResult]) -> None: ...
