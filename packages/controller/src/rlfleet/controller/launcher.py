@@ -14,7 +14,7 @@ leave them running. :class:`NatsSecurity` holds the benchmark-only ways to run t
 otherwise (open, or with TLS too), for ``benchmarks/security_overhead.py``.
 
 Supervision (issue 12): :meth:`EmbeddedFleet.check`, which the run's event loop calls four times a
-second (:mod:`rlfleet.controller.guarded_loop`), starts a crashed rollout or reward worker again
+second (:class:`~rlfleet.controller.supervision.GuardedLoop`), starts a crashed rollout or reward worker again
 under the same id and config, up to ``restart_budget`` times per worker, and tells ``on_restart``
 (the run forgets the dead process and waits for the new one to announce; a rollout worker loads
 the current weights before it announces). The trainer is restarted only when the run asks

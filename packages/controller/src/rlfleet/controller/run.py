@@ -41,14 +41,13 @@ from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptDataset, PromptItem
 from rlfleet.controller.errors import TierNotReady
 from rlfleet.controller.fleet import Fleet
-from rlfleet.controller.guarded_loop import GuardedLoop
 from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec
 from rlfleet.controller.loggers import RunMetrics
 from rlfleet.controller.models import resolve_model
 from rlfleet.controller.reward_control import RunReward, attach_reward
 from rlfleet.controller.samples import SampleTable
 from rlfleet.controller.state_files import write_atomic
-from rlfleet.controller.supervision import SupervisedFleet, Supervisor
+from rlfleet.controller.supervision import GuardedLoop, SupervisedFleet, Supervisor
 from rlfleet.controller.watchdog import Watchdog
 from rlfleet.controller.worker_configs import tier_counts, worker_specs
 

@@ -1,4 +1,10 @@
-"""Supervision in the embedded default (issue 12, point 5): what a run does when a worker crashes.
+"""Supervision in the embedded default (issue 12, point 5): the run's watched event loop, and what
+the run does when a worker crashes.
+
+Users drive training with plain calls (``trainer.steps()``, ``trainer.set_reward_fn(...)``); each
+runs a coroutine on :class:`GuardedLoop` to the end. While it runs, the processes the run started
+are checked four times a second (:meth:`~rlfleet.controller.launcher.EmbeddedFleet.check`), so a
+death is seen at once instead of when a request times out.
 
 A **rollout or reward worker** is started again by the launcher, under the same id and config,
 within ``faults.restart_budget`` (:meth:`~rlfleet.controller.launcher.EmbeddedFleet.check`). The
@@ -31,12 +37,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from rlfleet.common.errors import Failure, RemoteError, UserError
 from rlfleet.controller.checkpoints import latest_checkpoint
-from rlfleet.controller.errors import TierDied, TierNotReady, TierNotRestarted, TrainerRestarted
+from rlfleet.controller.errors import TierDied, TierNotReady, TierNotRestarted, TierRefused, TrainerRestarted
 from rlfleet.controller.fleet import Fleet
 
 if TYPE_CHECKING:
@@ -45,6 +51,100 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# --- the event loop: synchronous calls into async fleet code, watched for dying processes ---------
+
+
+class Watched(Protocol):
+    """What the loop watches: the embedded launcher (``check`` raises TierDied for a death it does
+    not recover from)."""
+
+    def check(self) -> None: ...
+
+
+class GuardedLoop:
+    """One event loop for a run; ``watch()`` gives the launcher to check (None: nothing to watch)."""
+
+    def __init__(self, watch: Callable[[], Watched | None]) -> None:
+        self._watch = watch
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop (a new one once the last was closed)."""
+        if self._loop is None or self._loop.is_closed():
+            self._loop = asyncio.new_event_loop()
+        return self._loop
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine to its end, failing fast if a watched process dies."""
+        task = self.loop.create_task(self._guarded(coro))
+        self._tasks.add(task)  # kept if Ctrl-C leaves it pending, so close() can cancel it
+        result = self.loop.run_until_complete(task)
+        self._tasks.discard(task)
+        return result
+
+    def create_task(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+        """Start ``coro`` in the background; it progresses while later calls run the loop."""
+        return self.loop.create_task(coro, name=name)
+
+    async def _guarded(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` while watching; a request that fails because its worker died is reported as
+        that death (:class:`TierDied`, caused by the request's error), not as its own error."""
+        task = asyncio.ensure_future(coro)
+        try:
+            self._check()
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.25)
+                self._check()
+        finally:
+            if not task.done():
+                task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # also when Ctrl-C left it failed
+        error = None if task.cancelled() else task.exception()
+        if error is not None and self._watch() is not None:
+            try:
+                for _ in range(10):  # a worker's sockets close a moment before its exit is visible
+                    self._check()
+                    await asyncio.sleep(0.1)
+            except (TierDied, TierRefused) as died:
+                raise died from error
+        return task.result()
+
+    def _check(self) -> None:
+        watched = self._watch()
+        if watched is not None:
+            watched.check()
+
+    def shutdown(self, leave: Callable[[], Awaitable[None]] | None) -> None:
+        """Cancel what a Ctrl-C left running, await ``leave()`` (10 s at most), cancel what is left."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        _cancel(loop, list(self._tasks))
+        self._tasks.clear()
+        if leave is not None:
+            try:
+                loop.run_until_complete(asyncio.wait_for(leave(), timeout=10.0))
+            except (ConnectionError, RuntimeError, TimeoutError) as exc:
+                logger.debug("leaving the control plane: %s", exc)
+        _cancel(loop, list(asyncio.all_tasks(loop)))
+
+    def close(self) -> None:
+        """Close the loop (idempotent)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.close()
+
+
+def _cancel(loop: asyncio.AbstractEventLoop, tasks: list[asyncio.Task[Any]]) -> None:
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+
+
+# --- what a crash costs ---------------------------------------------------------------------------
 
 REPLAYABLE = (Failure, RemoteError, ConnectionError, TimeoutError)
 """Errors of a step that a worker's crash explains (a request to it failed, timed out, found nobody,
