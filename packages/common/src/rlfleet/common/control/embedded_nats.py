@@ -13,6 +13,8 @@ clients must then trust the certificate's CA (``NatsConnection.tls_ca_file``).
 Outages and clusters (issue 12): ``stop(keep_port=True)`` then ``start()`` restarts the server on
 the port it had (its clients reconnect to the same URL). ``cluster_port`` and ``routes`` make the
 server one node of a NATS cluster (``cluster_name``); :func:`free_port` picks ports for them.
+The server dies with the *thread* that started it (``die_with_parent`` sets the parent-death
+signal, which Linux ties to the forking thread): start it from a thread that outlives it.
 """
 
 from __future__ import annotations
