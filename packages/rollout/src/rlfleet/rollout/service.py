@@ -132,8 +132,8 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         # late join: hold the trainer's current version before the first announce (never serve stale)
         self.weight_version = await catch_up(self.transport, cfg.cluster, self.worker_id, self.weight_version,
                                              self.load_weights, timeout=cfg.catch_up_timeout_s)  # fmt: skip
-        await self.transport.subscribe(subject(cfg.cluster, "rollout", "generate"), self._on_generate,
-                                       queue=f"rollout-{cfg.pool}", max_concurrency=cfg.capacity)  # fmt: skip
+        await self.subscribe(subject(cfg.cluster, "rollout", "generate"), self._on_generate,
+                             queue=f"rollout-{cfg.pool}", max_concurrency=cfg.capacity)  # fmt: skip
 
     def announce_fields(self) -> dict[str, object]:
         return {"data_address": self.data_address, "capacity": self.config.capacity,

@@ -232,8 +232,8 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
         ]
         for verb, kind, method in handlers:
             handler = _expecting(verb, kind, method)
-            await self.transport.subscribe(subject(cfg.cluster, "trainer", verb), handler, queue="trainer",
-                                           max_concurrency=1)  # fmt: skip
+            await self.subscribe(subject(cfg.cluster, "trainer", verb), handler, queue="trainer",
+                                 max_concurrency=1)  # fmt: skip
 
     def announce_fields(self) -> dict[str, object]:
         device = self.actor.device

@@ -48,6 +48,10 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.25
 """How often a waiting request looks at the connection (came back after a drop, down for too long)."""
 
+REJOIN_S = 20.0
+"""After a reconnect, how long "no responders" means "not back yet": the peers reconnect on their
+own backoff, so a request nobody took is sent again (safe: nobody got it) until this has passed."""
+
 IDEMPOTENT_KINDS = frozenset({"trainer.configure", "trainer.latest", "reward.stats"})
 """Requests without a ``job_id`` that a worker may get twice with the same effect as once."""
 
@@ -115,16 +119,25 @@ class NatsSubscriptionHandle:
         return send
 
     async def unsubscribe(self, *, drain_timeout: float = 0.0) -> None:
-        """Stop delivery; give running handlers ``drain_timeout`` s, then cancel them."""
+        """Stop delivery; give running handlers ``drain_timeout`` s, then cancel them.
+
+        With a ``drain_timeout`` the subscription is drained: the server stops sending at once and
+        the messages it had sent already still reach the handler (none is dropped), within the bound.
+        """
         if not self.active:
             return
         self.active = False
+        deadline = time.monotonic() + drain_timeout
         if self._sub is not None and not self._client.is_closed:
             try:
-                await self._sub.unsubscribe()
-            except (nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError) as exc:
-                logger.debug("unsubscribe %s: %s", self.subject, exc)
-        await self._dispatcher.stop(drain_timeout)
+                if drain_timeout > 0:
+                    await asyncio.wait_for(self._sub.drain(), drain_timeout)
+                else:
+                    await self._sub.unsubscribe()
+            except (nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError,
+                    nats.errors.ConnectionDrainingError, TimeoutError) as exc:  # fmt: skip
+                logger.debug("unsubscribe %s: %r", self.subject, exc)
+        await self._dispatcher.stop(max(0.0, deadline - time.monotonic()))
 
 
 class NatsTransport:
@@ -142,6 +155,7 @@ class NatsTransport:
         self.drops = 0
         """How many times the connection was lost (each outage counts once)."""
         self._down_since: float | None = None  # time.monotonic() of the current outage's start
+        self._back_at = -float("inf")  # time.monotonic() of the last reconnect
         self._servers = ""
         self._subs = Subscriptions()
         self._closed = False
@@ -258,6 +272,7 @@ class NatsTransport:
     async def _on_reconnected(self) -> None:
         down = self.down_for
         self._down_since = None
+        self._back_at = time.monotonic()
         logger.info("%s: reconnected to NATS at %s after %.1fs", self.name, self._url(), down)
 
     async def _on_closed(self) -> None:
@@ -291,7 +306,8 @@ class NatsTransport:
         """See :meth:`Transport.request`.
 
         A :func:`resendable` request whose connection dropped and came back while it waited is
-        sent again (its reply may have been lost), within the same ``timeout``.
+        sent again (its reply may have been lost), within the same ``timeout``; any request
+        nobody took within :data:`REJOIN_S` of a reconnect is sent again until somebody does.
         """
         self._check_open()
         payload, sent_headers, tier = outgoing(subject, message, limit=self.max_payload, tier=tier,
@@ -311,8 +327,11 @@ class NatsTransport:
                 if not attempt.done():
                     attempt.cancel()
                     await asyncio.gather(attempt, return_exceptions=True)
-            if not lost:
+            if not lost and not self._rejoining(attempt):
                 break
+            if not lost:
+                await asyncio.sleep(POLL_S)  # nobody took it: the peers are still reconnecting
+                continue
             logger.warning("%s: NATS connection came back; sending %s on %s again (its reply may be lost)",
                            self.name, message.kind, subject)  # fmt: skip
         try:
@@ -327,6 +346,12 @@ class NatsTransport:
             raise ConnectionError(f"request on {subject!r} not sent: the NATS connection is down and "
                                   "its send buffer is full") from None  # fmt: skip
         return raise_for_reply(decode(msg.data), tier)
+
+    def _rejoining(self, attempt: asyncio.Future[Msg]) -> bool:
+        """Whether ``attempt`` found no responders within :data:`REJOIN_S` of a reconnect."""
+        if attempt.cancelled() or not isinstance(attempt.exception(), nats.errors.NoRespondersError):
+            return False
+        return time.monotonic() - self._back_at < REJOIN_S
 
     async def _wait_reply(
         self, attempt: asyncio.Future[Msg], drops: int | None, subject: str, tier: str

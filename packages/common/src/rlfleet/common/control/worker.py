@@ -4,6 +4,14 @@ A tier subclasses :class:`Worker`, subscribes its handlers in :meth:`Worker.setu
 console script's ``main()`` calls :func:`run_worker_main`. Workers announce on the cluster's
 membership subject, send heartbeats, answer :class:`Ping` with a fresh announce, stop on
 :class:`Shutdown`, SIGTERM or SIGINT, and say :class:`WorkerLeave` on the way out.
+
+Work subscriptions (:meth:`Worker.subscribe`) and the worker's own subject run their requests
+inside :class:`~rlfleet.common.control.activity.InFlight`: heartbeats carry the oldest one as the
+worker's activity (``"score job step3-0"``, for how long). Stopping drains: the worker refuses
+requests that have not started yet with :class:`WorkerDraining` (retryable: the requester sends it
+to another replica), leaves its queue groups (the server sends it nothing new; what it sent already
+is still answered), lets what it took finish for up to ``drain_s`` seconds, and only then says
+goodbye and releases its resources. A request still running at the bound is cancelled.
 """
 
 from __future__ import annotations
@@ -16,11 +24,13 @@ import os
 import signal
 import socket
 import sys
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ClassVar, Generic, TypeVar
 
+from rlfleet.common.control.activity import InFlight
 from rlfleet.common.control.membership import Heartbeater, WorkerStatus
 from rlfleet.common.control.messages import (
     Ack,
@@ -28,8 +38,8 @@ from rlfleet.common.control.messages import (
     Shutdown,
     WorkerAnnounce,
 )
-from rlfleet.common.control.transport import Transport, worker_subject
-from rlfleet.common.errors import WrongMessageKind
+from rlfleet.common.control.transport import Handler, Subscription, Transport, worker_subject
+from rlfleet.common.errors import Failure, WrongMessageKind
 from rlfleet.common.schema.connection import NatsConnection
 from rlfleet.common.schema.worker import ServiceConfig
 
@@ -40,6 +50,19 @@ USER_ERROR_EXIT = 2
 
 
 C = TypeVar("C", bound=ServiceConfig)
+
+
+class WorkerDraining(Failure):
+    """A request reached a worker that is stopping: it was not started; another worker can take it."""
+
+    code = "unavailable"
+    retryable = True
+
+    def __init__(self, tier: str, worker_id: str, kind: str) -> None:
+        self.worker_id = worker_id
+        super().__init__(
+            f"{tier} worker {worker_id} is draining (stopping): {kind} not started; send it to another worker"
+        )
 
 
 class Worker(Generic[C]):
@@ -55,6 +78,11 @@ class Worker(Generic[C]):
         self.busy = 0
         self.incarnation = uuid.uuid4().hex[:16]
         """This process's life: announces (and replies that say so) carry it; a restart makes another."""
+        self.in_flight = InFlight()
+        """The requests this worker is handling (work subscriptions and its own subject)."""
+        self.draining = False
+        """Set when the worker starts to stop: requests that arrive from then on are refused."""
+        self._work_subs: list[Subscription] = []
         self._stopped = asyncio.Event()
         self._membership: Heartbeater | None = None
         self._set_up = False
@@ -98,17 +126,45 @@ class Worker(Generic[C]):
         await self.transport.subscribe(self.own_subject, self._on_own)
         self._membership = Heartbeater(
             self.transport, self.config.cluster, self.announcement, interval=self.config.heartbeat_s,
-            status=lambda: WorkerStatus(self.weight_version, self.busy),
+            status=self.status,
         )  # fmt: skip
         await self._membership.start()
         logger.info("%s worker %s is up on cluster %s", self.tier, self.worker_id, self.config.cluster)
+
+    def status(self) -> WorkerStatus:
+        """What the next heartbeat reports: weight version, busy count, the oldest request in progress."""
+        activity, seconds = self.in_flight.describe()
+        if self.draining:
+            activity = f"draining ({len(self.in_flight)} in flight{': ' + activity if activity else ''})"
+        return WorkerStatus(self.weight_version, self.busy, activity, seconds)
+
+    async def subscribe(
+        self, subject: str, handler: Handler, *, queue: str | None = None, max_concurrency: int | None = None
+    ) -> Subscription:
+        """Subscribe ``handler`` as this worker's work (see :meth:`Transport.subscribe`): each request is
+        tracked in :attr:`in_flight`, refused with :class:`WorkerDraining` once the worker is stopping,
+        and the subscription is drained when it stops."""
+        sub = await self.transport.subscribe(
+            subject, self._tracked(handler), queue=queue, max_concurrency=max_concurrency
+        )
+        self._work_subs.append(sub)
+        return sub
+
+    def _tracked(self, handler: Handler) -> Handler:
+        async def run(message: AnyMessage) -> AnyMessage | None:
+            if self.draining:
+                raise WorkerDraining(self.tier, self.worker_id, message.kind)
+            with self.in_flight.track(message.kind, str(getattr(message, "job_id", "") or "")):
+                return await handler(message)
+
+        return run
 
     async def _on_own(self, message: AnyMessage) -> AnyMessage | None:
         if isinstance(message, Shutdown):
             logger.info("shutdown asked: %s", message.reason or "no reason given")
             self._stopped.set()
             return Ack(detail=f"{self.worker_id} stopping")
-        return await self.handle_own(message)
+        return await self._tracked(self.handle_own)(message)
 
     async def handle_own(self, message: AnyMessage) -> AnyMessage | None:
         """Messages addressed to this worker alone (besides Shutdown)."""
@@ -120,8 +176,36 @@ class Worker(Generic[C]):
     async def serve_forever(self) -> None:
         await self._stopped.wait()
 
+    async def drain(self) -> None:
+        """Stop taking requests and let those in progress finish, for up to ``drain_s`` seconds."""
+        if self.draining:
+            return
+        self.draining = True
+        bound = self.config.drain_s
+        start = time.monotonic()
+        subs, self._work_subs = self._work_subs, []
+        busy = len(self.in_flight)
+        if busy:
+            logger.info("%s draining: %d request(s) in progress (%s), waiting up to %.0f s",
+                        self.worker_id, len(self.in_flight), self.in_flight.describe()[0], bound)  # fmt: skip
+        ended = await asyncio.gather(
+            *(s.unsubscribe(drain_timeout=bound) for s in subs), return_exceptions=True
+        )
+        for sub, outcome in zip(subs, ended, strict=True):
+            if isinstance(outcome, BaseException):
+                logger.warning("%s: leaving %s failed: %r", self.worker_id, sub.subject, outcome)
+        left = bound - (time.monotonic() - start)
+        if not await self.in_flight.wait_idle(left):  # requests on the worker's own subject
+            running = self.in_flight.describe()[0]
+            logger.warning("%s: drain bound of %.0f s passed, %d request(s) still running (%s)",
+                           self.worker_id, bound, len(self.in_flight), running)  # fmt: skip
+        elif busy:
+            logger.info("%s drained in %.1f s", self.worker_id, time.monotonic() - start)
+
     async def stop(self, reason: str = "") -> None:
         self._stopped.set()
+        if self._set_up:
+            await self.drain()
         if self._membership is not None:
             await self._membership.stop(reason)  # heartbeats end, WorkerLeave goes out
             self._membership = None

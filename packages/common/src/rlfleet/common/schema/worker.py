@@ -83,6 +83,11 @@ class ServiceConfig(FleetAddress, Placement, TensorPlaneSettings):
     worker_id: str = Field(default="", description="unique worker id; empty: <tier>-<host>-<pid>")
     pool: str = Field(default="default", description="pool this worker serves (rollout routing)")
     heartbeat_s: float = Field(default=2.0, gt=0, description="seconds between heartbeats")
+    drain_s: float = Field(
+        default=30.0, ge=0, le=3600,
+        description="on SIGTERM or Shutdown, seconds the requests in progress get to finish before the "
+        "worker leaves (new ones are refused as retryable from the start)",
+    )  # fmt: skip
     log_level: str = Field(default="INFO", description="logging level")
     log_json: bool = Field(default=False, description="log one JSON object per line")
 
