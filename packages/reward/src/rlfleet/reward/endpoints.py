@@ -9,28 +9,28 @@ it with one assignment; swaps of one endpoint run one at a time, so revisions on
 build fails, the old version stays and the error goes back to whoever asked.
 
 With a ``state_dir``, each endpoint's current spec, revision, scaler and scaler statistics are
-written there (on every swap and by :meth:`Endpoints.save`) and read back when the server
-starts, so a restart keeps hot-swapped rewards and their statistics, and revisions keep going up.
+written there (:mod:`rlfleet.reward.endpoint_state`: before a swap takes effect, and by
+:meth:`Endpoints.save`) and read back when the server starts, so a restart keeps hot-swapped
+rewards, endpoints created at run time and their statistics, and revisions keep going up. A swap
+whose state cannot be written does not take effect (its error goes back to whoever asked).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 from rlfleet.common.control.messages import EndpointStats
 from rlfleet.common.schema.reward import EndpointConfig, ScalerConfig, Spec
 from rlfleet.reward.composite import CompositeReward
-from rlfleet.reward.errors import RewardSpecError, UnknownEndpoint
+from rlfleet.reward.endpoint_state import StateDir, state_of
+from rlfleet.reward.errors import RewardSpecError, RewardStateError, UnknownEndpoint
 from rlfleet.reward.registry import build_reward
 from rlfleet.reward.scaler import RewardScaler
 
@@ -99,6 +99,7 @@ class Endpoints:
 
     def __init__(self, state_dir: str | Path | None = None) -> None:
         self.state_dir = Path(state_dir) if state_dir else None
+        self._saved = StateDir(self.state_dir) if self.state_dir else None
         self._live: dict[str, EndpointVersion] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._counters: dict[str, _Counters] = {}
@@ -117,15 +118,27 @@ class Endpoints:
         return found
 
     async def start(self, configs: Mapping[str, EndpointConfig]) -> None:
-        """Build every endpoint from ``configs``, or from its saved state when there is one."""
-        for name, cfg in configs.items():
-            saved = self._read_state(name)
-            if saved is not None:
-                scaler = ScalerConfig(**saved["scaler"]) if saved.get("scaler") is not None else None
-                await self._install(name, saved["spec"], scaler, saved.get("scaler_state"), saved["revision"])
-                logger.info("endpoint %s restored from %s", name, self.state_dir)
-            else:
-                await self._install(name, cfg.spec, cfg.scaler, None, 0)
+        """Build every endpoint from ``configs``, or from its saved state when there is one, and every
+        endpoint the ``state_dir`` holds that the config lacks (created at run time).
+
+        Raises :class:`RewardStateError` for a state file that is bad or whose spec no longer builds.
+        """
+        saved_names = self._saved.names() if self._saved is not None else []
+        for name in [*configs, *(n for n in saved_names if n not in configs)]:
+            saved = self._saved.read(name) if self._saved is not None else None
+            if saved is None:
+                await self._install(name, configs[name].spec, configs[name].scaler, None, 0)
+                continue
+            assert self._saved is not None
+            try:
+                state = saved.scaler_state.model_dump() if saved.scaler_state is not None else None
+                await self._install(name, saved.spec, saved.scaler, state, saved.revision)
+            except ValueError as exc:  # every spec and scaler error is one
+                file = self._saved.file_of(name)
+                raise RewardStateError(file, f"its spec no longer builds ({exc})") from exc
+            origin = "the config's" if name in configs else "created at run time"
+            logger.info("endpoint %s (%s) restored from %s at revision %d", name, origin,
+                        self._saved.file_of(name), saved.revision)  # fmt: skip
 
     async def _install(
         self,
@@ -178,10 +191,11 @@ class Endpoints:
             reward = await asyncio.to_thread(build_reward, spec, revision=revision)
             live = self._next_scaler(old, scaler, scaler_state)
             new = EndpointVersion(name, reward, live, revision)
+            # saved first: a version that a restart would not bring back is never served
+            await asyncio.to_thread(self._write, new)
             self._live[name] = new  # the switch: requests that start from now on get the new version
             self._counters.setdefault(name, _Counters())
             seconds = time.perf_counter() - start
-            self.save_one(name)
         old_version = old.version if old is not None else "none"
         logger.info("endpoint %s swapped %s -> %s (%s) in %.2fs", name, old_version, new.version, reward.spec,
                     seconds)  # fmt: skip
@@ -226,33 +240,21 @@ class Endpoints:
 
     # --- saved state ------------------------------------------------------------------------
 
-    def _state_path(self, name: str) -> Path | None:
-        return self.state_dir / f"{quote(name, safe='')}.json" if self.state_dir else None
-
-    def _read_state(self, name: str) -> dict[str, Any] | None:
-        path = self._state_path(name)
-        if path is None or not path.is_file():
-            return None
-        return json.loads(path.read_text())
+    def _write(self, version: EndpointVersion) -> None:
+        if self._saved is not None:
+            spec = version.reward.spec.model_dump(mode="json", exclude={"revision"})
+            self._saved.write(version.name, state_of(version.name, spec, version.revision, version.scaler))
 
     def save_one(self, name: str) -> None:
         """Write endpoint ``name``'s spec, revision and scaler state (atomically), with a state_dir."""
-        path = self._state_path(name)
         live = self._live.get(name)
-        if path is None or live is None:
-            return
-        data = {
-            "spec": live.reward.spec.model_dump(mode="json", exclude={"revision"}),
-            "revision": live.revision,
-            "scaler": live.scaler.config.model_dump(mode="json") if live.scaler else None,
-            "scaler_state": live.scaler.state_dict() if live.scaler else None,
-        }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=2))
-        os.replace(tmp, path)
+        if live is not None:
+            self._write(live)
 
     def save(self) -> None:
-        """Write every endpoint's state (with a state_dir)."""
-        for name in self._live:
-            self.save_one(name)
+        """Write every endpoint's state (with a state_dir); a failure is logged, the others still written."""
+        for name in list(self._live):
+            try:
+                self.save_one(name)
+            except OSError as exc:
+                logger.error("endpoint %s: state not saved in %s: %s", name, self.state_dir, exc)

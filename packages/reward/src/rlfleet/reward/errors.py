@@ -154,6 +154,19 @@ class UnknownEndpoint(RewardError, KeyError):
         return str(self.args[0])
 
 
+class RewardStateError(RewardError, ValueError):
+    """A file of the reward server's ``state_dir`` cannot be used: unreadable, not what the server
+    writes, or its spec no longer builds. The server refuses to start rather than serve something else."""
+
+    def __init__(self, path: object, reason: str) -> None:
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(
+            f"reward state file {self.path} is unusable: {reason}; fix it or remove it "
+            "(the endpoint then starts from the config, or is gone if the config does not name it)"
+        )
+
+
 # --- refusals of the service (each has its own wire code) -----------------------------------
 
 

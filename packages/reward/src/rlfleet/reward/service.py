@@ -76,9 +76,7 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         if cfg.state_dir:
             self._saver = asyncio.create_task(self._save_periodically(), name="reward-state-saver")
         verb = subject(cfg.cluster, "reward", "score")
-        await self.transport.subscribe(
-            verb, self._on_score, queue="reward", max_concurrency=cfg.max_concurrency
-        )
+        await self.subscribe(verb, self._on_score, queue="reward", max_concurrency=cfg.max_concurrency)
         if self.tenants.open:
             logger.warning("no tenants configured: every request is accepted (open server)")
         else:
