@@ -255,3 +255,31 @@ async def test_a_worker_on_a_stopped_cluster_node_fails_over_and_is_not_reaped()
     finally:
         for node in nodes:
             node.stop()
+
+
+@pytest.mark.timeout(30)
+async def test_a_request_nobody_takes_just_after_a_reconnect_waits_for_its_worker_to_come_back(
+    server: EmbeddedNats,
+) -> None:
+    asker = await _connect(server.url, "asker", tier="controller")
+    worker = await _connect(server.url, "worker")
+    try:
+        await _outage(server, 0.5)
+        await _until(lambda: asker.is_connected, 10, "the asker's reconnect")
+
+        async def answer(message: AnyMessage) -> Message | None:
+            return Ack(detail="back")
+
+        async def rejoin_late() -> None:  # a worker whose own reconnect comes 1.5 s after the asker's
+            await asyncio.sleep(1.5)
+            await worker.subscribe(worker_subject(CLUSTER, "trainer", "t0"), answer)
+
+        late = asyncio.create_task(rejoin_late())
+        reply = await asker.request(
+            worker_subject(CLUSTER, "trainer", "t0"), Ack(), timeout=10.0, tier="trainer"
+        )
+        await late
+        assert isinstance(reply, Ack) and reply.detail == "back"
+    finally:
+        await asker.close()
+        await worker.close()
