@@ -34,13 +34,16 @@ def test_progress_line_reads_as_specified() -> None:
     assert PROGRESS.match(line)
 
 
-@pytest.mark.parametrize("kl", [None, math.nan])
-def test_progress_line_without_kl_says_not_available(kl: float | None) -> None:
+def test_progress_line_without_kl_says_not_available() -> None:
     metrics = {k: v for k, v in METRICS.items() if k != "kl"}
-    if kl is not None:
-        metrics["kl"] = kl
     line = progress_line(2, 3, 7, 36, metrics)
     assert "| KL: n/a |" in line and PROGRESS.match(line)
+
+
+@pytest.mark.parametrize(("value", "shown"), [(math.nan, "nan"), (math.inf, "inf"), (-math.inf, "-inf")])
+def test_progress_line_shows_a_non_finite_metric(value: float, shown: str) -> None:
+    line = progress_line(2, 3, 7, 36, {**METRICS, "loss": value})
+    assert f"| Loss: {shown} |" in line and PROGRESS.match(line)
 
 
 def test_console_progress_prints_every_log_every_and_the_last_step(
@@ -54,16 +57,17 @@ def test_console_progress_prints_every_log_every_and_the_last_step(
     assert [line.split("| Step ")[1].split(" ")[0] for line in lines] == ["2/5", "4/5", "5/5"]
 
 
-def test_jsonl_sink_writes_one_row_per_step_and_nulls_for_non_finite(tmp_path: Path) -> None:
+def test_jsonl_sink_writes_one_row_per_step_and_names_non_finite_values(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text('{"step": 99}\n')  # a previous run's file is replaced
     sink = JsonlSink(tmp_path)
     before = time.time()
     sink.log(1, {"loss": 0.5, "kl": math.nan})
-    sink.log(2, {"loss": 0.25, "kl": math.inf})
+    sink.log(2, {"loss": 0.25, "kl": math.inf, "grad_norm": -math.inf})
     sink.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     stamps = [row.pop("time") for row in rows]  # when each step ended (the step-files test reads it)
-    assert rows == [{"step": 1, "loss": 0.5, "kl": None}, {"step": 2, "loss": 0.25, "kl": None}]
+    assert rows == [{"step": 1, "loss": 0.5, "kl": "NaN"},
+                    {"step": 2, "loss": 0.25, "kl": "Infinity", "grad_norm": "-Infinity"}]  # fmt: skip
     assert before - 0.001 <= stamps[0] <= stamps[1] <= time.time() + 0.001
 
 
@@ -72,12 +76,13 @@ def test_tensorboard_sink_writes_scalars(tmp_path: Path) -> None:
 
     sink = TensorBoardSink(tmp_path)
     for step in (1, 2, 3):
-        sink.log(step, {"reward/mean": step / 10, "kl": math.nan})
+        sink.log(step, {"reward/mean": step / 10, "kl": math.nan if step == 2 else 0.5})
     sink.close()
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("reward/mean")] == [1, 2, 3]
-    assert "kl" not in events.Tags()["scalars"]
+    kl = [e.value for e in events.Scalars("kl")]  # a non-finite value is shown, not dropped
+    assert kl[0] == kl[2] == 0.5 and math.isnan(kl[1])
 
 
 def test_selecting_wandb_without_the_package_fails_before_anything_starts(
@@ -109,3 +114,22 @@ def test_wandb_sink_logs_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
         wandb.teardown()  # stops the wandb-core helper process the run started
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     assert list(run_dir.glob("*.wandb")), f"no run file in {sorted(p.name for p in run_dir.iterdir())}"
+
+
+def test_a_step_with_non_finite_metrics_is_named_on_the_console(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rlfleet.controller.loggers import RunMetrics, nonfinite_line
+
+    assert nonfinite_line(3, METRICS) is None
+    run = RunMetrics(["jsonl"], tmp_path, {}, log_every=1)
+    run.begin(total_steps=2, num_epochs=1)
+    run.log(1, 1, {**METRICS, "grad_norm": math.inf, "update_skipped": 1.0})
+    run.log(2, 1, {**METRICS, "kl": math.nan, "update_skipped": 0.0})
+    run.close()
+    out = capsys.readouterr().out
+    skipped = "the trainer skipped the update (update_skipped=1)"
+    assert f"[WARNING] Step 1: not finite: grad_norm=inf; {skipped}" in out
+    assert "[WARNING] Step 2: not finite: kl=nan; the update was applied" in out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["grad_norm"] == "Infinity" and rows[1]["kl"] == "NaN"

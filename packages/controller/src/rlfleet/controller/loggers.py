@@ -2,6 +2,13 @@
 
 Chosen by ``TrainerConfig.loggers``; each sink gets every step's flat ``{name: float}`` dict. A run
 holds one :class:`RunMetrics` (its sinks and progress bar).
+
+A non-finite metric (a step whose gradient overflowed: the trainer skipped its update) is shown,
+never hidden: ``metrics.jsonl`` writes it as the string ``"NaN"``, ``"Infinity"`` or
+``"-Infinity"`` (JSON has no such numbers; the control plane writes them the same way),
+TensorBoard and W&B get the float, the ``[PROGRESS]`` line prints ``nan``/``inf``, and the console
+says which metrics were not finite and whether the update was skipped (:func:`nonfinite_line`).
+A metric a step did not produce reads ``n/a``.
 """
 
 from __future__ import annotations
@@ -35,9 +42,7 @@ class JsonlSink:
         self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - kept open for the run
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        clean = {
-            k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None) for k, v in metrics.items()
-        }
+        clean = {k: json_number(v) for k, v in metrics.items()}
         self._file.write(json.dumps({"step": step, "time": round(time.time(), 3), **clean}) + "\n")
         self._file.flush()
 
@@ -55,7 +60,7 @@ class TensorBoardSink:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for name, value in metrics.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
+            if isinstance(value, (int, float)):  # NaN and inf too: TensorBoard plots them as such
                 self._writer.add_scalar(name, value, step)
         self._writer.flush()
 
@@ -128,9 +133,42 @@ def progress_line(epoch: int, num_epochs: int, step: int, total: int, metrics: d
 
 def _num(metrics: dict[str, float], name: str, spec: str = ".3g") -> str:
     value = metrics.get(name)
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not isinstance(value, (int, float)):
         return "n/a"
-    return format(value, spec)
+    return format(value, spec)  # nan, inf and -inf read as such
+
+
+NONFINITE_TEXT = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+"""How ``metrics.jsonl`` (and the wire) write a non-finite float: a JSON string."""
+
+
+def json_number(value: object) -> float | str | None:
+    """``value`` for a JSON file: a finite number as is, NaN/inf as ``"NaN"``/``"Infinity"``/
+    ``"-Infinity"``, anything that is no number as null."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if math.isfinite(value):
+        return value
+    return NONFINITE_TEXT[str(float(value))]
+
+
+def nonfinite_line(step: int, metrics: dict[str, float]) -> str | None:
+    """A ``[WARNING]`` line naming the step's non-finite metrics, or None when every one is finite.
+
+    ``update_skipped`` (the fraction of the step's optimizer steps the trainer skipped) says whether
+    the parameters moved: ``[WARNING] Step 7: not finite: grad_norm=inf, loss=nan; the trainer
+    skipped the update (update_skipped=1)``.
+    """
+    bad = [f"{k}={v}" for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return None
+    skipped = [v for k, v in metrics.items() if k.endswith("update_skipped") and isinstance(v, (int, float))]
+    outcome = ""
+    if skipped and max(skipped) > 0:
+        outcome = f"; the trainer skipped the update (update_skipped={max(skipped):g})"
+    elif skipped:
+        outcome = "; the update was applied"
+    return f"[WARNING] Step {step}: not finite: {', '.join(bad)}{outcome}"
 
 
 # logger name -> the package it needs (console, jsonl and tensorboard come with the controller)
@@ -183,6 +221,9 @@ class RunMetrics:
             sink.log(step, metrics)
         if self._progress is not None:
             self._progress.update(step, epoch, metrics)
+        warning = nonfinite_line(step, metrics)
+        if warning is not None:
+            self.say(warning)
 
     def say(self, text: str) -> None:
         """Print ``text`` without breaking the progress bar."""

@@ -292,6 +292,8 @@ def advance_kl_controller(controller: AnyKLController, metrics: dict[str, float]
     a scheduled one advances all the same.
     """
     kl = metrics.get("kl")
+    if kl is not None and not math.isfinite(kl):  # a skipped update's NaN KL must not poison the coefficient
+        kl = None
     if kl is None and controller.kind == "adaptive":
         return
     controller.update(float(kl or 0.0), n_steps=num_samples)

@@ -24,12 +24,16 @@ the schedule where it is (the rate becomes the schedule's base rate, so a warm-u
 current fraction). AdamW's betas and epsilon are no settings; they are :data:`BETAS` and
 :data:`EPS`. Under FSDP2 the gradient norm comes back as a replicated DTensor (the norm over every
 shard); it is made a plain tensor so that every rank takes the same decision. A non-finite norm
-skips the parameter update (logged) but still advances the schedule and counts the step.
+or loss (the loss is summed over ranks, so every rank sees the same one) skips the parameter update
+(logged; ``update_skipped`` is 1 for that optimizer step, so the step's metric is the fraction
+skipped) but still advances the schedule and counts the step; the non-finite metric is reported as
+it is (it travels on the wire) and the run goes on.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
@@ -120,12 +124,15 @@ class Trainable:
                 group["lr"] = learning_rate * warmup_factor(position, self.warmup_steps)
             group["weight_decay"] = weight_decay
 
-    def optimizer_step(self, max_grad_norm: float | None = 1.0) -> dict[str, float]:
+    def optimizer_step(self, max_grad_norm: float | None = 1.0, *, loss: float = 0.0) -> dict[str, float]:
         """Clip the accumulated gradient, step AdamW and the schedule, zero the gradient.
 
+        The update is skipped (the schedule still steps) when the gradient norm or ``loss`` (the
+        mini-batch's, the same on every rank) is not finite.
+
         Returns:
-            ``grad_norm`` (before clipping) and ``lr`` (the rate this step used), with the
-            class's metric prefix.
+            ``grad_norm`` (before clipping), ``lr`` (the rate this step used) and ``update_skipped``
+            (1.0 or 0.0), with the class's metric prefix.
         """
         params = [p for p in self.model.parameters() if p.requires_grad]
         limit = float("inf") if max_grad_norm is None else max_grad_norm
@@ -133,15 +140,18 @@ class Trainable:
         if isinstance(grad_norm, DTensor):  # FSDP: the norm over all shards, as a replicated DTensor
             grad_norm = grad_norm.full_tensor()
         lr = float(self.optimizer.param_groups[0]["lr"])
-        if torch.isfinite(grad_norm):
+        norm = float(grad_norm.item())
+        finite = math.isfinite(norm) and math.isfinite(loss)
+        if finite:
             self.optimizer.step()
         else:
-            logger.warning("%s step %d: gradient norm is %s; parameter update skipped", self.role, self.steps,
-                           grad_norm)  # fmt: skip
+            logger.warning("%s step %d: gradient norm %s, loss %s; parameter update skipped", self.role,
+                           self.steps, norm, loss)  # fmt: skip
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-        return {f"{self.metric_prefix}grad_norm": float(grad_norm.item()), f"{self.metric_prefix}lr": lr}
+        prefix = self.metric_prefix
+        return {f"{prefix}grad_norm": norm, f"{prefix}lr": lr, f"{prefix}update_skipped": float(not finite)}
 
 
 # --- the update loop ------------------------------------------------------------------------------
@@ -262,8 +272,10 @@ def train_loop(plan: Plan) -> dict[str, float]:
         for rows in order.split(mini):
             step: dict[str, float] = {}
             for objective in plan.objectives:
-                step.update(accumulate(objective, rows, micro))
-                step.update(objective.trainable.optimizer_step(settings.max_grad_norm))
+                measured = accumulate(objective, rows, micro)
+                step.update(measured)
+                loss = measured[objective.keys[0]]  # the first key is the objective's loss
+                step.update(objective.trainable.optimizer_step(settings.max_grad_norm, loss=loss))
             per_step.append(step)
     metrics = dict(plan.metrics)
     metrics.update(mean_over_steps(per_step))

@@ -5,6 +5,13 @@
 refusing bytes that are not a message of a known kind with :class:`MessageDecodeError` and a
 message of another MAJOR version with :class:`ProtocolMismatch`. Every network input is hostile:
 nothing else escapes :func:`decode`.
+
+Non-finite floats: JSON has no NaN or Infinity, so :func:`decode` refuses the bare ``NaN`` /
+``Infinity`` constants (and ``1e999``). A message whose floats may be non-finite by nature (a
+step's metrics, :class:`~rlfleet.common.control.messages.trainer.TrainStepResult`) writes them as
+the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` (``ser_json_inf_nan="strings"``), which a
+float field reads back; a field that must be finite says so (``allow_inf_nan=False``) and refuses
+them. Any other message writes a non-finite float as ``null``, which its float field refuses.
 """
 
 from __future__ import annotations
@@ -118,7 +125,7 @@ def _finite(text: str) -> float:
 
 
 def _no_constant(name: str) -> Any:
-    """``NaN`` / ``Infinity`` are not JSON; no message carries them (our encoder writes null)."""
+    """``NaN`` / ``Infinity`` are not JSON; no message carries them bare (see the module docstring)."""
     raise ValueError(f"{name} is not a JSON value")
 
 

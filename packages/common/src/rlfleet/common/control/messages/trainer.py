@@ -1,10 +1,16 @@
-"""Trainer messages: the run's fixed settings, a train step, publishing weights, checkpoints."""
+"""Trainer messages: the run's fixed settings, a train step, publishing weights, checkpoints.
+
+A step's metrics may be NaN or infinite (a step whose gradient norm overflowed: its update was
+skipped, and the metric says why); :class:`TrainStepResult` writes them as the JSON strings
+``"NaN"``, ``"Infinity"`` and ``"-Infinity"``, which read back as those floats. Every float a
+request carries into the trainer is finite (its field refuses the others, naming the value).
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from rlfleet.common.control.messages.base import Message
 from rlfleet.common.schema.carriers import IpcBucket, WeightCarrier
@@ -37,13 +43,17 @@ class TrainerConfigured(Message):
     incarnation: str = Field(default="", max_length=64, description="the answering trainer's incarnation")
 
 
+FiniteScore = Annotated[float, Field(allow_inf_nan=False)]
+"""A rollout's score: a finite float (a NaN or infinite score would poison the advantages)."""
+
+
 class TrainStepRequest(Message):
     """Run one policy update on rollout batches and their scores, with the step's settings."""
 
     kind: Literal["trainer.step"] = "trainer.step"
-    step: int
-    rollouts: list[TensorRef]
-    scores: list[float]
+    step: int = Field(ge=0)
+    rollouts: list[TensorRef] = Field(max_length=4096, description="the batch's chunks, one per rollout job")
+    scores: list[FiniteScore] = Field(max_length=1 << 20, description="one finite score per rollout sample")
     settings: StepSettings = Field(default_factory=StepSettings, description="how this step updates")
     job_id: str = Field(
         default="", max_length=128, description="idempotency key: a retry with this id gets the first answer"
@@ -51,7 +61,9 @@ class TrainStepRequest(Message):
 
 
 class TrainStepResult(Message):
-    """Metrics of one update."""
+    """Metrics of one update; non-finite ones travel as ``"NaN"``/``"Infinity"`` strings (see above)."""
+
+    model_config = ConfigDict(ser_json_inf_nan="strings")
 
     kind: Literal["trainer.step_result"] = "trainer.step_result"
     step: int
