@@ -78,18 +78,25 @@ class ModelSettings(ConfigModel):
 class UpdateSettings(ConfigModel):
     """How one step updates the policy: optimizer, loss and batching."""
 
-    learning_rate: float = Field(default=1e-6, gt=0.0, description="AdamW learning rate")
-    weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay")
+    learning_rate: float = Field(allow_inf_nan=False, default=1e-6, gt=0.0, description="AdamW learning rate")
+    weight_decay: float = Field(allow_inf_nan=False, default=0.0, ge=0.0, description="AdamW weight decay")
     micro_batch_size: int = Field(default=8, ge=1, description="sequences per forward/backward pass")
-    max_grad_norm: float = Field(default=1.0, gt=0.0, description="gradient clipping norm")
-    ppo_epochs: int = Field(default=1, ge=1, description="passes over each rollout batch")
-    clip_eps: float = Field(default=0.2, gt=0.0, description="PPO ratio clip range")
-    kl_coef: float = Field(
-        default=0.05, ge=0.0, description="KL-to-reference coefficient (the KL controller's start value)"
+    max_grad_norm: float = Field(
+        allow_inf_nan=False, default=1.0, gt=0.0, description="gradient clipping norm"
     )
-    entropy_coef: float = Field(default=0.0, description="entropy bonus weight")
+    ppo_epochs: int = Field(default=1, ge=1, description="passes over each rollout batch")
+    clip_eps: float = Field(allow_inf_nan=False, default=0.2, gt=0.0, description="PPO ratio clip range")
+    kl_coef: float = Field(
+        allow_inf_nan=False,
+        default=0.05,
+        ge=0.0,
+        description="KL-to-reference coefficient (the KL controller's start value)",
+    )
+    entropy_coef: float = Field(allow_inf_nan=False, default=0.0, description="entropy bonus weight")
     loss_agg: LossAgg = Field(default="token-mean", description="how per-token losses are averaged")
-    temperature: float = Field(default=1.0, gt=0.0, description="sampling temperature (logprobs use it too)")
+    temperature: float = Field(
+        allow_inf_nan=False, default=1.0, gt=0.0, description="sampling temperature (logprobs use it too)"
+    )
 
 
 class AlgorithmSettings(ConfigModel):
@@ -104,17 +111,33 @@ class AlgorithmSettings(ConfigModel):
     kl_estimator: KLEstimator | None = Field(
         default=None, description="per-token KL estimator; None: k1 in the reward, k3 in the loss"
     )
-    gamma: float = Field(default=1.0, ge=0.0, le=1.0, description="discount (PPO GAE, REINFORCE++)")
-    lam: float = Field(default=0.95, ge=0.0, le=1.0, description="PPO GAE lambda")
-    whiten_advantages: bool = Field(default=True, description="PPO: whiten GAE advantages over the batch")
-    value_clip: float | None = Field(default=0.2, gt=0.0, description="PPO critic value clip; None: off")
-    critic_learning_rate: float | None = Field(
-        default=None, gt=0.0, description="critic AdamW learning rate; None: learning_rate"
+    gamma: float = Field(
+        allow_inf_nan=False, default=1.0, ge=0.0, le=1.0, description="discount (PPO GAE, REINFORCE++)"
     )
-    beta: float = Field(default=0.1, gt=0.0, description="DPO: inverse temperature of the implicit reward")
+    lam: float = Field(allow_inf_nan=False, default=0.95, ge=0.0, le=1.0, description="PPO GAE lambda")
+    whiten_advantages: bool = Field(default=True, description="PPO: whiten GAE advantages over the batch")
+    value_clip: float | None = Field(
+        allow_inf_nan=False, default=0.2, gt=0.0, description="PPO critic value clip; None: off"
+    )
+    critic_learning_rate: float | None = Field(
+        allow_inf_nan=False,
+        default=None,
+        gt=0.0,
+        description="critic AdamW learning rate; None: learning_rate",
+    )
+    beta: float = Field(
+        allow_inf_nan=False,
+        default=0.1,
+        gt=0.0,
+        description="DPO: inverse temperature of the implicit reward",
+    )
     dpo_loss: Literal["sigmoid", "ipo"] = Field(default="sigmoid", description="DPO loss type")
     label_smoothing: float = Field(
-        default=0.0, ge=0.0, lt=0.5, description="conservative DPO: probability a label is flipped"
+        allow_inf_nan=False,
+        default=0.0,
+        ge=0.0,
+        lt=0.5,
+        description="conservative DPO: probability a label is flipped",
     )
 
     def resolved_kl_mode(self) -> KLMode:

@@ -2,28 +2,44 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlfleet.common.control.messages.base import Message
 from rlfleet.common.schema.carriers import IpcBucket, WeightCarrier
 from rlfleet.common.schema.refs import TensorRef
 
+TokenId = Annotated[int, Field(ge=0)]
+"""A token id as it arrives: never negative (the engine checks it against its vocabulary too)."""
+
 
 class SamplingParams(BaseModel):
-    """How to sample: mirrors vLLM's SamplingParams for the fields rlfleet uses."""
+    """How to sample: mirrors vLLM's SamplingParams for the fields rlfleet uses.
+
+    Every field is bounded where it arrives (a hostile or mistaken request is refused naming the
+    field and its value): finite temperature and top-p, top-k -1 or >= 1, bounded lengths and counts.
+    """
 
     model_config = ConfigDict(extra="ignore")
 
-    n: int = Field(default=1, ge=1, description="samples per prompt")
-    temperature: float = Field(default=1.0, ge=0.0, description="0 means greedy")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, description="-1 disables top-k")
-    max_tokens: int = Field(default=64, ge=1, description="response length cap in tokens")
-    stop_token_ids: list[int] = Field(default_factory=list, description="besides the model's EOS")
-    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=4096, description="samples per prompt")
+    temperature: float = Field(
+        default=1.0, ge=0.0, le=100.0, allow_inf_nan=False, description="0 means greedy"
+    )
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(default=-1, ge=-1, le=1 << 20, description="-1 disables top-k (0 is refused)")
+    max_tokens: int = Field(default=64, ge=1, le=1 << 20, description="response length cap in tokens")
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024, description="besides EOS")
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     logprobs: bool = True
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("top_k=0 keeps no token; use -1 to disable top-k or a count >= 1")
+        return value
 
 
 class GenerateRequest(Message):
@@ -31,7 +47,7 @@ class GenerateRequest(Message):
 
     kind: Literal["rollout.generate"] = "rollout.generate"
     job_id: str
-    prompt_token_ids: list[list[int]]
+    prompt_token_ids: list[list[TokenId]] = Field(max_length=1 << 16)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     weight_version: int = Field(default=-1, description="-1: whatever the worker holds")
     metadata: dict[str, Any] = Field(default_factory=dict)
