@@ -66,7 +66,7 @@ from rlfleet.common.control.messages import (
 from rlfleet.common.control.transport import subject
 from rlfleet.common.control.worker import Worker
 from rlfleet.common.schema.algorithms import ALGORITHMS
-from rlfleet.common.schema.batch import merge_preferences, merge_rollouts
+from rlfleet.common.schema.batch import check_token_ids, merge_preferences, merge_rollouts
 from rlfleet.common.schema.carriers import IpcBucket
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig, model_fingerprint
@@ -171,7 +171,8 @@ def run_step(
 
     Raises:
         SettingsConflict: the algorithm trains a critic and this trainer holds none.
-        BatchContractError: the batch breaks its contract, or the scores do not match it.
+        BatchContractError: the batch breaks its contract (a token id outside the vocabulary too), or
+            the scores do not match it.
     """
     spec = ALGORITHMS[settings.algorithm]
     if spec.needs_critic and critic is None:
@@ -179,6 +180,7 @@ def run_step(
             "this trainer", [("critic", f"{settings.algorithm} trains one", "holds none (start it with "
                               f"algorithm={settings.algorithm} so that it loads one)")],
         )  # fmt: skip
+    check_token_ids(batch, actor.model.get_input_embeddings().num_embeddings)  # before any collective
     t0 = time.perf_counter()
     actor.set_rates(settings.learning_rate, settings.weight_decay)
     if critic is not None:

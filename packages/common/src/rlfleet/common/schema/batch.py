@@ -275,6 +275,23 @@ def check_rollout_tensors(tensors: Mapping[str, Tensor]) -> int:
     return int(n)
 
 
+ID_FIELDS = ("prompt_ids", "response_ids", "chosen_ids", "rejected_ids")
+"""The token-id fields of either batch contract."""
+
+
+def check_token_ids(batch: Mapping[str, Tensor], vocab_size: int) -> None:
+    """Raise :class:`BatchContractError` naming the first token-id field with an id outside
+    ``[0, vocab_size)`` (an embedding lookup with it would crash the rank, on a GPU the process)."""
+    for name in ID_FIELDS:
+        ids = batch.get(name)
+        if ids is None or ids.numel() == 0:
+            continue
+        low, high = int(ids.min().item()), int(ids.max().item())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise BatchContractError(name, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
 def merge_rollouts(chunks: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
     """Concatenate rollout chunks into one batch: (N_total, P_max) and (N_total, R_max) token fields.
 
