@@ -144,11 +144,14 @@ class RemoteError(RlfleetError, RuntimeError):
     """A peer answered with an ErrorReply; raised as :class:`RemoteUserError` or :class:`RemoteFailure`
     according to its code (:data:`WIRE_CODES`), see :func:`remote_error`."""
 
-    def __init__(self, tier: str, code: str, message: str, retryable: bool = False) -> None:
+    def __init__(
+        self, tier: str, code: str, message: str, retryable: bool = False, retry_after_s: float = 0.0
+    ) -> None:
         self.tier = tier
         self.code = code
         self.remote_message = message
         self.retryable = retryable
+        self.retry_after_s = retry_after_s  # the peer's own wait before a retry (0: none asked)
         super().__init__(f"{tier} tier replied {code}: {message}" + (" (retryable)" if retryable else ""))
 
 
@@ -160,11 +163,13 @@ class RemoteFailure(RemoteError, Failure):
     """A peer failed to serve a request (a crash, a lost dependency, a timeout)."""
 
 
-def remote_error(tier: str, code: str, message: str, retryable: bool = False) -> RemoteError:
+def remote_error(
+    tier: str, code: str, message: str, retryable: bool = False, retry_after_s: float = 0.0
+) -> RemoteError:
     """The :class:`RemoteError` for an ErrorReply: a user error or a failure, by its code."""
     entry = WIRE_CODES.get(code, WIRE_CODES["internal"])
     kind = RemoteUserError if entry.user_error else RemoteFailure
-    return kind(tier, code, message, retryable)
+    return kind(tier, code, message, retryable, retry_after_s)
 
 
 class TransportClosed(Failure, ConnectionError):

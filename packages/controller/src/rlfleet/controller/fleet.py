@@ -54,7 +54,15 @@ from rlfleet.common.errors import NoResponders, RemoteError, RemoteUserError, Re
 from rlfleet.common.schema.carriers import CarrierSetting, WeightCarrier, carrier_for
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.trainer import StepSettings
-from rlfleet.controller.errors import NoWorkerServed, SettingsConflict, WorkerGone
+from rlfleet.controller.errors import (
+    NoWorkerServed,
+    RetriesExhausted,
+    SettingsConflict,
+    TrainerRestarted,
+    WorkerGone,
+)
+from rlfleet.controller.fault_settings import FaultSettings
+from rlfleet.controller.retry import is_retryable, with_retries
 
 logger = logging.getLogger(__name__)
 
@@ -127,11 +135,14 @@ class Fleet:
     """Requests to the rollout, reward and trainer tiers of one cluster."""
 
     def __init__(
-        self, transport: Transport, cluster: str, *, request_timeout: float = 900.0, dead_after: float = 10.0
-    ) -> None:
+        self, transport: Transport, cluster: str, *, request_timeout: float = 900.0, dead_after: float = 10.0,
+        faults: FaultSettings | None = None,
+    ) -> None:  # fmt: skip
         self.transport = transport
         self.cluster = cluster
         self.request_timeout = request_timeout
+        self.faults = faults or FaultSettings()  # the retry budget of train, publish and weight-load requests
+        self.trainer_incarnation = ""  # the trainer process the run configured ('' until it is)
         self.gone = GoneWatch()
         self.registry = WorkerRegistry(
             transport, cluster, dead_after=dead_after, on_join=self.gone.mark_joined,
@@ -199,8 +210,8 @@ class Fleet:
         message = LoadWeights(weight_version=published.weight_version, buckets=published.buckets,
                               ipc_buckets=published.ipc_buckets)  # fmt: skip
         try:
-            reply = await self.gone.request(self.transport, worker, message, timeout=self.request_timeout)
-        except (RequestTimeout, ConnectionError, RemoteError) as exc:
+            reply = await self._load_request(worker, message)
+        except (RequestTimeout, ConnectionError, RemoteError, RetriesExhausted) as exc:
             logger.warning("rollout worker %s did not catch up to version %d: %s", worker.worker_id,
                            published.weight_version, exc)  # fmt: skip
             self._admitting.pop((worker.worker_id, published.weight_version), None)
@@ -290,10 +301,8 @@ class Fleet:
         message = LoadWeights(weight_version=published.weight_version, buckets=published.buckets,
                               ipc_buckets=published.ipc_buckets)  # fmt: skip
         workers = self.rollout_workers()
-        replies = await asyncio.gather(
-            *(self.gone.request(self.transport, w, message, timeout=self.request_timeout) for w in workers),
-            return_exceptions=True,
-        )
+        loads = (self._load_request(w, message) for w in workers)
+        replies = await asyncio.gather(*loads, return_exceptions=True)
         loaded: list[WeightsLoaded] = []
         for worker, reply in zip(workers, replies, strict=True):
             if isinstance(reply, WorkerGone | NoResponders):
@@ -308,6 +317,15 @@ class Fleet:
         if not loaded:
             raise NoWorkerServed(f"no rollout worker loaded weight version {published.weight_version}")
         return loaded
+
+    async def _load_request(self, worker: Any, message: LoadWeights) -> AnyMessage:
+        """One worker's weight load, retried on a retryable error while the worker lives (a gone
+        worker is not waited for: it is admitted at the current version when it is back)."""
+        return await with_retries(
+            f"rollout worker {worker.worker_id} loading weight version {message.weight_version}",
+            lambda: self.gone.request(self.transport, worker, message, timeout=self.request_timeout),
+            self.faults, retry_if=lambda exc: is_retryable(exc) and not isinstance(exc, NoResponders),
+        )  # fmt: skip
 
     # --- reward -----------------------------------------------------------------------------
 
@@ -337,16 +355,37 @@ class Fleet:
             workers = ", ".join(w.worker_id for w in self.registry.workers("trainer")) or "(unknown)"
             raise SettingsConflict("trainer", workers, exc.remote_message) from None
         assert isinstance(reply, TrainerConfigured), reply
+        self.trainer_incarnation = reply.incarnation
+        return reply
+
+    def _same_trainer(self, reply: Any) -> None:
+        """Refuse a reply from another trainer process than the one the run configured (a restart
+        that lost the run's state): :class:`TrainerRestarted`, never adopted."""
+        now = getattr(reply, "incarnation", "")
+        if self.trainer_incarnation and now and now != self.trainer_incarnation:
+            workers = ", ".join(w.worker_id for w in self.registry.workers("trainer")) or "trainer"
+            raise TrainerRestarted(workers, self.trainer_incarnation, now)
+
+    async def _trainer_request(self, verb: str, what: str, message: Message) -> Any:
+        """A trainer request with the run's retry budget; the message (and its job id) stays the
+        same on every try, so a trainer that did the work answers the repeat from its cache."""
+        reply = await with_retries(
+            what,
+            lambda: self.transport.request(
+                self._trainer(verb), message, timeout=self.request_timeout, tier="trainer"
+            ),
+            self.faults,
+        )
+        self._same_trainer(reply)
         return reply
 
     async def train_step(
         self, step: int, rollouts: Sequence[TensorRef], scores: Sequence[float], settings: StepSettings
     ) -> TrainStepResult:
         """One update on the referenced batches (rollouts, or DPO preference pairs), as ``settings`` say."""
-        request = TrainStepRequest(step=step, rollouts=list(rollouts), scores=list(scores), settings=settings)
-        reply = await self.transport.request(
-            self._trainer("step"), request, timeout=self.request_timeout, tier="trainer"
-        )
+        request = TrainStepRequest(step=step, rollouts=list(rollouts), scores=list(scores), settings=settings,
+                                   job_id=self._job_id("step"))  # fmt: skip
+        reply = await self._trainer_request("step", f"train step {step}", request)
         assert isinstance(reply, TrainStepResult), reply
         return reply
 
@@ -365,10 +404,9 @@ class Fleet:
         """Stage the trainer's weights as ``weight_version`` (-1: the next one), for the carriers the
         rollout workers need under ``carrier`` (``auto``: CUDA IPC to workers on the trainer's GPU)."""
         message = PublishWeights(bucket_mb=bucket_mb, weight_version=weight_version,
-                                 carriers=self.weight_carriers(carrier), dtype=dtype)  # fmt: skip
-        reply = await self.transport.request(
-            self._trainer("publish"), message, timeout=self.request_timeout, tier="trainer"
-        )
+                                 carriers=self.weight_carriers(carrier), dtype=dtype,
+                                 job_id=self._job_id("publish"))  # fmt: skip
+        reply = await self._trainer_request("publish", "weight publish", message)
         assert isinstance(reply, WeightsPublished), reply
         return reply
 
@@ -379,6 +417,7 @@ class Fleet:
             tier="trainer",
         )  # fmt: skip
         assert isinstance(reply, Saved), reply
+        self._same_trainer(reply)
         return reply.path
 
     async def load_checkpoint(self, path: str, weight_version: int) -> CheckpointLoaded:

@@ -55,17 +55,19 @@ def backoff_s(settings: FaultSettings, attempt: int, exc: BaseException | None =
 async def with_retries(
     what: str, attempt: Callable[[], Awaitable[T]], settings: FaultSettings,
     *, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    retry_if: Callable[[BaseException], bool] = is_retryable,
 ) -> T:  # fmt: skip
     """``await attempt()`` until it succeeds, retrying retryable errors within the budget.
 
     Raises the first non-retryable error as it is, and :class:`RetriesExhausted` (``what``, the
     number of tries, the last error) when ``settings.retry_attempts`` tries all failed retryably.
+    ``retry_if`` narrows what counts as retryable for one kind of request.
     """
     for n in range(1, settings.retry_attempts + 1):
         try:
             return await attempt()
         except Exception as exc:
-            if not is_retryable(exc):
+            if not retry_if(exc):
                 raise
             if n == settings.retry_attempts:
                 raise RetriesExhausted(what, n, exc) from exc

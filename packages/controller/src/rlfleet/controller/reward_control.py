@@ -42,6 +42,8 @@ from rlfleet.common.schema.connection import mask_url
 from rlfleet.controller.checkpoints import reward_to_restore
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.errors import RewardFnNotPortable, TierNotReady
+from rlfleet.controller.fault_settings import FaultSettings
+from rlfleet.controller.retry import with_retries
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +116,9 @@ class RewardControl:
     def __init__(
         self, transport: Transport, cluster: str, registry: WorkerRegistry, *, token: str,
         request_timeout: float, owned: Sequence[Any] = (), remote: bool = False,
+        faults: FaultSettings | None = None,
     ) -> None:  # fmt: skip
+        self.faults = faults or FaultSettings()  # score retries: QuotaExceeded, a replica gone mid-request
         self.transport = transport
         self.cluster = cluster
         self.registry = registry
@@ -134,7 +138,8 @@ class RewardControl:
         token = config.reward_token.get_secret_value() or os.environ.get(TOKEN_ENV, "")
         timeout = config.request_timeout_s
         if config.reward_url is None:
-            return cls(transport, cluster, registry, token=token, request_timeout=timeout)
+            faults = config.faults
+            return cls(transport, cluster, registry, token=token, request_timeout=timeout, faults=faults)
         reward_cluster = config.reward_cluster or "default"
         owned: list[Any] = []
         if config.reward_url != url:
@@ -149,7 +154,7 @@ class RewardControl:
             await registry.start()
             owned.insert(0, registry)
         control = cls(transport, reward_cluster, registry, token=token, request_timeout=timeout, owned=owned,
-                      remote=True)  # fmt: skip
+                      remote=True, faults=config.faults)  # fmt: skip
         where = mask_url(config.reward_url)
         logger.info("scoring on the reward server at %s (cluster %s)", where, reward_cluster)
         return control
@@ -184,14 +189,7 @@ class RewardControl:
             ScoreRequest(job_id=job, endpoint=endpoint, rollout=r.ref, metadata=list(meta))
             for r, meta, job in zip(results, metadata, job_ids, strict=True)
         ]
-        replies = await asyncio.gather(
-            *(
-                self.transport.request(
-                    verb, req, timeout=self.request_timeout, tier="reward", headers=self.headers
-                )  # fmt: skip
-                for req in requests
-            )
-        )
+        replies = await asyncio.gather(*(self._score_one(verb, req) for req in requests))
         scored: list[ScoreResult] = []
         for reply in replies:
             assert isinstance(reply, ScoreResult), reply
@@ -199,6 +197,17 @@ class RewardControl:
             self._step_versions.append(reply.spec_version)
             self._raw.extend(reply.raw_scores)
         return scored
+
+    async def _score_one(self, verb: str, request: ScoreRequest) -> Any:
+        """One chunk's score request with the run's retry budget (same job id on every try): a
+        quota refusal waits its ``retry_after``, a replica that died or drained goes to another."""
+        return await with_retries(
+            f"score {request.job_id} on endpoint {request.endpoint!r}",
+            lambda: self.transport.request(
+                verb, request, timeout=self.request_timeout, tier="reward", headers=self.headers
+            ),
+            self.faults,
+        )
 
     def step_metrics(self, step: int) -> dict[str, float]:
         """Metrics of the reward versions the scores since the last call came from."""

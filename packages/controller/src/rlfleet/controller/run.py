@@ -288,7 +288,7 @@ class FleetRun:
         self.watchdog = Watchdog(cfg.faults.stall_report_s)  # names a worker that owes a result too long
         fleet = SupervisedFleet(self.watchdog.watch(self.transport), self.cluster,
                                 request_timeout=cfg.request_timeout_s,
-                                dead_after=cfg.faults.dead_after_s)  # fmt: skip
+                                dead_after=cfg.faults.dead_after_s, faults=cfg.faults)  # fmt: skip
         self.watchdog.attach(fleet.registry)
         await fleet.start()
         self._fleet = fleet

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import math
 import re
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import NamedTuple, Protocol, runtime_checkable
@@ -200,13 +201,17 @@ def error_reply(exc: BaseException, tier: str) -> ErrorReply:
     """The :class:`ErrorReply` that tells a requester about ``exc``."""
     code, retryable = wire_code(exc)
     text = str(exc) or exc.__class__.__name__
-    return ErrorReply(tier=tier, code=code, message=f"{exc.__class__.__name__}: {text}", retryable=retryable)
+    after = getattr(exc, "retry_after_s", 0.0)
+    after = float(after) if retryable and isinstance(after, int | float) and math.isfinite(after) else 0.0
+    return ErrorReply(tier=tier, code=code, message=f"{exc.__class__.__name__}: {text}", retryable=retryable,
+                      retry_after_s=min(max(after, 0.0), 3600.0))  # fmt: skip
 
 
 def raise_for_reply(reply: AnyMessage, tier: str) -> AnyMessage:
     """Return ``reply``, or raise :class:`RemoteError` if it is an :class:`ErrorReply`."""
     if isinstance(reply, ErrorReply):
-        raise remote_error(reply.tier or tier, reply.code, reply.message, reply.retryable)
+        where = reply.tier or tier
+        raise remote_error(where, reply.code, reply.message, reply.retryable, reply.retry_after_s)
     return reply
 
 

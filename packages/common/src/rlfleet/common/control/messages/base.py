@@ -53,3 +53,7 @@ class ErrorReply(Message):
     code: str
     message: str
     retryable: bool = False
+    retry_after_s: float = Field(
+        default=0.0, ge=0.0, le=3600.0, allow_inf_nan=False,
+        description="a retryable error's own wait before the next try (0: the caller's backoff)",
+    )  # fmt: skip
