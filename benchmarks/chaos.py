@@ -1,0 +1,321 @@
+"""Chaos run: a tiny GRPO job with a worker killed every few steps, as a user runs it (issue 12).
+
+    uv run --extra cpu python benchmarks/chaos.py                       # 40 steps, a fault every 6
+    uv run --extra cpu python benchmarks/chaos.py --steps 20 --every 4
+
+``python -m rlfleet.controller.cli train JOB max_steps=N save_every=5 ...`` runs as a subprocess.
+This script watches its ``output_dir/metrics.jsonl`` (one line per step, with the step's end time)
+and ``output_dir/fleet/processes.json`` (the launcher's pids) and, every ``--every`` steps, injects
+the next fault in turn:
+
+- ``rollout``: SIGKILL a rollout worker (the launcher starts it again under its id);
+- ``reward``: SIGKILL the reward worker (likewise);
+- ``trainer``: SIGKILL the trainer (the run restores it from the last checkpoint, its steps after
+  that come again);
+- ``controller``: SIGKILL the controller process itself (its workers die with it), then start the
+  same command again with ``resume_from=auto`` (it goes on from the latest complete checkpoint).
+
+Not injected: a NATS restart. The embedded run's own nats-server exiting ends the run (only a
+cluster-mode run rides out a NATS outage, tests/faults/test_nats_outage.py), so there is nothing
+honest to measure here.
+
+Recorded (``benchmarks/results/chaos.json``): each fault (kind, the step when it was sent, the pid,
+whether the run went on), the distinct steps completed (a replayed step counts once), samples lost
+(expected ``rollout_batch_size x group_size`` per step, or a samples metric if the run logs one,
+against what the completed steps trained), the longest gap between consecutive metric lines and the
+time from each fault to the next step line, the exit code, and the machine and its load average.
+The issue's target: every fault survived, 0 samples lost, every stall under 60 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).parent / "results" / "chaos.json"
+KINDS = ("rollout", "reward", "trainer", "controller")
+SAMPLE_KEYS = ("samples", "num_samples", "train/samples", "rollout/samples", "batch/samples")
+NOT_INJECTED = [{
+    "kind": "nats_restart",
+    "reason": "the embedded run's own nats-server exiting ends the run (EmbeddedFleet.check raises "
+              "TierDied for it); only a cluster-mode run rides out a NATS outage "
+              "(tests/faults/test_nats_outage.py), so an embedded chaos run cannot measure it honestly",
+}]  # fmt: skip
+STALL_TARGET_S = 60.0
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--job", default="examples/tiny_grpo.yaml")
+    p.add_argument("--steps", type=int, default=40, help="max_steps of the run")
+    p.add_argument("--every", type=int, default=6, help="steps between faults")
+    p.add_argument("--save-every", type=int, default=5)
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=4,
+        help="num_epochs: enough that max_steps ends the run (tiny_digits: 12 steps an epoch)",
+    )
+    p.add_argument("--phase-timeout", type=float, default=180.0, help="give up waiting for a step after this")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("overrides", nargs="*", help="more key=value job overrides")
+    return p.parse_args()
+
+
+class Watch:
+    """What the run has logged so far: every metric line seen, across the run's restarts."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.lines: list[dict[str, Any]] = []
+        self._read = 0  # lines of the current metrics.jsonl already taken
+
+    def poll(self) -> None:
+        path = self.out / "metrics.jsonl"
+        if not path.exists():
+            return
+        text = path.read_text()
+        complete = text.split("\n")[:-1]  # a line still being written has no newline yet
+        for line in complete[self._read :]:
+            if line.strip():
+                self.lines.append(json.loads(line))
+        self._read = max(self._read, len(complete))
+
+    def set_aside(self, name: str) -> None:
+        """Take the rest of this metrics.jsonl and move it away (a resumed run writes a new one)."""
+        self.poll()
+        path = self.out / "metrics.jsonl"
+        if path.exists():
+            path.rename(self.out / name)
+        self._read = 0
+
+    @property
+    def last_step(self) -> int:
+        return self.lines[-1]["step"] if self.lines else 0
+
+    @property
+    def steps(self) -> set[int]:
+        return {line["step"] for line in self.lines}
+
+
+def pids(out: Path) -> dict[str, int]:
+    """``{worker_id: pid}`` from the launcher's processes.json, plus the controller's pid."""
+    try:
+        data = json.loads((out / "fleet" / "processes.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+    found = {w["worker_id"]: int(w["pid"]) for w in data["workers"]}
+    found["controller"] = int(data["controller_pid"])
+    return found
+
+
+def tier_pid(out: Path, kind: str) -> tuple[str, int]:
+    data = json.loads((out / "fleet" / "processes.json").read_text())
+    if kind == "controller":
+        return "controller", int(data["controller_pid"])
+    worker = next(w for w in data["workers"] if w["tier"] == kind)
+    return worker["worker_id"], int(worker["pid"])
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def all_gone(wanted: list[int], timeout: float) -> bool:
+    """Whether every pid in ``wanted`` is gone within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while any(alive(pid) for pid in wanted):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def wait_for(proc: subprocess.Popen[bytes], watch: Watch, done, timeout: float) -> bool:
+    """Poll until ``done()``; False when the run ended or ``timeout`` passed first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        watch.poll()
+        if done():
+            return True
+        if proc.poll() is not None:
+            watch.poll()
+            return bool(done())
+        time.sleep(0.05)
+    return False
+
+
+def job_settings(job: str, overrides: list[str]) -> dict[str, Any]:
+    settings = yaml.safe_load((REPO / job).read_text())
+    for item in overrides:
+        key, _, value = item.partition("=")
+        settings[key] = yaml.safe_load(value)
+    return settings
+
+
+def start(command: list[str], log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    with open(log, "ab") as f:
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    out = work / "run"
+    overrides = [f"output_dir={out}", f"max_steps={args.steps}", f"save_every={args.save_every}",
+                 "loggers=[jsonl]", "sample_table_size=0", "log_every=1",
+                 f"num_epochs={args.epochs}", *args.overrides]  # fmt: skip
+    command = [sys.executable, "-m", "rlfleet.controller.cli", "train", args.job, *overrides]
+    settings = job_settings(args.job, overrides)
+    per_step = int(settings["rollout_batch_size"]) * int(settings["group_size"])
+    log = work / "controller.log"
+    load_before = os.getloadavg()
+    started = time.time()
+    proc = start(command, log)
+    watch = Watch(out)
+    faults: list[dict[str, Any]] = []
+    exit_codes: list[int | None] = []
+    targets = list(range(args.every, args.steps, args.every))
+    try:
+        for i, target in enumerate(targets):
+            kind = KINDS[i % len(KINDS)]
+            if not wait_for(proc, watch, lambda t=target: watch.last_step >= t, args.phase_timeout):
+                break
+            if kind == "trainer" and not list(out.glob("checkpoint-*/controller_state.json")):
+                kind = "rollout"  # nothing to restore from yet; keep the run honest about it
+            name, pid = tier_pid(out, kind)
+            before = pids(out)
+            fault = {"kind": kind, "worker": name, "pid": pid, "at_step": watch.last_step,
+                     "at_time": round(time.time(), 3)}  # fmt: skip
+            os.kill(pid, signal.SIGKILL)
+            if kind == "controller":
+                proc.wait(timeout=30)
+                exit_codes.append(proc.returncode)
+                fault["workers_gone_with_it"] = all_gone(list(before.values()), 40.0)
+                watch.set_aside(f"metrics.before_resume_{len(exit_codes)}.jsonl")
+                proc = start([*command, "resume_from=auto"], log)
+            seen = len(watch.lines)
+            went_on = wait_for(proc, watch, lambda s=seen: len(watch.lines) > s, args.phase_timeout)
+            fault["next_step_line"] = watch.lines[seen]["step"] if went_on else None
+            fault["to_next_step_s"] = (
+                round(watch.lines[seen]["time"] - fault["at_time"], 3) if went_on else None
+            )
+            after = pids(out)
+            fault["new_pid"] = after.get(name)
+            fault["survived"] = bool(went_on and after.get(name) not in (None, pid))
+            if not went_on and proc.poll() == 0:
+                fault["landed_after_last_step"] = True  # the run was already finishing
+            faults.append(fault)
+            print(f"fault {kind:<10} pid {pid:>7} at step {fault['at_step']:>3}: next step in "
+                  f"{fault['to_next_step_s']} s, survived={fault['survived']}", flush=True)  # fmt: skip
+        proc.wait(timeout=args.phase_timeout * 2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    exit_codes.append(proc.returncode)
+    watch.poll()
+    return summarise(args, command, settings, per_step, watch, faults, exit_codes, started, load_before, log)
+
+
+def summarise(args, command, settings, per_step, watch, faults, exit_codes, started, load_before, log):
+    lines = watch.lines
+    sample_key = next((k for k in SAMPLE_KEYS if lines and k in lines[0]), None)
+    trained: dict[int, float] = {}
+    for line in lines:  # a replayed step counts once: its last run is the one the model kept
+        trained[line["step"]] = float(line[sample_key]) if sample_key else float(per_step)
+    expected = args.steps * per_step
+    times = [line["time"] for line in lines]
+    gaps = [round(b - a, 3) for a, b in zip(times, times[1:], strict=False)]
+    longest_gap = max(gaps, default=None)
+    fault_stalls = [f["to_next_step_s"] for f in faults if f["to_next_step_s"] is not None]
+    worst = max([*(gaps or [0.0]), *fault_stalls])
+    result = {
+        "command": " ".join(["python", *sys.argv]),
+        "run_command": " ".join(["python", *command[1:]]),
+        "job": args.job,
+        "max_steps": args.steps,
+        "fault_every_steps": args.every,
+        "save_every": args.save_every,
+        "expected_samples_per_step": per_step,
+        "samples_basis": sample_key
+        or "rollout_batch_size x group_size per completed step (the run logs no samples metric)",
+        "faults_injected": faults,
+        "not_injected": NOT_INJECTED,
+        "faults_survived": sum(f["survived"] for f in faults),
+        "faults_total": len(faults),
+        "metric_lines": len(lines),
+        "steps_completed": len(trained),
+        "steps_replayed": len(lines) - len(trained),
+        "samples_expected": expected,
+        "samples_trained": int(sum(trained.values())),
+        "samples_lost": int(expected - sum(trained.values())),
+        "startup_s": round(times[0] - started, 3) if times else None,
+        "longest_gap_between_steps_s": longest_gap,
+        "fault_to_next_step_s": fault_stalls,
+        "longest_stall_s": round(worst, 3),
+        "stall_target_s": STALL_TARGET_S,
+        "run_said_done": [
+            line for line in log.read_text(errors="replace").splitlines() if line.startswith("done: ")
+        ],  # fmt: skip
+        "exit_codes": exit_codes,
+        "exit_code": exit_codes[-1],
+        "wall_s": round(time.time() - started, 1),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+        },
+        "load_avg_before": [round(x, 2) for x in load_before],
+        "load_avg_after": [round(x, 2) for x in os.getloadavg()],
+        "controller_log_tail": log.read_text(errors="replace").splitlines()[-8:],
+    }
+    result["target_met"] = bool(
+        result["faults_survived"] == len(faults) and result["samples_lost"] == 0
+        and result["longest_stall_s"] < STALL_TARGET_S and result["exit_code"] == 0
+    )  # fmt: skip
+    return result
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"\n{'fault':<11}{'pid':>8}{'at step':>9}{'next step':>11}{'stall s':>9}  survived")
+    for f in result["faults_injected"]:
+        print(f"{f['kind']:<11}{f['pid']:>8}{f['at_step']:>9}{str(f['next_step_line']):>11}"
+              f"{str(f['to_next_step_s']):>9}  {f['survived']}")  # fmt: skip
+    for f in result["not_injected"]:
+        print(f"{f['kind']:<11}{'-':>8}{'-':>9}{'-':>11}{'-':>9}  not injected")
+    r = result
+    print(f"\nsurvived {r['faults_survived']}/{r['faults_total']}, steps {r['steps_completed']}"
+          f"/{r['max_steps']} ({r['steps_replayed']} replayed lines), samples lost {r['samples_lost']} of"
+          f" {r['samples_expected']},"
+          f" longest gap {r['longest_gap_between_steps_s']} s, longest stall {r['longest_stall_s']} s, exit"
+          f" {r['exit_code']}, load {r['load_avg_after']}, target met: {r['target_met']}")  # fmt: skip
+
+
+def main() -> None:
+    args = parse_args()
+    with tempfile.TemporaryDirectory(prefix="rlfleet-chaos-") as tmp:
+        result = run(args, Path(tmp))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print_table(result)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
