@@ -111,4 +111,4 @@ async def test_a_cpu_trainer_refuses_to_publish_by_cuda_ipc() -> None:
 
     worker = SimpleNamespace(actor=SimpleNamespace(device=torch.device("cpu")))
     with pytest.raises(ValueError, match="needs the trainer on a GPU"):
-        await TrainerWorker.publish(worker, PublishWeights(carriers=["cuda_ipc"]))  # type: ignore[arg-type]
+        await TrainerWorker._publish(worker, PublishWeights(carriers=["cuda_ipc"]))  # type: ignore[arg-type]
