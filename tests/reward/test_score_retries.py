@@ -6,12 +6,11 @@ a request that cannot succeed is not retried."""
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from rlfleet.common.control.membership import WorkerRegistry
-from rlfleet.common.control.messages import ScoreRequest
+from rlfleet.common.control.messages import GenerateResult, ScoreRequest
 from rlfleet.common.control.transport import subject
 from rlfleet.common.errors import RemoteError
 from rlfleet.controller.errors import RetriesExhausted
@@ -29,6 +28,12 @@ CONFIG = {
 }
 
 
+def _result(ref) -> GenerateResult:
+    """What a rollout worker answers for a finished batch (only its ref is read for scoring)."""
+    return GenerateResult(job_id="gen", worker_id="rollout-0", weight_version=0, ref=ref, num_prompts=1,
+                          num_samples=2)  # fmt: skip
+
+
 def _control(client, faults: FaultSettings) -> RewardControl:
     return RewardControl(client, "test", WorkerRegistry(client, "test"), token=TOKEN, request_timeout=10,
                          faults=faults)  # fmt: skip
@@ -42,9 +47,7 @@ async def test_quota_refusals_carry_their_wait_and_the_controller_honours_it(
     control = _control(
         client, FaultSettings(retry_attempts=6, retry_backoff_s=0.01, retry_backoff_max_s=0.01)
     )
-    await control.score(
-        [SimpleNamespace(ref=ref)], [[{}, {}]], "b/short", ["warm"]
-    )  # the burst of 1 is spent
+    await control.score([_result(ref)], [[{}, {}]], "b/short", ["warm"])  # the burst of 1 is spent
     with pytest.raises(RemoteError) as over:
         request = ScoreRequest(job_id="raw", endpoint="b/short", rollout=ref, token=TOKEN)
         await client.request(subject("test", "reward", "score"), request, timeout=10)
@@ -52,7 +55,7 @@ async def test_quota_refusals_carry_their_wait_and_the_controller_honours_it(
         over.value.code == "quota_exceeded" and over.value.retryable and 0 < over.value.retry_after_s <= 0.5
     )
     began = time.monotonic()
-    scored = await control.score([SimpleNamespace(ref=ref)] * 3, [[{}, {}]] * 3, "b/short", ["a", "b", "c"])
+    scored = await control.score([_result(ref)] * 3, [[{}, {}]] * 3, "b/short", ["a", "b", "c"])
     took = time.monotonic() - began
     assert [s.job_id for s in scored] == ["a", "b", "c"] and all(len(s.scores) == 2 for s in scored)
     assert took >= 1.0, f"3 requests at 2/s after the burst took {took:.2f} s: retry_after was not honoured"
@@ -62,9 +65,9 @@ async def test_a_spent_budget_names_the_request_and_the_last_error(reward_server
     client, _ = await reward_server(CONFIG)
     ref = rollout_store.put(["p"], ["1"], [0])
     control = _control(client, FaultSettings(retry_attempts=1))
-    await control.score([SimpleNamespace(ref=ref)], [[{}]], "b/short", ["first"])
+    await control.score([_result(ref)], [[{}]], "b/short", ["first"])
     with pytest.raises(RetriesExhausted) as info:
-        await control.score([SimpleNamespace(ref=ref)], [[{}]], "b/short", ["second"])
+        await control.score([_result(ref)], [[{}]], "b/short", ["second"])
     assert (
         info.value.attempts == 1 and "score second" in str(info.value) and "quota_exceeded" in str(info.value)
     )
@@ -76,5 +79,5 @@ async def test_a_refusal_that_cannot_pass_is_not_retried(reward_server, rollout_
     control = _control(client, FaultSettings(retry_attempts=5, retry_backoff_s=5.0, retry_backoff_max_s=5.0))
     began = time.monotonic()
     with pytest.raises(RemoteError) as info:
-        await control.score([SimpleNamespace(ref=ref)], [[{}]], "a/other", ["x"])
+        await control.score([_result(ref)], [[{}]], "a/other", ["x"])
     assert not isinstance(info.value, RetriesExhausted) and time.monotonic() - began < 4.0

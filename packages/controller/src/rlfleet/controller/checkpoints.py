@@ -15,7 +15,7 @@ saved version so the rollout workers serve them, then restores the controller's 
 (:class:`~rlfleet.controller.run.FleetRun` does both; this module finds and reads checkpoints).
 The same restores a trainer that crashed mid-run (:mod:`rlfleet.controller.supervision`), and
 ``resume_from=auto`` continues a run whose controller was killed outright: ``controller_state.json``
-is written atomically (:func:`~rlfleet.controller.state_files.write_atomic`), so a checkpoint cut
+is written atomically (:func:`~rlfleet.common.atomic_files.write_atomic`), so a checkpoint cut
 short by the kill has none and is skipped.
 """
 
@@ -27,8 +27,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from rlfleet.common.atomic_files import write_atomic
 from rlfleet.controller.errors import CheckpointNotFound
-from rlfleet.controller.state_files import write_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -44,6 +44,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from rlfleet.common.atomic_files import write_atomic
 from rlfleet.common.control.embedded_nats import EmbeddedNats
 from rlfleet.common.control.nats_roles import ROLES, RunCredentials, server_config
 from rlfleet.common.control.procs import die_with_parent
@@ -52,7 +53,6 @@ from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.connection import ENV_PREFIX as NATS_ENV_PREFIX
 from rlfleet.common.schema.connection import NatsConnection
 from rlfleet.controller.errors import TierDied, TierNotRestarted, TierRefused
-from rlfleet.controller.state_files import write_atomic
 
 logger = logging.getLogger(__name__)
 

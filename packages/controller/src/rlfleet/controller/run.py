@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import yaml
 
+from rlfleet.common.atomic_files import write_atomic
 from rlfleet.common.control.messages import GenerateResult, TrainerConfigure, WeightsLoaded, WeightsPublished
 from rlfleet.common.schema.algorithms import ALGORITHMS
 from rlfleet.common.schema.connection import NatsConnection, mask_url
@@ -46,7 +47,6 @@ from rlfleet.controller.loggers import RunMetrics
 from rlfleet.controller.models import resolve_model
 from rlfleet.controller.reward_control import RunReward, attach_reward
 from rlfleet.controller.samples import SampleTable
-from rlfleet.controller.state_files import write_atomic
 from rlfleet.controller.supervision import GuardedLoop, SupervisedFleet, Supervisor
 from rlfleet.controller.watchdog import Watchdog
 from rlfleet.controller.worker_configs import tier_counts, worker_specs
