@@ -12,9 +12,13 @@ needs (cluster ``C``, ``P = rlfleet.C``)::
     reward      P.reward.membership, replies                P.reward.>, P.controller.ping, its inbox
 
 "Replies" is nats-server's ``allow_responses``: a worker may answer the requests it received, on
-their reply subject, once each, and publish nowhere else. Each role's inbox is ``_INBOX.<role>.>``
-(the client's ``inbox_prefix``), so no role reads another's replies. So only the controller can
-send state-changing requests (step, publish, save, load, configure, load weights, set reward
+their reply subject, once each, and publish nowhere else. nats-server forgets that permission two
+minutes after the request unless told otherwise (``allow_responses: true`` means one reply within
+2 min), so a generate or train step that took longer had its answer refused ("permissions
+violation for publish to _INBOX...") and the controller waited for a reply that could never come.
+The window here is :data:`REPLY_WINDOW_S` (6 h), longer than any request deadline a run sets.
+Each role's inbox is ``_INBOX.<role>.>`` (the client's ``inbox_prefix``), so no role reads
+another's replies. So only the controller can send state-changing requests (step, publish, save, load, configure, load weights, set reward
 spec, shutdown), only the trainer role can announce a trainer, and so on; a client without a
 password cannot connect at all.
 
@@ -38,12 +42,25 @@ WORKER_PUBLISHES: dict[str, tuple[str, ...]] = {"trainer": (), "rollout": ("trai
 """Requests a worker role sends besides its membership (verbs of another tier, ``tier.verb``)."""
 
 
+REPLY_WINDOW_S = 6 * 3600
+"""How long after a request its worker may still answer it (nats-server ``allow_responses.expires``);
+longer than any request deadline (``request_timeout_s``), so only the controller's own deadline ends
+a wait."""
+
+
+def reply_permission(window_s: float = REPLY_WINDOW_S) -> dict[str, object]:
+    """nats-server ``allow_responses``: one reply per request received, within ``window_s`` seconds."""
+    if window_s <= 0:
+        raise ValueError(f"reply window must be positive, got {window_s} s (0 means nats-server's 2 min)")
+    return {"max": 1, "expires": f"{window_s:g}s"}
+
+
 def inbox(role: str) -> str:
     """The reply-subject prefix of ``role``'s clients."""
     return f"_INBOX.{role}"
 
 
-def role_permissions(cluster: str, role: str) -> dict[str, object]:
+def role_permissions(cluster: str, role: str, reply_window_s: float = REPLY_WINDOW_S) -> dict[str, object]:
     """nats-server ``permissions`` of ``role`` in ``cluster`` (``*``: any cluster; see the module's table)."""
     if cluster != "*":
         subject(cluster, "controller", "ping")  # ValueError unless the cluster is one token
@@ -63,7 +80,7 @@ def role_permissions(cluster: str, role: str) -> dict[str, object]:
     return {
         "publish": {"allow": [on(role, "membership"), *requests]},
         "subscribe": {"allow": [on(role, ">"), on("controller", "ping"), f"{inbox(role)}.>"]},
-        "allow_responses": True,
+        "allow_responses": reply_permission(reply_window_s),
     }
 
 
@@ -88,11 +105,11 @@ class RunCredentials:
                 "RLFLEET_NATS_INBOX_PREFIX": inbox(role)}  # fmt: skip
 
 
-def server_config(credentials: RunCredentials) -> str:
+def server_config(credentials: RunCredentials, reply_window_s: float = REPLY_WINDOW_S) -> str:
     """The ``authorization`` block of a nats-server config: one user per role with its permissions."""
     users = [
         {"user": role, "password": credentials.passwords[role],
-         "permissions": role_permissions(credentials.cluster, role)}
+         "permissions": role_permissions(credentials.cluster, role, reply_window_s)}
         for role in ROLES
     ]  # fmt: skip
     return "authorization: " + json.dumps({"users": users}, indent=2) + "\n"
