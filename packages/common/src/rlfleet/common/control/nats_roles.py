@@ -13,14 +13,14 @@ needs (cluster ``C``, ``P = rlfleet.C``)::
 
 "Replies" is nats-server's ``allow_responses``: a worker may answer the requests it received, on
 their reply subject, once each, and publish nowhere else. nats-server forgets that permission two
-minutes after the request unless told otherwise (``allow_responses: true`` means one reply within
-2 min), so a generate or train step that took longer had its answer refused ("permissions
-violation for publish to _INBOX...") and the controller waited for a reply that could never come.
-The window here is :data:`REPLY_WINDOW_S` (6 h), longer than any request deadline a run sets.
-Each role's inbox is ``_INBOX.<role>.>`` (the client's ``inbox_prefix``), so no role reads
-another's replies. So only the controller can send state-changing requests (step, publish, save, load, configure, load weights, set reward
-spec, shutdown), only the trainer role can announce a trainer, and so on; a client without a
-password cannot connect at all.
+minutes after the request unless told otherwise (``allow_responses: true`` means one reply within 2
+min), so a generate or train step that took longer had its answer refused ("permissions violation
+for publish to _INBOX...") and the controller waited for a reply that could never come. The window
+here is :data:`REPLY_WINDOW_S` (6 h), longer than any request deadline a run sets. Each role's
+inbox is ``_INBOX.<role>.>`` (the client's ``inbox_prefix``), so no role reads another's replies.
+So only the controller can send state-changing requests (step, publish, save, load, configure, load
+weights, set reward spec, shutdown), only the trainer role can announce a trainer, and so on; a
+client without a password cannot connect at all.
 
 What remains: the workers of one role share its credential (two rollout workers could answer or
 announce for each other, or read each other's own subject).
