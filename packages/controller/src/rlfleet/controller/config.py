@@ -200,9 +200,12 @@ class TrainerConfig(
         "a rollout fn routes prompts to (set_rollout_fn); empty: one pool 'default' of num_rollout_workers",
     )
     startup_timeout_s: float = Field(default=180.0, gt=0, description="wait for workers to announce")
-    request_timeout_s: float = Field(
-        default=900.0, gt=0, description="longest a single tier request may take"
-    )
+    request_timeout_s: float | None = Field(
+        default=None, gt=0,
+        description="one deadline for every tier request; None: each request's deadline is scaled to "
+        "its work (prompts x tokens, samples, batch and model bytes; controller/deadlines.py, "
+        "faults.deadline_scale)",
+    )  # fmt: skip
     sample_table_size: int = Field(default=4, ge=0, description="prompts shown in the before/after table")
     faults: FaultSettings = Field(
         default_factory=FaultSettings, description="retries, restarts, the stall watchdog (issue 12)"

@@ -54,6 +54,7 @@ from rlfleet.common.errors import NoResponders, RemoteError, RemoteUserError, Re
 from rlfleet.common.schema.carriers import CarrierSetting, WeightCarrier, carrier_for
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.controller.deadlines import Deadlines
 from rlfleet.controller.errors import (
     NoWorkerServed,
     RetriesExhausted,
@@ -135,13 +136,13 @@ class Fleet:
     """Requests to the rollout, reward and trainer tiers of one cluster."""
 
     def __init__(
-        self, transport: Transport, cluster: str, *, request_timeout: float = 900.0, dead_after: float = 10.0,
-        faults: FaultSettings | None = None,
+        self, transport: Transport, cluster: str, *, request_timeout: float | None = None,
+        dead_after: float = 10.0, faults: FaultSettings | None = None,
     ) -> None:  # fmt: skip
         self.transport = transport
         self.cluster = cluster
-        self.request_timeout = request_timeout
         self.faults = faults or FaultSettings()  # the retry budget of train, publish and weight-load requests
+        self.deadlines = Deadlines(request_timeout, self.faults)  # from each request's work (None: scaled)
         self.trainer_incarnation = ""  # the trainer process the run configured ('' until it is)
         self.gone = GoneWatch()
         self.registry = WorkerRegistry(
@@ -279,9 +280,9 @@ class Fleet:
             worker = alive[candidates[0]]
             tried.add(worker.worker_id)
             try:
-                reply = await self.gone.request(
-                    self.transport, worker, request, timeout=self.request_timeout, job_id=request.job_id
-                )
+                timeout = self.deadlines.generate(request, worker.announce.gpu_uuids)
+                reply = await self.gone.request(self.transport, worker, request, timeout=timeout,
+                                                job_id=request.job_id)  # fmt: skip
             except (RequestTimeout, ConnectionError) as exc:  # WorkerGone and NoResponders included
                 logger.warning("rollout worker %s failed job %s: %s; re-dispatching", worker.worker_id,
                                request.job_id, exc)  # fmt: skip
@@ -323,7 +324,8 @@ class Fleet:
         worker is not waited for: it is admitted at the current version when it is back)."""
         return await with_retries(
             f"rollout worker {worker.worker_id} loading weight version {message.weight_version}",
-            lambda: self.gone.request(self.transport, worker, message, timeout=self.request_timeout),
+            lambda: self.gone.request(self.transport, worker, message,
+                                      timeout=self.deadlines.load_weights(message)),
             self.faults, retry_if=lambda exc: is_retryable(exc) and not isinstance(exc, NoResponders),
         )  # fmt: skip
 
@@ -347,7 +349,7 @@ class Fleet:
         :class:`SettingsConflict` names it and each conflicting field."""
         try:
             reply = await self.transport.request(
-                self._trainer("configure"), message, timeout=self.request_timeout, tier="trainer"
+                self._trainer("configure"), message, timeout=self.deadlines.control(), tier="trainer"
             )
         except RemoteUserError as exc:
             if exc.code != "settings_conflict":
@@ -366,14 +368,12 @@ class Fleet:
             workers = ", ".join(w.worker_id for w in self.registry.workers("trainer")) or "trainer"
             raise TrainerRestarted(workers, self.trainer_incarnation, now)
 
-    async def _trainer_request(self, verb: str, what: str, message: Message) -> Any:
+    async def _trainer_request(self, verb: str, what: str, message: Message, timeout: float) -> Any:
         """A trainer request with the run's retry budget; the message (and its job id) stays the
         same on every try, so a trainer that did the work answers the repeat from its cache."""
         reply = await with_retries(
             what,
-            lambda: self.transport.request(
-                self._trainer(verb), message, timeout=self.request_timeout, tier="trainer"
-            ),
+            lambda: self.transport.request(self._trainer(verb), message, timeout=timeout, tier="trainer"),
             self.faults,
         )
         self._same_trainer(reply)
@@ -385,16 +385,20 @@ class Fleet:
         """One update on the referenced batches (rollouts, or DPO preference pairs), as ``settings`` say."""
         request = TrainStepRequest(step=step, rollouts=list(rollouts), scores=list(scores), settings=settings,
                                    job_id=self._job_id("step"))  # fmt: skip
-        reply = await self._trainer_request("step", f"train step {step}", request)
+        timeout = self.deadlines.train_step(request.rollouts, self._trainer_gpus())
+        reply = await self._trainer_request("step", f"train step {step}", request, timeout)
         assert isinstance(reply, TrainStepResult), reply
         return reply
+
+    def _trainer_gpus(self) -> list[str]:
+        trainers = self.registry.workers("trainer")
+        return trainers[0].announce.gpu_uuids if trainers else []
 
     def weight_carriers(self, setting: CarrierSetting) -> list[WeightCarrier]:
         """The carriers the live rollout workers need from the trainer, one per link (see
         :func:`~rlfleet.common.schema.carriers.carrier_for`); ``cuda_ipc`` that cannot reach a
         worker raises."""
-        trainers = self.registry.workers("trainer")
-        trainer_gpus = trainers[0].announce.gpu_uuids if trainers else []
+        trainer_gpus = self._trainer_gpus()
         chosen = {carrier_for(setting, trainer_gpus, w.announce.gpu_uuids) for w in self.rollout_workers()}
         return sorted(chosen) or ["grpc"]
 
@@ -406,15 +410,16 @@ class Fleet:
         message = PublishWeights(bucket_mb=bucket_mb, weight_version=weight_version,
                                  carriers=self.weight_carriers(carrier), dtype=dtype,
                                  job_id=self._job_id("publish"))  # fmt: skip
-        reply = await self._trainer_request("publish", "weight publish", message)
+        reply = await self._trainer_request("publish", "weight publish", message, self.deadlines.publish())
         assert isinstance(reply, WeightsPublished), reply
+        self.deadlines.published(reply.nbytes)
         return reply
 
     async def save(self, path: str, mode: Literal["hf", "full"] = "hf") -> str:
         """Have the trainer save to ``path``: an HF export, or (``full``) that plus its training state."""
         reply = await self.transport.request(
-            self._trainer("save"), SaveCheckpoint(path=path, mode=mode), timeout=self.request_timeout,
-            tier="trainer",
+            self._trainer("save"), SaveCheckpoint(path=path, mode=mode),
+            timeout=self.deadlines.checkpoint(mode == "full"), tier="trainer",
         )  # fmt: skip
         assert isinstance(reply, Saved), reply
         self._same_trainer(reply)
@@ -424,7 +429,7 @@ class Fleet:
         """Have the trainer restore the training state of the full checkpoint in ``path``."""
         reply = await self.transport.request(
             self._trainer("load"), LoadCheckpoint(path=path, weight_version=weight_version),
-            timeout=self.request_timeout, tier="trainer",
+            timeout=self.deadlines.checkpoint(True), tier="trainer",
         )  # fmt: skip
         assert isinstance(reply, CheckpointLoaded), reply
         return reply

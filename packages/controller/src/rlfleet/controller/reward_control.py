@@ -41,6 +41,7 @@ from rlfleet.common.control.transport import TOKEN_HEADER, Transport, subject
 from rlfleet.common.schema.connection import mask_url
 from rlfleet.controller.checkpoints import reward_to_restore
 from rlfleet.controller.config import TrainerConfig
+from rlfleet.controller.deadlines import Deadlines
 from rlfleet.controller.errors import RewardFnNotPortable, TierNotReady
 from rlfleet.controller.fault_settings import FaultSettings
 from rlfleet.controller.retry import with_retries
@@ -115,7 +116,7 @@ class RewardControl:
 
     def __init__(
         self, transport: Transport, cluster: str, registry: WorkerRegistry, *, token: str,
-        request_timeout: float, owned: Sequence[Any] = (), remote: bool = False,
+        request_timeout: float | None = None, owned: Sequence[Any] = (), remote: bool = False,
         faults: FaultSettings | None = None,
     ) -> None:  # fmt: skip
         self.faults = faults or FaultSettings()  # score retries: QuotaExceeded, a replica gone mid-request
@@ -123,7 +124,7 @@ class RewardControl:
         self.cluster = cluster
         self.registry = registry
         self.token = token
-        self.request_timeout = request_timeout
+        self.deadlines = Deadlines(request_timeout, self.faults)  # from each request's work (None: scaled)
         self._owned = list(owned)  # a second transport / registry this object opened, closed with it
         self._last_version = ""
         self._step_versions: list[str] = []
@@ -189,7 +190,9 @@ class RewardControl:
             ScoreRequest(job_id=job, endpoint=endpoint, rollout=r.ref, metadata=list(meta))
             for r, meta, job in zip(results, metadata, job_ids, strict=True)
         ]
-        replies = await asyncio.gather(*(self._score_one(verb, req) for req in requests))
+        timeouts = [self.deadlines.score(r) for r in results]
+        scoring = (self._score_one(verb, req, t) for req, t in zip(requests, timeouts, strict=True))
+        replies = await asyncio.gather(*scoring)
         scored: list[ScoreResult] = []
         for reply in replies:
             assert isinstance(reply, ScoreResult), reply
@@ -198,13 +201,13 @@ class RewardControl:
             self._raw.extend(reply.raw_scores)
         return scored
 
-    async def _score_one(self, verb: str, request: ScoreRequest) -> Any:
+    async def _score_one(self, verb: str, request: ScoreRequest, timeout: float) -> Any:
         """One chunk's score request with the run's retry budget (same job id on every try): a
         quota refusal waits its ``retry_after``, a replica that died or drained goes to another."""
         return await with_retries(
             f"score {request.job_id} on endpoint {request.endpoint!r}",
             lambda: self.transport.request(
-                verb, request, timeout=self.request_timeout, tier="reward", headers=self.headers
+                verb, request, timeout=timeout, tier="reward", headers=self.headers
             ),
             self.faults,
         )
@@ -241,7 +244,7 @@ class RewardControl:
         """Send a hot swap to every reward worker; returns the last reply (all switch to one version)."""
         message = SetRewardSpec(endpoint=endpoint, **dict(wire))
         replies = await asyncio.gather(
-            *(self.transport.request(s, message, timeout=self.request_timeout, tier="reward",
+            *(self.transport.request(s, message, timeout=self.deadlines.reward_swap(), tier="reward",
                                      headers=self.headers)
               for s in self._subjects())
         )  # fmt: skip
@@ -255,7 +258,7 @@ class RewardControl:
     async def stats(self, endpoint: str = "") -> RewardStats:
         """Statistics of this run's token on one reward worker."""
         message = RewardStatsRequest(endpoint=endpoint)
-        reply = await self.transport.request(self._subjects()[0], message, timeout=self.request_timeout,
+        reply = await self.transport.request(self._subjects()[0], message, timeout=self.deadlines.control(),
                                              tier="reward", headers=self.headers)  # fmt: skip
         assert isinstance(reply, RewardStats), reply
         return reply
