@@ -10,9 +10,16 @@ membership registry knows of its worker::
     trainer worker trainer-0 not heard for 40 s; no result for 62 s on trainer.step job 3f2a-step-2
 
 The report is a warning in the log, an entry of :attr:`Watchdog.reports` and a call of
-``on_report``; the request itself goes on (its deadline and the registry decide its fate). The
-watchdog only watches: a stall is named, never acted on. :attr:`Watchdog.longest_s` is the longest
-wait of any request so far (the chaos benchmark's "longest stall").
+``on_report``; the request itself goes on (its deadline and the registry decide its fate).
+:attr:`Watchdog.longest_s` is the longest wait of any request so far (the chaos benchmark's
+"longest stall").
+
+One case is acted on: a worker that heartbeats and reports no work in progress for
+``lost_after_s`` (30 s) while a request to it is still unanswered has finished or dropped it, and
+its answer is not coming (a reply refused by the NATS server, a handler that ended without
+answering). Waiting on would only wait out the request's deadline, so the request ends with
+:class:`RequestLost` (a :class:`RequestTimeout`: retried and re-dispatched like one) naming the
+worker and the job.
 """
 
 from __future__ import annotations
@@ -29,11 +36,23 @@ from typing import Any
 from rlfleet.common.control.membership import WorkerInfo, WorkerRegistry
 from rlfleet.common.control.messages import AnyMessage, Message
 from rlfleet.common.control.transport import Transport
+from rlfleet.common.errors import RequestTimeout
 
 logger = logging.getLogger(__name__)
 
 SILENT_AFTER_S = 6.0
 """A worker unheard for this long is reported as not heard from (three beats of the default 2 s)."""
+
+LOST_AFTER_S = 30.0
+"""A request whose worker(s) heartbeat as idle this long, after it was sent, is given up as lost."""
+
+
+class RequestLost(RequestTimeout):
+    """A live worker reports no work in progress, yet never answered the request: its answer is lost."""
+
+    def __init__(self, subject: str, tier: str, waited_s: float, reason: str) -> None:
+        super().__init__(subject, tier, waited_s)
+        self.args = (reason,)
 
 
 @dataclass
@@ -46,6 +65,9 @@ class Waiting:
     job_id: str
     since: float
     reported: int = 0  # how many times it was reported
+    subject: str = ""
+    idle_since: float | None = None  # when its worker(s) were first seen idle after it was sent
+    lost: asyncio.Future[RequestLost] | None = None  # set when it is given up
 
 
 @dataclass(frozen=True)
@@ -78,9 +100,13 @@ class Watchdog:
         silent_after_s: float = SILENT_AFTER_S,
         on_report: Callable[[StallReport], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        lost_after_s: float | None = LOST_AFTER_S,
     ) -> None:
         if stall_report_s <= 0:
             raise ValueError(f"stall_report_s must be > 0 s, got {stall_report_s}")
+        if lost_after_s is not None and lost_after_s <= 0:
+            raise ValueError(f"lost_after_s must be > 0 s (or None: never give up), got {lost_after_s}")
+        self.lost_after_s = lost_after_s
         self.stall_report_s = stall_report_s
         self.registry = registry
         self.silent_after_s = silent_after_s
@@ -127,7 +153,7 @@ class Watchdog:
         self._checker = loop.create_task(self._check_while_waiting(), name="stall-watchdog")
 
     async def _check_while_waiting(self) -> None:
-        period = min(5.0, self.stall_report_s / 4)
+        period = min(5.0, self.stall_report_s / 4, (self.lost_after_s or 20.0) / 4)
         while self._waiting:
             await asyncio.sleep(period)
             try:
@@ -142,6 +168,7 @@ class Watchdog:
         for entry in self.waiting:
             waited = now - entry.since
             self.longest_s = max(self.longest_s, waited)
+            self._check_lost(entry, now)
             if waited < self.stall_report_s * (entry.reported + 1):
                 continue
             entry.reported += 1
@@ -152,6 +179,41 @@ class Watchdog:
             if self.on_report is not None:
                 self.on_report(report)
         return made
+
+    def _check_lost(self, entry: Waiting, now: float) -> None:
+        """Give ``entry`` up when every worker it may be on has beaten as idle for ``lost_after_s``.
+
+        Only beats sent after the request count (a beat from before it arrived says nothing), and
+        only a worker heard within ``silent_after_s`` (a silent one is the registry's to reap).
+        """
+        if self.lost_after_s is None or entry.lost is None or entry.lost.done():
+            return
+        workers = self._workers(entry)
+        idle = bool(workers) and all(
+            now - w.last_seen <= self.silent_after_s
+            and w.last_seen > entry.since
+            and not w.activity
+            and not w.busy
+            for w in workers
+        )
+        if not idle:
+            entry.idle_since = None
+            return
+        if entry.idle_since is None:
+            entry.idle_since = now
+            return
+        idle_s = now - entry.idle_since
+        if idle_s < self.lost_after_s:
+            return
+        who = entry.worker_id or ", ".join(w.worker_id for w in workers)
+        job = f" job {entry.job_id}" if entry.job_id else ""
+        reason = (
+            f"{entry.tier} worker {who} is alive and has reported no work in progress for {idle_s:.0f} s, "
+            f"but never answered {entry.what}{job} (sent {now - entry.since:.0f} s ago): its answer was "
+            "lost; giving up on it"
+        )
+        logger.warning("lost request: %s", reason)
+        entry.lost.set_result(RequestLost(entry.subject, entry.tier, now - entry.since, reason))
 
     def _workers(self, entry: Waiting) -> list[WorkerInfo]:
         if self.registry is None:
@@ -225,5 +287,20 @@ class WatchedTransport:
     ) -> AnyMessage:
         target_tier, worker_id = _target(subject)
         job_id = str(getattr(message, "job_id", ""))
-        with self.watchdog.track(target_tier or tier, worker_id, message.kind, job_id):
-            return await self._inner.request(subject, message, timeout=timeout, tier=tier, headers=headers)
+        with self.watchdog.track(target_tier or tier, worker_id, message.kind, job_id) as entry:
+            entry.subject = subject
+            entry.lost = asyncio.get_running_loop().create_future()
+            asked = asyncio.ensure_future(
+                self._inner.request(subject, message, timeout=timeout, tier=tier, headers=headers)
+            )
+            try:
+                await asyncio.wait([asked, entry.lost], return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                asked.cancel()
+                raise
+            if asked.done():
+                entry.lost.cancel()
+                return asked.result()
+            asked.cancel()
+            await asyncio.gather(asked, return_exceptions=True)
+            raise entry.lost.result()
