@@ -240,7 +240,7 @@ def test_sharding_choice_and_nccl_environment(monkeypatch: pytest.MonkeyPatch) -
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     assert os.environ["RLFLEET_DIST_TIMEOUT_MINUTES"] == "15.0"
     setup_nccl()
-    assert os.environ["NCCL_P2P_DISABLE"] == "0" and os.environ["RLFLEET_DIST_TIMEOUT_MINUTES"] == "60.0"
+    assert os.environ["NCCL_P2P_DISABLE"] == "0" and os.environ["RLFLEET_DIST_TIMEOUT_MINUTES"] == "20.0"
     with pytest.raises(ValueError, match="timeout_minutes"):
         setup_nccl(timeout_minutes=0)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -222,6 +222,44 @@ def save_checkpoint(
     return root
 
 
+def check_writable(path: str | Path, mode: Literal["hf", "full"] = "hf") -> None:
+    """Before a save's first collective, on every rank: the directory this rank writes into exists
+    (made when missing) and is writable (rank 0 writes the HF export; with ``full`` every rank writes
+    its shards and RNG state). Raises :class:`CheckpointError` naming the rank."""
+    if mode == "hf" and _rank() != 0:
+        return
+    root = Path(path) / "trainer" if mode == "full" else Path(path)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(root, f"cannot be made on trainer rank {_rank()}: {exc}") from exc
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise CheckpointError(root, f"is not writable on trainer rank {_rank()}")
+
+
+def check_loadable(path: str | Path, critic: Trainable | None) -> None:
+    """Before a load's first collective, on every rank: ``path/trainer`` holds what
+    :func:`load_checkpoint` reads on this rank (the state file, the model parts, this rank's RNG
+    state), so a damaged checkpoint is refused by every rank alike. Raises :class:`CheckpointError`."""
+    root = Path(path) / "trainer"
+    state_file = root / STATE_FILE
+    if not state_file.exists():
+        raise CheckpointError(root, f"has no {STATE_FILE}: not a training checkpoint (rank {_rank()})")
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(root, f"has no readable {STATE_FILE} on trainer rank {_rank()}: {exc}") from exc
+    if not isinstance(state, dict) or (critic is None) != ("critic" not in state):
+        raise CheckpointError(root, "critic presence differs from this run's algorithm")
+    parts = ["actor"] + (["critic"] if critic is not None else [])
+    missing = [part for part in parts if not (root / part).is_dir()]
+    rank = _rank()
+    rng = (f"rng-{rank}.json", f"rng-{rank}.safetensors")
+    missing += [name for name in rng if not (root / name).is_file()]
+    if missing:
+        raise CheckpointError(root, f"lacks {', '.join(missing)} (read by trainer rank {rank})")
+
+
 def load_checkpoint(path: str | Path, actor: Actor, critic: Trainable | None) -> int:
     """What ``trainer.load`` does on every rank: restore ``path/trainer``; returns the actor's step."""
     return load_training_state(Path(path) / "trainer", actor, critic, generator=actor.generator)

@@ -55,11 +55,13 @@ logger = logging.getLogger(__name__)
 TIMEOUT_ENV = "RLFLEET_DIST_TIMEOUT_MINUTES"
 """Where :func:`setup_nccl` leaves the collective timeout for :func:`init_distributed` to read."""
 
-DEFAULT_TIMEOUT_MINUTES = 60.0
+DEFAULT_TIMEOUT_MINUTES = 20.0
+"""The collective timeout when none is set: a rank stuck (alive) in a collective fails within it; a
+rank that died is reported much sooner (``rank_silence_s``, :mod:`rlfleet.trainer.rank_liveness`)."""
 
 
 def setup_nccl(
-    timeout_minutes: float = 60, enable_p2p: bool = True, *, enable_nvls: bool = False
+    timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES, enable_p2p: bool = True, *, enable_nvls: bool = False
 ) -> timedelta:
     """Set the NCCL environment and the process-group timeout, consistently; call before init.
 
@@ -170,7 +172,7 @@ def init_distributed(device: str = "auto", sharding: Sharding = "auto") -> DistC
 
     Without ``WORLD_SIZE`` (or with 1) this is a single process: no group, no mesh. Otherwise
     the backend is NCCL on GPU and gloo on CPU, the timeout is the one :func:`setup_nccl` set
-    (60 minutes by default; ``setup_nccl`` is called with defaults when it was not called).
+    (20 minutes by default; ``setup_nccl`` is called with defaults when it was not called).
 
     Args:
         device: ``cpu``, ``cuda`` or ``auto`` (CUDA when available).

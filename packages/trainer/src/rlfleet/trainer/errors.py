@@ -1,13 +1,15 @@
 """Errors of rlfleet-trainer; shared ones (ConfigError, BatchContractError, ...) live in
-``rlfleet.common.errors``. Every one is a :class:`UserError` (the user can fix it); the codes of
-those that cross the wire come from :data:`~rlfleet.common.errors.WIRE_CODES`.
+``rlfleet.common.errors``. Every one is a :class:`UserError` (the user can fix it) but the two of a
+trainer rank that failed or died (:class:`Failure`); the codes of those that cross the wire come
+from :data:`~rlfleet.common.errors.WIRE_CODES`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rlfleet.common.errors import UserError
+from rlfleet.common.errors import Failure, UserError
+from rlfleet.common.errors import JobIdReused as JobIdReused  # moved to common: rollout raises it too
 
 
 class ModelLoadError(UserError, FileNotFoundError):
@@ -78,17 +80,37 @@ class CarrierUnavailable(UserError, ValueError):
         super().__init__(f"the {carrier} weight carrier {reason}")
 
 
-class JobIdReused(UserError, ValueError):
-    """A request reuses the ``job_id`` of an earlier, different request (an idempotency key names one job)."""
+class TrainerRankFailed(Failure, RuntimeError):
+    """Another trainer rank failed a command before its first collective (every rank skipped it).
 
-    code = "bad_request"
+    ``code`` and ``retryable`` are those of that rank's own error (a rollout store it could not
+    reach is ``unavailable``, so the controller retries; a damaged checkpoint is ``bad_request``).
+    """
 
-    def __init__(self, kind: str, job_id: str, fields: Sequence[str]) -> None:
-        self.kind = kind
-        self.job_id = job_id
-        self.fields = list(fields)
-        super().__init__(
-            f"{kind} job_id {job_id!r} was first used for another request (it differs in "
-            f"{', '.join(self.fields) or 'nothing visible'}); a retry repeats its request, a new job "
-            "takes a new id"
-        )
+    def __init__(
+        self, rank: int, what: str, error: str, code: str = "internal", retryable: bool = False
+    ) -> None:
+        self.rank = rank
+        self.what = what
+        self.error = error
+        self.code = code
+        self.retryable = retryable
+        super().__init__(f"trainer rank {rank} could not {what}: {error}")
+
+
+class TrainerRankDied(Failure, RuntimeError):
+    """A trainer rank stopped answering (its heartbeat in the rendezvous store went silent): it died
+    or froze. Rank 0 answers what it was asked with this, then exits so that the ranks restart together."""
+
+    code = "internal"
+    retryable = False
+
+    def __init__(self, rank: int, silent_s: float, doing: str = "", how: str = "", then: str = "") -> None:
+        self.rank = rank
+        self.silent_s = silent_s
+        self.doing = doing
+        during = f" during {doing}" if doing else ""
+        how = how or "no heartbeat in the ranks' rendezvous store: it died or froze"
+        then = then or "rank 0 exits so that the trainer's ranks restart together"
+        ago = f"{silent_s:.0f} s ago"
+        super().__init__(f"trainer rank {rank} stopped answering {ago}{during} ({how}); {then}")

@@ -2,10 +2,14 @@
 
 See :mod:`rlfleet.trainer.service` for the protocol. A follower answers nobody: rank 0 replies to
 the controller. A step carries the settings rank 0 resolved for it, so every rank trains alike.
-An error that every rank meets alike before any collective (a malformed batch, an algorithm whose
-critic the trainer does not hold) is logged and the follower waits for the next command, as rank
-0 does after replying with it; any other error ends the process, which the launcher reports, and
-rank 0's next collective fails.
+
+Each command's own part (fetch and check the batch, check a checkpoint's files) ends in
+:func:`~rlfleet.trainer.commands.agree` with the other ranks, before any collective: when it failed
+on any rank (this one or another), the follower logs it and waits for the next command, as rank 0
+does after answering the controller with it. An error after the first collective ends the
+process (the ranks' collectives are out of step then); rank 0 reports it within
+``rank_silence_s`` (:mod:`rlfleet.trainer.rank_liveness`: the follower beats in the rendezvous
+store, and exits when rank 0's store is gone).
 """
 
 from __future__ import annotations
@@ -13,21 +17,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from rlfleet.common.control.messages import TrainStepRequest
-from rlfleet.common.errors import BatchContractError
 from rlfleet.common.schema.trainer import TrainerWorkerConfig
-from rlfleet.trainer.checkpoint import load_checkpoint, save_checkpoint
-from rlfleet.trainer.errors import SettingsConflict
+from rlfleet.trainer.checkpoint import check_loadable, check_writable, load_checkpoint, save_checkpoint
+from rlfleet.trainer.commands import CommandChannel, agree
+from rlfleet.trainer.errors import TrainerRankFailed
+from rlfleet.trainer.rank_liveness import RankHeartbeat
 from rlfleet.trainer.ranks import build_models, rank_from_env, use_rank_thread
-from rlfleet.trainer.service import CommandChannel, StoreClients, merge_batch, run_step
+from rlfleet.trainer.service import StoreClients, fetch_batch, run_step
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Skipped(Exception):
+    """A command every rank skipped: some rank failed its own part (the agreed error is the cause)."""
 
 
 class Follower:
@@ -42,6 +52,7 @@ class Follower:
         use_rank_thread(asyncio.get_running_loop(), self.config.device)
         self.dist, self.actor, self.critic = await asyncio.to_thread(build_models, self.config)
         self.channel = CommandChannel(self.dist)
+        heartbeat = RankHeartbeat(self.dist).start()
         logger.info("trainer rank %d of %d ready", self.dist.rank, self.dist.world_size)
         try:
             while True:
@@ -49,8 +60,12 @@ class Follower:
                 if command["op"] == "stop":
                     logger.info("rank 0 says stop")
                     return
-                await self.handle(command)
+                try:
+                    await self.handle(command)
+                except Skipped as skipped:  # every rank skipped it; rank 0 answered with the cause
+                    logger.warning("%s skipped by every trainer rank: %s", command["op"], skipped.__cause__)
         finally:
+            heartbeat.stop()
             await self.stores.close()
 
     async def handle(self, command: dict[str, Any]) -> None:
@@ -58,24 +73,43 @@ class Follower:
         op = command["op"]
         if op == "step":
             request = TrainStepRequest.model_validate(command["request"])
-            try:
-                batch = merge_batch(request.settings.algorithm, await self.stores.fetch(request.rollouts))
-                await asyncio.to_thread(
-                    run_step, self.actor, self.critic, batch, request.scores, request.settings
-                )
-            except (BatchContractError, SettingsConflict) as exc:  # rank 0 met it too, before any collective
-                logger.warning("step %d refused: %s", request.step, exc)
+            what = f"fetch and check the batch of step {request.step}"
+            batch = await self._agreed(what, lambda: fetch_batch(self, request))
+            actor, critic = self.actor, self.critic
+            await asyncio.to_thread(run_step, actor, critic, batch, request.scores, request.settings)
         elif op == "publish":
+            await self._agreed("publish", lambda: asyncio.sleep(0))
             await asyncio.to_thread(
                 self._drain, int(command["bucket_bytes"]), str(command.get("dtype") or "")
             )
         elif op == "save":
-            mode = command.get("mode", "hf")
-            await asyncio.to_thread(save_checkpoint, command["path"], self.actor, self.critic, mode)
+            path, mode = command["path"], command.get("mode", "hf")
+            await self._agreed(f"save checkpoint {path!r}",
+                               lambda: asyncio.to_thread(check_writable, path, mode))  # fmt: skip
+            await asyncio.to_thread(save_checkpoint, path, self.actor, self.critic, mode)
         elif op == "load":
-            await asyncio.to_thread(load_checkpoint, command["path"], self.actor, self.critic)
+            path = command["path"]
+            await self._agreed(f"load checkpoint {path!r}",
+                               lambda: asyncio.to_thread(check_loadable, path, self.critic))  # fmt: skip
+            await asyncio.to_thread(load_checkpoint, path, self.actor, self.critic)
         else:
             raise ValueError(f"unknown trainer command {op!r} from rank 0")
+
+    async def _agreed(self, what: str, part: Callable[[], Awaitable[T]]) -> T:
+        """This rank's own ``part`` of a command, then :func:`agree` with the other ranks on it;
+        :class:`Skipped` (caused by the agreed error) when any rank failed."""
+        value, error = None, None
+        try:
+            value = await part()
+        except Exception as exc:
+            error = exc
+        try:
+            await asyncio.to_thread(agree, self.channel, what, error)
+        except Exception as exc:
+            if exc is error or isinstance(exc, TrainerRankFailed):
+                raise Skipped(what) from exc
+            raise  # the agreement itself failed (rank 0 is gone): this rank ends
+        return value  # type: ignore[return-value]
 
     def _drain(self, bucket_bytes: int, dtype: str) -> None:
         """Take part in every gather of a publish (in rank 0's publish dtype); rank 0 keeps the buckets."""

@@ -2,16 +2,16 @@
 
 Rank 0 runs the :class:`TrainerWorker` and alone talks to NATS; ranks 1..W-1 run a
 :class:`~rlfleet.trainer.follower.Follower`. Both start alike (:mod:`rlfleet.trainer.ranks`).
-Before rank 0 starts a step, a publish or a save, it sends the command to the other ranks over
-:class:`CommandChannel`; every rank then does the same work in the same order (the FSDP
-collectives pair up)::
+Rank 0 sends each command to the others (:mod:`rlfleet.trainer.commands`); every rank then does
+its own part (a step: fetch the rollout chunks from the rollout workers' stores, merge and check
+them), all ranks agree on how that went, and only then come the collectives, in one order::
 
-    rank 0:  NATS request ──> channel.send({"op": "step", "request": {...}}) ──> fetch, update
-    rank r:                   channel.receive() ───────────────────────────────> fetch, update
+    rank 0:  NATS request ──> send({"op": "step", ...}) ──> fetch, check ──> agree ──> update
+    rank r:                   receive() ──────────────────> fetch, check ──> agree ──> update
 
-Each rank fetches the rollout chunks itself from the rollout workers' TensorStores (no central
-gather; the token ids are small). Commands are JSON sent as a uint8 tensor over a gloo group of
-their own, whose timeout is long: followers wait in it for as long as the trainer is idle.
+When a rank's own part failed, every rank skips the command and rank 0 answers with that rank's
+error; no rank exits for it. A rank that dies is reported within ``rank_silence_s``
+(:mod:`rlfleet.trainer.rank_liveness`).
 
 One train step (:func:`run_step`), as every rank runs it once the batch is merged::
 
@@ -20,33 +20,25 @@ One train step (:func:`run_step`), as every rank runs it once the batch is merge
         (actor, critic, batch, scores, settings) ──> Plan           dpo: dpo
     train_loop(plan) ──> metrics (+ time, throughput and the settings used)
 
-Everything a step may refuse (a batch off the contract, scores that do not match it, an algorithm
-whose critic this worker does not hold) is refused before the first collective, on every rank
-alike, so that the other ranks never wait for one that gave up.
-
 Rank 0's service: ``trainer.configure`` compares the run's fixed settings (ModelSettings, device,
 critic, model fingerprint) with the worker's and refuses the run, naming each field that differs
-(:mod:`rlfleet.trainer.admission`).
-A train step pulls its rollout chunks straight from the rollout workers' stores and runs one
-update with the settings the request carries (``trainer.step`` -> :func:`run_step` ->
-:func:`rlfleet.trainer.loop.train_loop`); ranks 1..W-1 get the same request. Publishing stages
-the weights as versioned buckets for the carriers the controller asks for: in the trainer's own
-TensorStore (gRPC; rollout workers pull them from there, and one that joins late catches up on the
-latest version) and/or on its GPU, shared by CUDA IPC with a colocated engine.
+(:mod:`rlfleet.trainer.admission`). ``trainer.step`` runs one update with the settings the request
+carries. Publishing stages the weights as versioned buckets for the carriers the controller asks
+for: in the trainer's own TensorStore (gRPC; rollout workers pull them from there, and one that
+joins late catches up on the latest version) and/or on its GPU, shared by CUDA IPC with a
+colocated engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from rlfleet.common.control.messages import (
@@ -72,54 +64,24 @@ from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig, model_fingerprint
 from rlfleet.common.schema.worker import TensorPlaneSettings
 from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer, worker_client, worker_store
+from rlfleet.trainer import checkpoint as ckpt
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.admission import conflicts
 from rlfleet.trainer.algorithms import dpo_family, ppo_family
-from rlfleet.trainer.checkpoint import check_contained, confine, load_checkpoint, save_checkpoint
+from rlfleet.trainer.commands import CommandChannel, agree
 from rlfleet.trainer.critic import Critic
-from rlfleet.trainer.distributed import DistContext
 from rlfleet.trainer.errors import CarrierUnavailable, SettingsConflict, UnexpectedMessage
 from rlfleet.trainer.idempotency import ReplyCache
 from rlfleet.trainer.ipc_share import gpu_uuid, share_bucket
 from rlfleet.trainer.loop import Plan, batch_sizes, train_loop
+from rlfleet.trainer.rank_liveness import RankWatch
 from rlfleet.trainer.ranks import build_models, use_rank_thread
 from rlfleet.trainer.weights import to_host
 
 logger = logging.getLogger(__name__)
 
 
-# --- every rank: commands, rollout fetches ------------------------------------------------------
-
-IDLE_TIMEOUT = timedelta(days=30)
-"""How long a follower waits for rank 0's next command (the trainer may idle for long)."""
-
-
-class CommandChannel:
-    """Rank 0 sends JSON commands, every other rank receives them in order (no pickle)."""
-
-    def __init__(self, ctx: DistContext, timeout: timedelta = IDLE_TIMEOUT) -> None:
-        self.ctx = ctx
-        # every rank creates it at the same point (new_group is collective)
-        self.group = dist.new_group(backend="gloo", timeout=timeout) if ctx.distributed else None
-
-    def send(self, command: dict[str, Any]) -> None:
-        """Rank 0: hand ``command`` to every other rank (a no-op with one rank)."""
-        if self.group is None:
-            return
-        data = json.dumps(command).encode()
-        dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), src=0, group=self.group)
-        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=self.group)
-
-    def receive(self) -> dict[str, Any]:
-        """Ranks 1..W-1: the next command rank 0 sent (blocks until it comes)."""
-        if self.group is None:
-            raise RuntimeError("a single-process trainer has no commands to receive")
-        size = torch.zeros(1, dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self.group)
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
-        dist.broadcast(data, src=0, group=self.group)
-        command: dict[str, Any] = json.loads(data.numpy().tobytes())
-        return command
+# --- every rank: rollout fetches -------------------------------------------------------------
 
 
 class StoreClients:
@@ -145,6 +107,14 @@ class StoreClients:
         self._clients.clear()
 
 
+async def fetch_batch(rank: Any, request: TrainStepRequest) -> dict[str, Tensor]:
+    """A step's own part on every ``rank`` (its ``stores``, ``actor``, ``critic``): the batch, fetched
+    from the rollout stores, merged and checked."""
+    batch = merge_batch(request.settings.algorithm, await rank.stores.fetch(request.rollouts))
+    check_step(rank.actor, rank.critic, batch, request.settings)
+    return batch
+
+
 # --- one train step, on every rank ----------------------------------------------------------------
 
 Family = Callable[[Actor, Critic | None, Mapping[str, Tensor], Tensor, StepSettings], Plan]
@@ -158,6 +128,17 @@ def merge_batch(algorithm: str, chunks: Sequence[Mapping[str, Tensor]]) -> dict[
     if ALGORITHMS[algorithm].online:
         return merge_rollouts(chunks)
     return merge_preferences(chunks)
+
+
+def check_step(actor: Actor, critic: Critic | None, batch: Mapping[str, Tensor], settings: StepSettings,
+               ) -> None:  # fmt: skip
+    """What a step refuses before its first collective (see :func:`run_step`'s ``Raises``)."""
+    if ALGORITHMS[settings.algorithm].needs_critic and critic is None:
+        raise SettingsConflict(
+            "this trainer", [("critic", f"{settings.algorithm} trains one", "holds none (start it with "
+                              f"algorithm={settings.algorithm} so that it loads one)")],
+        )  # fmt: skip
+    check_token_ids(batch, actor.model.get_input_embeddings().num_embeddings)
 
 
 def run_step(
@@ -175,12 +156,7 @@ def run_step(
             the scores do not match it.
     """
     spec = ALGORITHMS[settings.algorithm]
-    if spec.needs_critic and critic is None:
-        raise SettingsConflict(
-            "this trainer", [("critic", f"{settings.algorithm} trains one", "holds none (start it with "
-                              f"algorithm={settings.algorithm} so that it loads one)")],
-        )  # fmt: skip
-    check_token_ids(batch, actor.model.get_input_embeddings().num_embeddings)  # before any collective
+    check_step(actor, critic, batch, settings)  # before any collective
     t0 = time.perf_counter()
     actor.set_rates(settings.learning_rate, settings.weight_decay)
     if critic is not None:
@@ -201,6 +177,7 @@ def run_step(
 # --- rank 0: the NATS service ---------------------------------------------------------------------
 
 M = TypeVar("M")
+T = TypeVar("T")
 
 
 class TrainerWorker(Worker[TrainerWorkerConfig]):
@@ -213,6 +190,9 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
         use_rank_thread(asyncio.get_running_loop(), cfg.device)
         self.dist, self.actor, self.critic = await asyncio.to_thread(build_models, cfg)
         self.channel = CommandChannel(self.dist)  # to trainer ranks 1..W-1 (see the module docstring)
+        self._doing = ""  # the command in progress, for a dead rank's report
+        self.watch = None if not self.dist.distributed else RankWatch(
+            self.dist, cfg.rank_silence_s, lambda: self._doing).start(asyncio.get_running_loop())  # fmt: skip
         self.fingerprint = model_fingerprint(cfg.model_path)
         self.weight_version = 0
         capacity = int(cfg.weights_store_mb * 2**20)
@@ -266,9 +246,9 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
             self.busy += 1
             try:  # the other ranks fetch for themselves, and train with the same settings
                 command = {"op": "step", "request": request.model_dump(mode="json")}
-                await asyncio.to_thread(self.channel.send, command)
-                batch = merge_batch(request.settings.algorithm, await self.stores.fetch(request.rollouts))
-                metrics = await asyncio.to_thread(self._update, batch, request)
+                what = f"fetch and check the batch of step {request.step}"
+                batch = await self._agreed(command, what, lambda: fetch_batch(self, request))
+                metrics = await self._ranks(asyncio.to_thread(self._update, batch, request))
             finally:
                 self.busy -= 1
         return TrainStepResult(step=request.step, metrics=metrics, weight_version=self.weight_version,
@@ -278,26 +258,52 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
         """One update with ``request.settings``; see :func:`run_step`."""
         return run_step(self.actor, self.critic, batch, request.scores, request.settings)
 
+    async def _agreed(self, command: dict[str, Any], what: str, part: Callable[[], Any]) -> Any:
+        """Send ``command`` to ranks 1..W-1, do this rank's own ``part`` (no collective; awaited if
+        it returns an awaitable), agree on how it went (:func:`~rlfleet.trainer.commands.agree`)."""
+        if self.watch is not None:
+            self._doing = f"{command['op']} ({what})"
+            await self._ranks(asyncio.to_thread(self.channel.send, command))
+        value, error = None, None
+        try:  # a failure: raised on every rank (the failing rank's), before any collective
+            value = part()
+            value = await value if inspect.isawaitable(value) else value
+        except BaseException as exc:  # a cancelled part too: the other ranks wait for this rank's word
+            error = exc
+        if self.watch is not None:
+            await self.watch.guard(asyncio.to_thread(agree, self.channel, what, error), own=error)
+        elif error is not None:
+            raise error
+        return value
+
+    async def _ranks(self, work: Awaitable[T]) -> T:
+        """``work`` (collectives of every rank), or ``TrainerRankDied`` when a rank dies first."""
+        return await (work if self.watch is None else self.watch.guard(work))
+
     async def save(self, request: SaveCheckpoint) -> Saved:
         """Save an HF export (``hf``) or the full training state (``full``); every rank takes part.
 
         The path must lie inside ``checkpoint_root`` (:func:`~rlfleet.trainer.checkpoint.confine`).
         """
-        target = confine(self.config.checkpoint_root, request.path)  # refused before any rank acts
+        target = ckpt.confine(self.config.checkpoint_root, request.path)  # refused before any rank acts
         async with self._lock:
             command = {"op": "save", "path": str(target), "mode": request.mode}
-            await asyncio.to_thread(self.channel.send, command)
-            actor, critic = self.actor, self.critic
-            path = await asyncio.to_thread(save_checkpoint, target, actor, critic, request.mode)
+            what = f"save checkpoint {str(target)!r}"
+            await self._agreed(command, what, lambda: ckpt.check_writable(target, request.mode))
+            work = asyncio.to_thread(ckpt.save_checkpoint, target, self.actor, self.critic, request.mode)
+            path = await self._ranks(work)
         return Saved(path=str(path), incarnation=self.incarnation)
 
     async def load(self, request: LoadCheckpoint) -> CheckpointLoaded:
         """Restore a full checkpoint on every rank; the weights are then ``request.weight_version``."""
-        source = confine(self.config.checkpoint_root, request.path)
-        check_contained(self.config.checkpoint_root, source)  # no file of it links out of the root
+        source = ckpt.confine(self.config.checkpoint_root, request.path)
+        ckpt.check_contained(self.config.checkpoint_root, source)  # no file of it links out of the root
         async with self._lock:
-            await asyncio.to_thread(self.channel.send, {"op": "load", "path": str(source)})
-            steps = await asyncio.to_thread(load_checkpoint, source, self.actor, self.critic)
+            what = f"load checkpoint {str(source)!r}"
+            await self._agreed({"op": "load", "path": str(source)}, what,
+                               lambda: ckpt.check_loadable(source, self.critic))  # fmt: skip
+            work = asyncio.to_thread(ckpt.load_checkpoint, source, self.actor, self.critic)
+            steps = await self._ranks(work)
             self.weight_version = request.weight_version
         return CheckpointLoaded(path=request.path, steps=steps, weight_version=self.weight_version,
                                 incarnation=self.incarnation)  # fmt: skip
@@ -330,22 +336,16 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
                 self.store.delete(old.key)
             self._shared, self._shared_buffers = [], []  # the previous version's GPU buffers go
             command = {"op": "publish", "bucket_bytes": bucket_bytes, "dtype": request.dtype}
-            await asyncio.to_thread(self.channel.send, command)  # every rank takes part in the gathers
-            refs, shared = await asyncio.to_thread(
-                self._stage, version, bucket_bytes, set(request.carriers), request.dtype
-            )  # fmt: skip
+            await self._agreed(command, f"publish weight version {version}", lambda: None)
+            refs, shared = await self._ranks(asyncio.to_thread(
+                self._stage, version, bucket_bytes, set(request.carriers), request.dtype))  # fmt: skip
             self._published, self._shared = refs, shared
             self.weight_version = version
             seconds = time.perf_counter() - t0
         nbytes = sum(ref.nbytes for ref in refs) or sum(b.nbytes for b in shared)
-        logger.info(
-            "staged weight version %d for %s: %d buckets, %.1f MB in %.3fs",
-            version,
-            "+".join(sorted(request.carriers)),
-            max(len(refs), len(shared)),
-            nbytes / 2**20,
-            seconds,
-        )
+        logger.info("staged weight version %d for %s: %d buckets, %.1f MB in %.3fs", version,
+                    "+".join(sorted(request.carriers)), max(len(refs), len(shared)), nbytes / 2**20,
+                    seconds)  # fmt: skip
         return WeightsPublished(weight_version=version, buckets=refs, ipc_buckets=shared, nbytes=nbytes,
                                 seconds=seconds, incarnation=self.incarnation)  # fmt: skip
 
@@ -370,6 +370,8 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
         return refs, shared
 
     async def teardown(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()  # the followers' silence is expected from now on
         await self._stop_followers()
         await self.stores.close()
         await self.store.stop()

@@ -210,6 +210,11 @@ class TrainerWorkerConfig(ModelWorkerConfig, ModelSettings, StepSettings):
         description="the only directory trainer.save/load use: a request's path must lie inside it "
         "(relative: against the worker's working directory)",
     )
+    rank_silence_s: float = Field(
+        default=20.0, ge=3.0, le=600.0,
+        description="with several ranks: rank 0 reports a rank whose heartbeat (every 2 s, in the ranks' "
+        "rendezvous store) is silent this long as TrainerRankDied and exits, so the ranks restart together",
+    )  # fmt: skip
 
 
 def model_fingerprint(model_dir: str | Path) -> str:
