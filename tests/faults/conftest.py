@@ -7,8 +7,16 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -30,3 +38,31 @@ procs, rlfleet_cache, tiny_model_dir = (
     _integration.tiny_model_dir,
 )
 venv_script, cli_env = _integration.venv_script, _integration.cli_env
+
+
+@pytest.fixture
+def serve_tier(tmp_path: Path, venv_script, cli_env) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:  # noqa: ANN001
+    """``start(tier, url, config, env=None)``: a real ``rlfleet-<tier> serve`` process on the NATS URL
+    with ``config`` (its log next to it in ``tmp_path``); stops exactly the processes it started."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(tier: str, url: str, config: dict[str, object], env: dict[str, str] | None = None) -> Any:
+        path = tmp_path / f"{tier}-{len(started)}.yaml"
+        path.write_text(yaml.safe_dump({"nats_url": url, **config}))
+        command = [venv_script(f"rlfleet-{tier}"), "serve", "--config", str(path)]
+        with open(tmp_path / f"{tier}-{len(started)}.log", "wb") as log:
+            env = {**cli_env, **(env or {})}
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in started:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -223,3 +223,18 @@ class RetriesExhausted(Failure, RuntimeError):
     def __init__(self, what: str, attempts: int, last: BaseException) -> None:
         self.what, self.attempts, self.last = what, attempts, last
         super().__init__(f"{what}: gave up after {attempts} attempts; last error: {last}")
+
+
+class ChunkNotRegenerated(Failure, RuntimeError):
+    """A rollout chunk was lost with the worker that held it, and no live rollout worker generated
+    it again within the run's retry budget (issue 12: no batch lives in one place only)."""
+
+    def __init__(
+        self, job_id: str, worker_id: str, num_prompts: int, attempts: int, last: BaseException
+    ) -> None:
+        self.job_id, self.worker_id, self.num_prompts = job_id, worker_id, num_prompts
+        self.attempts, self.last = attempts, last
+        super().__init__(
+            f"rollout chunk {job_id} ({num_prompts} prompts) was lost with rollout worker {worker_id} and "
+            f"no live rollout worker generated it again in {attempts} attempts; last error: {last}"
+        )

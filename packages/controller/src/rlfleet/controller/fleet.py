@@ -10,13 +10,9 @@ tier that produced them to the tier that consumes them.
         ▲                         └─────────(refs)──────────────────────────► train_step ──► trainer
         └──── load_weights(bucket refs) ◄── publish ◄─────────────────────────────────────────┘
 
-Sharing a step's prompts over the rollout fleet, and noticing a worker going:
-
-- :func:`split_by_capacity`: prompts split in contiguous chunks, one per worker, sized in
-  proportion to each worker's announced ``capacity`` (largest remainder, so sizes sum exactly).
-- :class:`GoneWatch`: one event per worker, set when the registry sees a :class:`WorkerLeave` or
-  declares the worker dead; :meth:`GoneWatch.request` races a request against that event so a
-  chunk on a dying worker is re-dispatched at once instead of after the full request timeout.
+Prompts are split over the rollout fleet by capacity, and a request to a worker that goes is
+abandoned at once (:mod:`rlfleet.controller.dispatch`); a chunk whose producer is gone before the
+reward and trainer tiers fetched it is generated again (:mod:`rlfleet.controller.lost_chunks`).
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from rlfleet.common.control.membership import WorkerInfo, WorkerRegistry
+from rlfleet.common.control.membership import WorkerRegistry
 from rlfleet.common.control.messages import (
     AnyMessage,
     CheckpointLoaded,
@@ -55,6 +51,7 @@ from rlfleet.common.schema.carriers import CarrierSetting, WeightCarrier, carrie
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.trainer import StepSettings
 from rlfleet.controller.deadlines import Deadlines
+from rlfleet.controller.dispatch import GoneWatch, split_by_capacity
 from rlfleet.controller.errors import (
     NoWorkerServed,
     RetriesExhausted,
@@ -63,70 +60,10 @@ from rlfleet.controller.errors import (
     WorkerGone,
 )
 from rlfleet.controller.fault_settings import FaultSettings
+from rlfleet.controller.lost_chunks import ChunkOrder, ChunkOrders
 from rlfleet.controller.retry import is_retryable, with_retries
 
 logger = logging.getLogger(__name__)
-
-
-# --- dispatch: chunk sizes, and workers that left -------------------------------------------------
-
-
-def split_by_capacity(total: int, capacities: Sequence[int]) -> list[int]:
-    """Chunk sizes (summing to ``total``) proportional to ``capacities``; zero-size chunks kept."""
-    if not capacities:
-        raise ValueError("split_by_capacity needs at least one worker capacity")
-    weight = sum(capacities)
-    exact = [total * c / weight for c in capacities]
-    sizes = [int(e) for e in exact]
-    by_remainder = sorted(range(len(exact)), key=lambda i: (sizes[i] - exact[i], i))
-    for i in by_remainder[: total - sum(sizes)]:
-        sizes[i] += 1
-    return sizes
-
-
-class GoneWatch:
-    """Which workers left or died since the controller started, as awaitable events."""
-
-    def __init__(self) -> None:
-        self._gone: dict[str, asyncio.Event] = {}
-
-    def _event(self, worker_id: str) -> asyncio.Event:
-        return self._gone.setdefault(worker_id, asyncio.Event())
-
-    def mark_gone(self, info: WorkerInfo) -> None:
-        """Registry callback (``on_leave`` / ``on_dead``)."""
-        self._event(info.worker_id).set()
-
-    def mark_joined(self, info: WorkerInfo) -> None:
-        """Registry callback (``on_join``): a worker that comes back is usable again."""
-        self._gone.pop(info.worker_id, None)
-
-    def is_gone(self, worker_id: str) -> bool:
-        event = self._gone.get(worker_id)
-        return event is not None and event.is_set()
-
-    async def request(
-        self, transport: Transport, worker: WorkerInfo, message: Message, *, timeout: float, job_id: str = ""
-    ) -> AnyMessage:
-        """``transport.request`` to ``worker``'s own subject, abandoned with :class:`WorkerGone`
-        as soon as the worker leaves or is declared dead."""
-        gone = self._event(worker.worker_id)
-        if gone.is_set():
-            raise WorkerGone(worker.tier, worker.worker_id, job_id)
-        reply = asyncio.ensure_future(
-            transport.request(worker.subject, message, timeout=timeout, tier=worker.tier)
-        )
-        watch = asyncio.ensure_future(gone.wait())
-        try:
-            done, _ = await asyncio.wait({reply, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (reply, watch):
-                if not task.done():
-                    task.cancel()
-            await asyncio.gather(reply, watch, return_exceptions=True)
-        if reply in done:
-            return reply.result()
-        raise WorkerGone(worker.tier, worker.worker_id, job_id)
 
 
 # --- the fleet ------------------------------------------------------------------------------------
@@ -153,6 +90,7 @@ class Fleet:
         self._admitting: dict[tuple[str, int], asyncio.Task[None]] = {}
         self.reward: Any = None  # a RewardControl (set by the runner): scores go through it, token and all
         self._jobs = itertools.count()
+        self.orders = ChunkOrders()  # what each rollout chunk was asked for (lost_chunks.py)
         self._run = uuid.uuid4().hex[:8]
 
     async def start(self) -> None:
@@ -261,6 +199,7 @@ class Fleet:
         weight_version: int,
         preferred: str,
         pool: str | None = None,
+        avoid: frozenset[str] = frozenset(),
     ) -> GenerateResult:
         request = GenerateRequest(
             job_id=self._job_id("gen"),
@@ -268,7 +207,7 @@ class Fleet:
             sampling=sampling,
             weight_version=weight_version,
         )
-        tried: set[str] = set()
+        tried: set[str] = set(avoid)
         while True:
             alive = {w.worker_id: w for w in self.rollout_workers(pool, weight_version)}
             candidates = [preferred] if preferred in alive and preferred not in tried else []
@@ -293,7 +232,19 @@ class Fleet:
                 logger.warning("rollout worker %s: %s; trying another", worker.worker_id, exc)
                 continue
             assert isinstance(reply, GenerateResult), reply
+            incarnation = worker.announce.incarnation
+            order = ChunkOrder(chunk, sampling, weight_version, pool, worker.worker_id, incarnation)
+            self.orders.record(reply, order)  # so that a chunk lost with its worker can be made again
             return reply
+
+    async def regenerate(self, order: ChunkOrder) -> GenerateResult:
+        """The chunk ``order`` describes generated again (its prompts, sampling seed, weight version and
+        pool) by a live worker, not by the process that lost it (a new one under its id may serve)."""
+        info = self.registry.get("rollout", order.worker_id)
+        lost_it = info is not None and info.announce.incarnation == order.incarnation
+        avoid = frozenset({order.worker_id}) if lost_it else frozenset()
+        return await self._generate_chunk(order.prompts, order.sampling, order.weight_version, "", order.pool,
+                                          avoid)  # fmt: skip
 
     async def load_weights(self, published: WeightsPublished) -> list[WeightsLoaded]:
         """Every rollout worker pulls the published buckets straight from the trainer's store."""

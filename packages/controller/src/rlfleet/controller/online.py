@@ -46,8 +46,9 @@ from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.trainer import StepSettings
 from rlfleet.controller.config import KLControlFields, KLSchedule, TrainerConfig, check_kl_fields
 from rlfleet.controller.dataset import PromptDataset, PromptItem
+from rlfleet.controller.lost_chunks import StepChunks
 from rlfleet.controller.reward_control import describe_reward_fn, model_swap
-from rlfleet.controller.routing import RolloutFn, RolloutRouter, RouteSummary, chunk_metadata
+from rlfleet.controller.routing import RolloutFn, RolloutRouter, RoutedRollout, RouteSummary, chunk_metadata
 from rlfleet.controller.run import FleetRun
 from rlfleet.controller.trainer_base import TrainerBase
 
@@ -64,6 +65,7 @@ class OnlineStep:
         self.run = run
         self.router = router
         self.last_routes: dict[str, RouteSummary] = {}
+        self.last_rollout: RoutedRollout | None = None  # the last step's prompts and the chunks it trained on
 
     def sampling(self) -> SamplingParams:
         """How this step samples: ``group_size`` samples a prompt, seeded by the step."""
@@ -77,20 +79,29 @@ class OnlineStep:
         fleet = run.fleet
         t0 = time.perf_counter()
         routed = await self.router.generate(fleet, batch, self.sampling(), run.weight_version)
-        results, self.last_routes = routed.results, routed.routes
-        t1 = time.perf_counter()
-        scored = await fleet.score(results, chunk_metadata(routed.items, results), cfg.reward_endpoint)
-        scores = [s for result in scored for s in result.scores]
+        self.last_routes = routed.routes
+        t1 = time.perf_counter()  # a chunk lost with its worker is generated again (lost_chunks.py)
+        metadata = chunk_metadata(routed.items, routed.results)
+        chunks = StepChunks(fleet, routed.results, metadata, cfg.reward_endpoint)
+        await chunks.score()
         t2 = time.perf_counter()
         settings = StepSettings.of(cfg, kl_coef=run.kl_coef)
-        stepped = await fleet.train_step(run.global_step + 1, [r.ref for r in results], scores, settings)
+        stepped = await chunks.train(run.global_step + 1, settings)
+        results = routed.results = chunks.results  # what was trained: every prompt once
+        scored = [s for s in chunks.scored if s is not None]
+        scores = [s for result in scored for s in result.scores]
+        self.last_rollout = routed
         t3 = time.perf_counter()
         published, loaded = await run.publish()
         t4 = time.perf_counter()
         await run.store.release(results)
+        chunks.forget()
         metrics = dict(stepped.metrics)
         metrics.update(reward_metrics(scores, scored))
         metrics.update(routed.metrics())
+        metrics.update({"rollout/prompts": float(sum(r.num_prompts for r in results)),
+                        "rollout/samples": float(len(scores)),
+                        "rollout/chunks_regenerated": float(chunks.regenerated)})  # fmt: skip
         metrics.update(publish_metrics(published, loaded))
         generated = sum(r.num_tokens for r in results if r.worker_id != "controller")  # not fn-written
         metrics.update({

@@ -1,0 +1,255 @@
+"""No batch lives in one place only (issue 12, point 2): a rollout chunk whose producing worker is
+gone before the reward and trainer tiers fetched it is generated again.
+
+A rollout worker keeps each chunk it generates in its own TensorStore; the controller hands the
+chunk's ref to the reward tier (scores) and to the trainer (the update). A worker that dies after
+answering leaves a ref to a store nobody serves. So the fleet records what each chunk was asked
+for (:class:`ChunkOrder`: its prompts, its sampling with the step's seed, the weight version, the
+pool, and which process answered), and :class:`StepChunks` carries one step's chunks through
+scoring and training:
+
+- before scoring and before training it looks for chunks whose producer is gone: the registry
+  saw it leave or declared it dead, or it came back as another process (a new, empty store);
+- a score or train request that fails on a chunk (the error names the chunk's store or key, or
+  is retryable while the chunk's producer is gone) marks that chunk lost;
+
+and generates each lost chunk again on a live worker (never the process that lost it) at the
+same weight version, with the same prompts and sampling seed, scores the new chunk, and puts it
+in the lost one's place. The step's chunks stay in prompt order, one result per chunk, so every
+prompt is answered exactly once: none twice, none missing. A chunk is generated again at most
+``faults.retry_attempts`` times, each within that retry budget (after waiting up to
+``faults.outage_grace_s`` for a live worker, when a restarted one is still coming back); past it
+the step fails with :class:`~rlfleet.controller.errors.ChunkNotRegenerated`, naming the chunk and
+its lost worker.
+
+Why regenerate rather than copy every chunk into the controller's store: the bulk data keeps
+going from the tier that made it to the tiers that use it (the controller never carries a
+batch, :mod:`rlfleet.controller.fleet`), and a lost chunk costs one chunk's generation, only
+when a worker dies. A train request is never abandoned: a fetch fails before the trainer
+updates anything, and a retry of its job id is answered from the trainer's cache, so the new
+train request (new refs, new job id) never doubles an update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rlfleet.common.control.messages import GenerateResult, SamplingParams, ScoreResult, TrainStepResult
+from rlfleet.common.errors import RemoteError, TensorError
+from rlfleet.common.schema.refs import TensorRef
+from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.controller.errors import ChunkNotRegenerated, NoWorkerServed, RetriesExhausted
+from rlfleet.controller.retry import is_retryable, with_retries
+
+logger = logging.getLogger(__name__)
+
+MAX_ORDERS = 256
+"""Chunk orders a fleet remembers (a step forgets its own when it ends; this bounds the rest)."""
+
+FETCH_CODES = frozenset({"unavailable", "timeout", "internal"})
+"""Error codes of a tier that could not fetch a chunk (unreachable store, stalled stream, unknown key)."""
+
+
+@dataclass(frozen=True)
+class ChunkOrder:
+    """What one rollout chunk was asked for, and the process that answered: enough to make it again."""
+
+    prompts: list[list[int]]
+    sampling: SamplingParams
+    weight_version: int
+    pool: str | None
+    worker_id: str
+    incarnation: str
+    """The answering process (its announce's incarnation): a worker back under the same id is another."""
+
+
+def _key(ref: TensorRef) -> str:
+    return f"{ref.address}/{ref.key}"
+
+
+class ChunkOrders:
+    """The order of each chunk a fleet generated, by its result's ref (the oldest forgotten past
+    :data:`MAX_ORDERS`)."""
+
+    def __init__(self) -> None:
+        self._orders: OrderedDict[str, ChunkOrder] = OrderedDict()
+
+    def record(self, result: GenerateResult, order: ChunkOrder) -> None:
+        self._orders[_key(result.ref)] = order
+        while len(self._orders) > MAX_ORDERS:
+            self._orders.popitem(last=False)
+
+    def get(self, result: GenerateResult) -> ChunkOrder | None:
+        return self._orders.get(_key(result.ref))
+
+    def forget(self, results: Sequence[GenerateResult]) -> None:
+        for result in results:
+            self._orders.pop(_key(result.ref), None)
+
+    def __len__(self) -> int:
+        return len(self._orders)
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The error under a spent retry budget (:class:`RetriesExhausted`), else ``exc``."""
+    while isinstance(exc, RetriesExhausted):
+        exc = exc.last
+    return exc
+
+
+def names_chunk(exc: BaseException, ref: TensorRef) -> bool:
+    """Whether ``exc`` is a tier's failure to fetch ``ref``: its message names the chunk's store
+    address or key (whole: port ``5000`` is not ``50001``), with a fetch-failure code."""
+    cause = root_cause(exc)
+    if isinstance(cause, RemoteError):
+        if cause.code not in FETCH_CODES:
+            return False
+    elif not isinstance(cause, TensorError):
+        return False
+    text = str(cause)
+    address = bool(ref.address) and re.search(re.escape(ref.address) + r"(?![0-9])", text) is not None
+    return address or (bool(ref.key) and re.search(re.escape(ref.key) + r"(?![\w/-])", text) is not None)
+
+
+def producer_gone(fleet: Any, order: ChunkOrder) -> bool:
+    """Whether the process that answered ``order`` is gone: left, declared dead, or replaced by a
+    new process under its id (whose store never held the chunk)."""
+    info = fleet.registry.get("rollout", order.worker_id)
+    if info is None or fleet.gone.is_gone(order.worker_id):
+        return True
+    return info.announce.incarnation != order.incarnation
+
+
+class StepChunks:
+    """One step's rollout chunks (``results[i]`` answers the next ``num_prompts`` prompts, with
+    ``metadata[i]`` their metadata), scored and trained on, each lost one generated again.
+
+    ``fleet`` is the run's :class:`~rlfleet.controller.fleet.Fleet` (typed ``Any``: it imports this
+    module for its orders).
+    """
+
+    def __init__(
+        self, fleet: Any, results: Sequence[GenerateResult], metadata: Sequence[Sequence[dict[str, Any]]],
+        endpoint: str,
+    ) -> None:  # fmt: skip
+        self.fleet = fleet
+        self.results = list(results)
+        self.metadata = [list(m) for m in metadata]
+        self.endpoint = endpoint
+        self.scored: list[ScoreResult | None] = [None] * len(self.results)
+        self.regenerated = 0
+        """Chunks generated again in this step."""
+        self._losses: dict[int, int] = {}  # chunk index -> times it was lost
+
+    def _order(self, i: int) -> ChunkOrder | None:
+        return self.fleet.orders.get(self.results[i])
+
+    def gone(self) -> list[int]:
+        """Chunks whose producer is gone (a fn-written chunk lives in the controller's store: never)."""
+        return [i for i in range(len(self.results)) if (o := self._order(i)) and producer_gone(self.fleet, o)]
+
+    def lost_by(self, i: int, exc: BaseException) -> bool:
+        """Whether chunk ``i`` is lost, as the failed request ``exc`` tells."""
+        order = self._order(i)
+        if order is None:
+            return False
+        if names_chunk(exc, self.results[i].ref):
+            return True
+        return is_retryable(root_cause(exc)) and producer_gone(self.fleet, order)
+
+    async def score(self) -> list[ScoreResult]:
+        """Every chunk's score, in chunk order; a chunk lost before or while it is scored is
+        generated again and the new one scored."""
+        while True:  # a round scores what is left or replaces a chunk (each lost a bounded number of times)
+            await self._replace(self.gone(), None)
+            pending = [i for i, s in enumerate(self.scored) if s is None]
+            if not pending:
+                return [s for s in self.scored if s is not None]
+            outcomes = await asyncio.gather(*(self._score_one(i) for i in pending), return_exceptions=True)
+            lost: list[int] = []
+            cause: BaseException | None = None
+            for i, outcome in zip(pending, outcomes, strict=True):
+                if isinstance(outcome, ScoreResult):
+                    self.scored[i] = outcome
+                elif isinstance(outcome, Exception) and self.lost_by(i, outcome):
+                    lost.append(i)
+                    cause = outcome
+                else:
+                    raise outcome
+            await self._replace(lost, cause)
+
+    async def _score_one(self, i: int) -> ScoreResult:
+        [scored] = await self.fleet.score([self.results[i]], [self.metadata[i]], self.endpoint)
+        return scored
+
+    async def train(self, step: int, settings: StepSettings) -> TrainStepResult:
+        """The step's update on every chunk; a chunk the trainer could not fetch (or whose producer
+        went before it was sent) is generated again and scored, and the update asked for again."""
+        while True:
+            scored = await self.score()
+            scores = [s for result in scored for s in result.scores]
+            try:
+                return await self.fleet.train_step(step, [r.ref for r in self.results], scores, settings)
+            except Exception as exc:
+                lost = [i for i in range(len(self.results)) if self.lost_by(i, exc)]
+                if not lost:
+                    raise
+                await self._replace(lost, exc)
+
+    async def _replace(self, lost: list[int], cause: BaseException | None) -> None:
+        if lost:
+            await asyncio.gather(*(self._regenerate(i, cause) for i in lost))
+
+    async def _regenerate(self, i: int, cause: BaseException | None) -> None:
+        """Generate chunk ``i`` again and put it in place (unscored); raise past the budget."""
+        old, order = self.results[i], self._order(i)
+        assert order is not None, "only chunks with an order are lost"
+        faults = self.fleet.faults
+        self._losses[i] = losses = self._losses.get(i, 0) + 1
+        why = f"{cause}" if cause is not None else "its worker is gone"
+        if losses > faults.retry_attempts:
+            raise ChunkNotRegenerated(old.job_id, order.worker_id, old.num_prompts, losses - 1,
+                                      cause or NoWorkerServed("lost again"))  # fmt: skip
+        logger.warning("rollout chunk %s (%d prompts) of worker %s is lost (%s); generating it again on "
+                       "a live worker", old.job_id, old.num_prompts, order.worker_id, why)  # fmt: skip
+        await self._a_worker_for(order)
+        try:
+            new = await with_retries(
+                f"generating rollout chunk {old.job_id} again", lambda: self.fleet.regenerate(order), faults,
+                retry_if=lambda exc: isinstance(exc, NoWorkerServed) or is_retryable(exc),
+            )  # fmt: skip
+        except (RetriesExhausted, NoWorkerServed) as exc:
+            last = root_cause(exc)
+            attempts = exc.attempts if isinstance(exc, RetriesExhausted) else 1
+            raise ChunkNotRegenerated(old.job_id, order.worker_id, old.num_prompts, attempts, last) from exc
+        if new.num_prompts != old.num_prompts:
+            wrong = ValueError(f"{new.worker_id} answered {new.num_prompts} prompts of {old.num_prompts}")
+            raise ChunkNotRegenerated(old.job_id, order.worker_id, old.num_prompts, 1, wrong)
+        logger.warning("rollout chunk %s generated again by worker %s as %s", old.job_id, new.worker_id,
+                       new.job_id)  # fmt: skip
+        self.results[i], self.scored[i] = new, None
+        self.fleet.orders.forget([old])
+        self.regenerated += 1
+
+    async def _a_worker_for(self, order: ChunkOrder) -> None:
+        """Wait, at most ``faults.outage_grace_s``, until a live worker other than the process that
+        lost the chunk holds its weight version (in the embedded default a lone rollout worker is
+        restarted and loads those weights before it announces); the retries then take over."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.fleet.faults.outage_grace_s
+        while loop.time() < deadline:
+            lost_it = (order.worker_id, order.incarnation)
+            workers = self.fleet.rollout_workers(order.pool, order.weight_version)
+            if any((w.worker_id, w.announce.incarnation) != lost_it for w in workers):
+                return
+            await asyncio.sleep(0.2)
+
+    def forget(self) -> None:
+        """Drop the orders of the step's chunks (the step is done with them)."""
+        self.fleet.orders.forget(self.results)
