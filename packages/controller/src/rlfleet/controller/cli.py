@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("config", help="print the resolved config of a job file and exit")
     show.add_argument("config", type=Path)
     show.add_argument("overrides", nargs="*")
+    from rlfleet.controller.status import add_status_parser
+
+    add_status_parser(sub)
     return parser
 
 
@@ -124,6 +127,10 @@ def _main(args: argparse.Namespace) -> int:
     from rlfleet.common.errors import Failure, UserError
     from rlfleet.controller.errors import Terminated
 
+    if args.command == "status":
+        from rlfleet.controller.status import run_status_command
+
+        return run_status_command(args)
     try:
         job = _load_job(args.config, args.overrides)
         if args.command == "config":

@@ -39,6 +39,7 @@ from rlfleet.common.control.messages import (
     WorkerAnnounce,
 )
 from rlfleet.common.control.transport import Handler, Subscription, Transport, worker_subject
+from rlfleet.common.control.worker_metrics import Health, MetricsServer, WorkerMetrics
 from rlfleet.common.errors import Failure, WrongMessageKind
 from rlfleet.common.schema.connection import NatsConnection
 from rlfleet.common.schema.worker import ServiceConfig
@@ -86,6 +87,9 @@ class Worker(Generic[C]):
         self._stopped = asyncio.Event()
         self._membership: Heartbeater | None = None
         self._set_up = False
+        self.metrics = WorkerMetrics(self.tier, self.worker_id, self.incarnation)
+        """Prometheus metrics (requests, busy time, weight version, tokens); served if metrics_port is set."""
+        self.metrics_server: MetricsServer | None = None
 
     # --- to override ----------------------------------------------------------------------
 
@@ -121,6 +125,7 @@ class Worker(Generic[C]):
         )
 
     async def start(self) -> None:
+        self._start_metrics()
         await self.setup()
         self._set_up = True
         await self.transport.subscribe(self.own_subject, self._on_own)
@@ -130,6 +135,32 @@ class Worker(Generic[C]):
         )  # fmt: skip
         await self._membership.start()
         logger.info("%s worker %s is up on cluster %s", self.tier, self.worker_id, self.config.cluster)
+
+    def _start_metrics(self) -> None:
+        port = self.config.metrics_port
+        if port is None or self.metrics_server is not None:
+            return
+        host = self.config.metrics_host or self.config.bind_host
+        self.metrics_server = MetricsServer(self.metrics, self.health, host, port, on_scrape=self._sample)
+        self.metrics_server.start()
+        logger.info("%s metrics on http://%s:%d/metrics (health: /healthz)", self.worker_id, host,
+                    self.metrics_server.port)  # fmt: skip
+
+    def _sample(self) -> None:
+        self.metrics.weight_version.set(self.weight_version)
+
+    def health(self) -> Health:
+        """What ``/healthz`` answers: serving once set up, connected and not draining."""
+        connected = bool(getattr(self.transport, "is_connected", True))
+        if self.draining:
+            state = "draining"
+        elif not self._set_up:
+            state = "starting"
+        elif not connected:
+            state = "disconnected"
+        else:
+            state = "serving"
+        return Health(state == "serving", state, self.weight_version, len(self.in_flight))
 
     def status(self) -> WorkerStatus:
         """What the next heartbeat reports: weight version, busy count, the oldest request in progress."""
@@ -153,8 +184,12 @@ class Worker(Generic[C]):
     def _tracked(self, handler: Handler) -> Handler:
         async def run(message: AnyMessage) -> AnyMessage | None:
             if self.draining:
+                self.metrics.refused(message.kind)
                 raise WorkerDraining(self.tier, self.worker_id, message.kind)
-            with self.in_flight.track(message.kind, str(getattr(message, "job_id", "") or "")):
+            with (
+                self.in_flight.track(message.kind, str(getattr(message, "job_id", "") or "")),
+                self.metrics.request(message.kind),
+            ):
                 return await handler(message)
 
         return run
@@ -212,6 +247,9 @@ class Worker(Generic[C]):
         if self._set_up:  # a failed setup must not be masked by a teardown of half-made resources
             self._set_up = False
             await self.teardown()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+            self.metrics_server = None
 
 
 # --- entry points ---------------------------------------------------------------------------

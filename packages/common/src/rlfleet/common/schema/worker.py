@@ -90,6 +90,12 @@ class ServiceConfig(FleetAddress, Placement, TensorPlaneSettings):
     )  # fmt: skip
     log_level: str = Field(default="INFO", description="logging level")
     log_json: bool = Field(default=False, description="log one JSON object per line")
+    metrics_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="serve Prometheus /metrics and /healthz over HTTP on this port (0: any free one); "
+        "None: no metrics server",
+    )  # fmt: skip
+    metrics_host: str = Field(default="", description="interface of the metrics server; empty: bind_host")
 
 
 class ModelWorkerConfig(ServiceConfig):

@@ -1,0 +1,125 @@
+"""``rlfleet status``: the workers of a running fleet as a table (issue 13: a fleet you can watch).
+
+::
+
+    rlfleet status --nats nats://host:4222 --cluster prod [--watch] [--nats-user ...]
+
+It joins the fleet's membership subjects as an observer (the same registry the controller keeps),
+asks every worker to announce itself, and after ``--wait`` seconds prints one row per worker:
+tier, id, pool, host (of its TensorStore), pid, weight version, requests in progress, health
+(``ok`` while heartbeats arrive, ``silent Ns`` once they stop) and what it is doing. With
+``--watch`` the table is redrawn every ``--interval`` seconds until Ctrl-C. Credentials come from
+the ``--nats-*`` flags or ``RLFLEET_NATS_*`` (on a permissioned server, a user that may subscribe
+to the membership subjects and publish the controller's ping, such as the controller's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Sequence
+
+from rlfleet.common.control.membership import WorkerInfo, WorkerRegistry
+from rlfleet.common.control.transport import WORKER_TIERS
+
+SILENT_AFTER_S = 6.0
+"""A worker unheard for this long shows as ``silent`` (three beats of the default 2 s)."""
+
+COLUMNS = ("TIER", "WORKER", "POOL", "HOST", "PID", "VERSION", "BUSY", "HEALTH", "ACTIVITY")
+
+
+def add_status_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from rlfleet.common.control.worker import add_nats_arguments
+
+    status = sub.add_parser("status", help="print the workers of a running fleet")
+    status.add_argument("--nats", dest="nats_url", required=True, help="NATS URL of the fleet")
+    status.add_argument("--cluster", required=True, help="the fleet's cluster name (a run's `cluster`)")
+    status.add_argument("--watch", action="store_true", help="redraw the table until Ctrl-C")
+    status.add_argument("--interval", type=float, default=2.0, help="seconds between redraws (--watch)")
+    status.add_argument("--wait", type=float, default=2.5, help="seconds to listen before the first table")
+    add_nats_arguments(status)
+
+
+def host_of(worker: WorkerInfo) -> str:
+    """The host of a worker's TensorStore address (``host:port``, ``[v6]:port``), or ``-``."""
+    address = worker.data_address
+    if not address:
+        return "-"
+    host, _, _ = address.rpartition(":")
+    return host.strip("[]") or "-"
+
+
+def rows(workers: Sequence[WorkerInfo], now: float) -> list[tuple[str, ...]]:
+    """One row per worker (tiers in fleet order, then by id)."""
+    out = []
+    order = {tier: i for i, tier in enumerate(WORKER_TIERS)}
+    for w in sorted(workers, key=lambda w: (order.get(w.tier, 99), w.worker_id)):
+        heard = now - w.last_seen
+        health = "ok" if heard <= SILENT_AFTER_S else f"silent {heard:.0f}s"
+        activity = f"{w.activity} ({w.activity_s + heard:.0f}s)" if w.activity else "idle"
+        version = str(w.weight_version) if w.weight_version >= 0 else "-"
+        pid = str(w.announce.pid) if w.announce.pid else "-"
+        out.append((w.tier, w.worker_id, w.pool, host_of(w), pid, version, str(w.busy), health, activity))
+    return out
+
+
+def render(cluster: str, workers: Sequence[WorkerInfo], now: float) -> str:
+    """The table, under a summary line (workers per tier, the trainer's weight version)."""
+    counts = ", ".join(f"{tier} {sum(w.tier == tier for w in workers)}" for tier in WORKER_TIERS)
+    trainers = [w.weight_version for w in workers if w.tier == "trainer" and w.weight_version >= 0]
+    version = f"; trainer at weight version {max(trainers)}" if trainers else ""
+    lines = [f"fleet {cluster}: {counts}{version}"]
+    table = [COLUMNS, *rows(workers, now)]
+    if len(table) == 1:
+        return lines[0] + "\n(no worker answered: is the cluster name right, and is the fleet running?)\n"
+    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
+    for row in table:
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+async def snapshot(registry: WorkerRegistry) -> list[WorkerInfo]:
+    return [w for tier in WORKER_TIERS for w in registry.workers(tier)]
+
+
+async def show(args: argparse.Namespace, out=sys.stdout) -> None:  # noqa: ANN001 - a text stream
+    from rlfleet.common.control.nats_transport import NatsTransport
+    from rlfleet.common.control.worker import connection_from_args
+
+    transport = await NatsTransport.connect(
+        args.nats_url, name="rlfleet-status", tier="controller", auth=connection_from_args(args),
+        max_reconnect_attempts=0 if not args.watch else -1,
+    )  # fmt: skip
+    registry = WorkerRegistry(transport, args.cluster, dead_after=3600.0)  # observe, never reap
+    try:
+        await registry.start()
+        await asyncio.sleep(max(0.0, args.wait))
+        while True:
+            text = render(args.cluster, await snapshot(registry), time.monotonic())
+            out.write(("\x1b[2J\x1b[H" if args.watch and out.isatty() else "") + text)
+            out.flush()
+            if not args.watch:
+                return
+            await asyncio.sleep(max(0.2, args.interval))
+    finally:
+        await registry.stop()
+        await transport.close()
+
+
+def run_status_command(args: argparse.Namespace) -> int:
+    """``rlfleet status``: 0 when the table was printed, 1 when the fleet could not be reached."""
+    import logging
+
+    from rlfleet.common.errors import RlfleetError
+
+    logging.getLogger("rlfleet.common").setLevel(logging.ERROR)  # reconnect chatter: the error says it
+    try:
+        asyncio.run(show(args))
+    except KeyboardInterrupt:
+        return 0
+    except RlfleetError as exc:
+        print(f"rlfleet status: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
+    return 0
