@@ -1,6 +1,6 @@
 """A rollout worker killed after it answered its chunk (issue 12, point 2): the chunk is generated again.
 
-Cluster mode, every tier a real ``rlfleet-<tier> serve`` process, two rollout workers that each
+Cluster mode first, every tier a real ``rlfleet-<tier> serve`` process, two rollout workers that each
 generate one chunk of a step's 4 prompts. The reward is a user function (written to ``tmp_path``,
 imported by the reward worker) that, while a hold file exists, waits on its first sample: so the
 kill lands at a known point, after the reward tier fetched both chunks' texts and before the
@@ -12,6 +12,10 @@ trainer fetched anything. It also logs every sample it scores.
 - Step 3 (a new rollout worker joined): the worker is SIGKILLed and the reward released only
   after the controller's registry declared it dead; the chunk is generated again before the
   train request goes out.
+
+- The embedded default (the launcher's own processes): a rollout worker is SIGKILLed while the reward
+  holds; the launcher restarts it, the run forgets the dead process, and the chunk is generated
+  again in the same step (the supervisor does not run the step again).
 
 Each time: the step completes, its trained chunks answer the 4 prompts exactly once (8 samples),
 exactly the lost chunk's prompts were generated (and scored) again, with the same samples (same
@@ -126,7 +130,7 @@ def _step_with_a_kill(
     return got["step"]
 
 
-def _check_once(trainer: GRPOTrainer, result: Any, box: Path, killed: str) -> None:
+def _check_once(trainer: GRPOTrainer, result: Any, box: Path, killed: str | None) -> None:
     """The step trained every prompt once, and generated again exactly the lost chunk's prompts."""
     rollout = trainer.online_step.last_rollout
     assert rollout is not None
@@ -136,7 +140,8 @@ def _check_once(trainer: GRPOTrainer, result: Any, box: Path, killed: str) -> No
     assert len({it.index for it in rollout.items}) == BATCH == len(rollout.items)
     assert sum(r.num_prompts for r in rollout.results) == BATCH
     assert sum(r.num_samples for r in rollout.results) == BATCH * GROUP
-    assert killed not in {r.worker_id for r in rollout.results}, "a chunk of the dead worker was trained"
+    if killed is not None:  # (embedded: a worker restarted under the killed one's id may make chunks)
+        assert killed not in {r.worker_id for r in rollout.results}, "a chunk of the dead worker was trained"
     assert len(rollout.results) == 2 and len({r.ref.key for r in rollout.results}) == 2
     per_prompt = _scored(box)
     assert len(per_prompt) == BATCH, per_prompt  # every prompt of the step was scored
@@ -208,3 +213,51 @@ def test_a_chunk_lost_with_its_rollout_worker_is_generated_again(
     assert len(lost) == 2, lost
     assert "unreachable" in lost[0], lost[0]  # step 2: the trainer's fetch failed on the dead store
     assert "its worker is gone" in lost[1], lost[1]  # step 3: seen gone before the train request
+
+
+@pytest.mark.timeout(600)
+def test_embedded_a_chunk_lost_with_its_crashed_rollout_worker_is_generated_again(
+    tmp_path: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded default: the launcher restarts the killed worker, the run forgets its process at
+    once, and the chunk it held is generated again in the same step (no step run again)."""
+    caplog.set_level(logging.INFO)
+    box = tmp_path / "box"
+    box.mkdir()
+    (tmp_path / "lost_batch_reward.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("LOST_BATCH_DIR", str(box))  # the embedded workers inherit the environment
+    config = TrainerConfig(
+        num_rollout_workers=2, rollout_batch_size=BATCH, train_batch_size=BATCH, group_size=GROUP,
+        micro_batch_size=BATCH, max_prompt_length=32, max_response_length=6, kl_coef=0.0, device="cpu",
+        seed=3, output_dir=str(tmp_path / "run"), loggers=["jsonl"], sample_table_size=0,
+        startup_timeout_s=240,
+    )  # fmt: skip
+    dataset = PromptDataset(str(DATA), max_prompt_length=32, seed=3)
+    trainer = GRPOTrainer(str(tiny_model_dir), REWARD, dataset, config)
+    try:
+        steps = trainer.steps(num_epochs=1, max_steps=2)
+        first = next(steps)
+        launcher, fleet = trainer.fleet_run.launcher, trainer.fleet
+        assert launcher is not None
+        [victim] = [w for w in launcher.workers if w.spec.worker_id == "rollout-1"]
+        before = fleet.registry.get("rollout", "rollout-1")
+        assert before is not None
+
+        def forgotten() -> None:  # the run saw the crash: its process is gone from the registry
+            def gone() -> bool:
+                info = fleet.registry.get("rollout", "rollout-1")
+                return info is None or info.announce.incarnation != before.announce.incarnation
+
+            _wait(gone, 60, "the crashed rollout-1 forgotten")
+
+        second = _step_with_a_kill(steps, box, victim.process, forgotten)
+        _check_once(trainer, second, box, None)
+        assert list(steps) == [], "the run finished after its 2 steps"
+    finally:
+        trainer.close()
+    assert [first.step, second.step] == [1, 2]
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "running it again" in m], "the step was run again"
+    assert len([m for m in messages if "is lost (" in m]) == 1
