@@ -9,6 +9,7 @@ Two real gloo ranks on CPU behind one NATS worker, started as the embedded launc
 - rank 1 killed with SIGKILL under an idle trainer: the next step is answered within 60 s with
   ``TrainerRankDied`` naming rank 1, and rank 0 exits with ``RANK_LOST_EXIT`` (no 20-minute wait in
   a collective);
+- rank 0 killed: the follower exits with ``RANK_LOST_EXIT`` naming rank 0, not left holding its device;
 - rank 1 killed in a run with ``save_every``: the run restores the trainer's ranks from the last
   checkpoint and finishes, saying which rank died.
 """
@@ -114,6 +115,17 @@ async def test_a_killed_rank_1_is_named_within_60_s_and_rank_0_exits(ranks: Any)
     assert rank0.wait(timeout=30) == RANK_LOST_EXIT
     assert time.monotonic() - t0 < 60
     assert "TrainerRankDied: trainer rank 1 stopped answering" in ranks.fleet.workers[0].log_tail(20)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_a_follower_whose_rank_0_was_killed_exits_naming_it(ranks: Any) -> None:
+    follower = ranks.fleet.workers[1]
+    os.kill(ranks.pids[0], signal.SIGKILL)
+    code = follower.process.wait(timeout=60)  # not left holding its device for nobody
+    tail = follower.log_tail(20)
+    assert code == RANK_LOST_EXIT, tail
+    assert "TrainerRankDied: trainer rank 0 " in tail and "rank 1 exits" in tail, tail
 
 
 @pytest.mark.slow

@@ -127,5 +127,5 @@ class TrainerRankDied(Failure, RuntimeError):
         during = f" during {doing}" if doing else ""
         how = how or "no heartbeat in the ranks' rendezvous store: it died or froze"
         then = then or "rank 0 exits so that the trainer's ranks restart together"
-        ago = f"{silent_s:.0f} s ago"
-        super().__init__(f"trainer rank {rank} stopped answering {ago}{during} ({how}); {then}")
+        gone = f"stopped answering {silent_s:.0f} s ago" if silent_s > 0 else "is gone"
+        super().__init__(f"trainer rank {rank} {gone}{during} ({how}); {then}")

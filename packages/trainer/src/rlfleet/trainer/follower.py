@@ -27,8 +27,8 @@ from rlfleet.common.control.messages import TrainStepRequest
 from rlfleet.common.schema.trainer import TrainerWorkerConfig
 from rlfleet.trainer.checkpoint import check_loadable, check_writable, load_checkpoint, save_checkpoint
 from rlfleet.trainer.commands import CommandChannel, agree
-from rlfleet.trainer.errors import TrainerRankFailed
-from rlfleet.trainer.rank_liveness import RankHeartbeat
+from rlfleet.trainer.errors import TrainerRankDied, TrainerRankFailed
+from rlfleet.trainer.rank_liveness import RANK_LOST_EXIT, RankHeartbeat
 from rlfleet.trainer.ranks import build_models, rank_from_env, use_rank_thread
 from rlfleet.trainer.service import StoreClients, fetch_batch, run_step
 
@@ -56,7 +56,11 @@ class Follower:
         logger.info("trainer rank %d of %d ready", self.dist.rank, self.dist.world_size)
         try:
             while True:
-                command = await asyncio.to_thread(self.channel.receive)
+                try:
+                    command = await asyncio.to_thread(self.channel.receive)
+                except RuntimeError as exc:  # gloo: the sender's connection closed
+                    how = f"the command channel from it broke: {exc}"
+                    raise TrainerRankDied(0, 0.0, how=how, then=f"rank {self.dist.rank} exits") from exc
                 if command["op"] == "stop":
                     logger.info("rank 0 says stop")
                     return
@@ -132,6 +136,10 @@ def follower_main(prog: str, argv: Sequence[str] | None = None) -> int:
     configure_logging(config.log_level, config.log_json, f"{prog}[rank {rank_from_env()}]")
     try:
         asyncio.run(Follower(config).run())
+    except TrainerRankDied as exc:  # one line that names the cause (the launcher reports it)
+        logger.error("%s", exc)
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return RANK_LOST_EXIT
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

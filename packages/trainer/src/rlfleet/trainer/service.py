@@ -190,9 +190,10 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
         use_rank_thread(asyncio.get_running_loop(), cfg.device)
         self.dist, self.actor, self.critic = await asyncio.to_thread(build_models, cfg)
         self.channel = CommandChannel(self.dist)  # to trainer ranks 1..W-1 (see the module docstring)
-        self._doing = ""  # the command in progress, for a dead rank's report
+        self._doing = ""  # the command in progress (under the lock), for a dead rank's report
         self.watch = None if not self.dist.distributed else RankWatch(
-            self.dist, cfg.rank_silence_s, lambda: self._doing).start(asyncio.get_running_loop())  # fmt: skip
+            self.dist, cfg.rank_silence_s, lambda: self._doing if self._lock.locked() else "").start(
+            asyncio.get_running_loop())  # fmt: skip
         self.fingerprint = model_fingerprint(cfg.model_path)
         self.weight_version = 0
         capacity = int(cfg.weights_store_mb * 2**20)
