@@ -139,6 +139,7 @@ class StepChunks:
         endpoint: str,
     ) -> None:  # fmt: skip
         self.fleet = fleet
+        self.orders: ChunkOrders | None = getattr(fleet, "orders", None)  # none: nothing is regenerated
         self.results = list(results)
         self.metadata = [list(m) for m in metadata]
         self.endpoint = endpoint
@@ -148,7 +149,7 @@ class StepChunks:
         self._losses: dict[int, int] = {}  # chunk index -> times it was lost
 
     def _order(self, i: int) -> ChunkOrder | None:
-        return self.fleet.orders.get(self.results[i])
+        return self.orders.get(self.results[i]) if self.orders is not None else None
 
     def gone(self) -> list[int]:
         """Chunks whose producer is gone (a fn-written chunk lives in the controller's store: never)."""
@@ -234,7 +235,8 @@ class StepChunks:
         logger.warning("rollout chunk %s generated again by worker %s as %s", old.job_id, new.worker_id,
                        new.job_id)  # fmt: skip
         self.results[i], self.scored[i] = new, None
-        self.fleet.orders.forget([old])
+        if self.orders is not None:
+            self.orders.forget([old])
         self.regenerated += 1
 
     async def _a_worker_for(self, order: ChunkOrder) -> None:
@@ -252,4 +254,5 @@ class StepChunks:
 
     def forget(self) -> None:
         """Drop the orders of the step's chunks (the step is done with them)."""
-        self.fleet.orders.forget(self.results)
+        if self.orders is not None:
+            self.orders.forget(self.results)
