@@ -180,6 +180,7 @@ class Tiers:
 
     async def _rollout(self, message: AnyMessage) -> AnyMessage:
         if isinstance(message, LoadWeights):
+            assert message.job_id, "a weight load carries a job id (the worker answers a repeat once)"
             return WeightsLoaded(worker_id="rollout-0", weight_version=message.weight_version)
         assert isinstance(message, GenerateRequest)
         n = len(message.prompt_token_ids) * message.sampling.n

@@ -358,6 +358,22 @@ class BatchContractError(UserError, ValueError):
         super().__init__(f"rollout batch field {field!r}: {reason}")
 
 
+class JobIdReused(UserError, ValueError):
+    """A request reuses the ``job_id`` of an earlier, different request (an idempotency key names one job)."""
+
+    code = "bad_request"
+
+    def __init__(self, kind: str, job_id: str, fields: list[str]) -> None:
+        self.kind = kind
+        self.job_id = job_id
+        self.fields = list(fields)
+        super().__init__(
+            f"{kind} job_id {job_id!r} was first used for another request (it differs in "
+            f"{', '.join(self.fields) or 'nothing visible'}); a retry repeats its request, a new job "
+            "takes a new id"
+        )
+
+
 _BY_KIND: tuple[tuple[type[BaseException], str], ...] = (
     (ProtocolMismatch, "protocol_mismatch"),
     (MessageDecodeError, "bad_message"),

@@ -147,7 +147,7 @@ class Fleet:
 
     async def _load_one(self, worker: Any, published: WeightsPublished) -> None:
         message = LoadWeights(weight_version=published.weight_version, buckets=published.buckets,
-                              ipc_buckets=published.ipc_buckets)  # fmt: skip
+                              ipc_buckets=published.ipc_buckets, job_id=self._job_id("load"))  # fmt: skip
         try:
             reply = await self._load_request(worker, message)
         except (RequestTimeout, ConnectionError, RemoteError, RetriesExhausted) as exc:
@@ -251,7 +251,7 @@ class Fleet:
         self.published = published
         self._admitting = {k: t for k, t in self._admitting.items() if k[1] == published.weight_version}
         message = LoadWeights(weight_version=published.weight_version, buckets=published.buckets,
-                              ipc_buckets=published.ipc_buckets)  # fmt: skip
+                              ipc_buckets=published.ipc_buckets, job_id=self._job_id("load"))  # fmt: skip
         workers = self.rollout_workers()
         loads = (self._load_request(w, message) for w in workers)
         replies = await asyncio.gather(*loads, return_exceptions=True)

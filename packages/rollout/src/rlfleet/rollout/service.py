@@ -6,7 +6,9 @@ the only one who may delete) loads a newer weight version or ``store_ttl_s`` pas
 arrive by the carrier that suits this worker (:mod:`rlfleet.common.schema.carriers`): CUDA IPC
 from a trainer on the same GPU, else the trainer's TensorStore over gRPC. A generate request
 pinned to a weight version this worker does not hold is refused as retryable, never served on
-stale weights.
+stale weights. A generate or weight load whose ``job_id`` the worker has seen (the controller's
+retry, or the transport's resend after a NATS outage) is answered with the first reply, not run
+again (:class:`~rlfleet.common.control.reply_cache.ReplyCache`).
 
 Completions are packed (:func:`to_rollout_tensors`) into the rollout-batch tensor contract shared
 by rollout, reward and trainer; N = number of completions (prompt-major, as ``Engine.generate``
@@ -38,6 +40,7 @@ from rlfleet.common.control.messages import (
     LoadWeights,
     WeightsLoaded,
 )
+from rlfleet.common.control.reply_cache import ReplyCache
 from rlfleet.common.control.transport import subject
 from rlfleet.common.control.worker import Worker
 from rlfleet.common.errors import WrongMessageKind
@@ -129,6 +132,7 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         self._batches: list[tuple[int, str]] = []  # (weight version, key) of the batches in the store
         self._clients: dict[str, TensorStoreClient] = {}
         self._gpu = asyncio.Lock()  # one engine call at a time: generation and weight loads never overlap
+        self.replies = ReplyCache()  # a repeated generate or load (same job_id) gets its first reply
         # late join: hold the trainer's current version before the first announce (never serve stale)
         self.weight_version = await catch_up(self.transport, cfg.cluster, self.worker_id, self.weight_version,
                                              self.load_weights, timeout=cfg.catch_up_timeout_s)  # fmt: skip
@@ -141,15 +145,15 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
 
     async def handle_own(self, message: AnyMessage) -> AnyMessage | None:
         if isinstance(message, GenerateRequest):
-            return await self.generate(message)
+            return await self.replies.once(message, message.job_id, lambda: self.generate(message))
         if isinstance(message, LoadWeights):
-            return await self.load_weights(message)
+            return await self.replies.once(message, message.job_id, lambda: self.load_weights(message))
         return await super().handle_own(message)
 
     async def _on_generate(self, message: AnyMessage) -> AnyMessage:
         if not isinstance(message, GenerateRequest):
             raise WrongMessageKind("rollout.generate", message.kind)
-        return await self.generate(message)
+        return await self.replies.once(message, message.job_id, lambda: self.generate(message))
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         if request.weight_version >= 0 and request.weight_version != self.weight_version:

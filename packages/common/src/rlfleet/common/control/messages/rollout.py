@@ -43,7 +43,8 @@ class SamplingParams(BaseModel):
 
 
 class GenerateRequest(Message):
-    """Generate ``n`` samples for each prompt at ``weight_version``."""
+    """Generate ``n`` samples for each prompt at ``weight_version``; a repeated ``job_id`` (a resend
+    after an outage) gets the first job's reply."""
 
     kind: Literal["rollout.generate"] = "rollout.generate"
     job_id: str
@@ -77,6 +78,10 @@ class LoadWeights(Message):
     ipc_buckets: list[IpcBucket] = Field(
         default_factory=list, description="the same weights shared by CUDA IPC (a worker on that GPU)"
     )
+    job_id: str = Field(
+        default="", max_length=128,
+        description="idempotency key: a repeat (a retry, a resend after an outage) gets the first answer",
+    )  # fmt: skip
 
 
 class WeightsLoaded(Message):
