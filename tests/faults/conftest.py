@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -66,3 +67,30 @@ def serve_tier(tmp_path: Path, venv_script, cli_env) -> Iterator[Callable[..., s
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+class TinyCliRun:
+    """The tiny example as a real ``rlfleet train`` command (few steps, small batches, a jsonl log),
+    and the steps a run logged: the fault tests that drive the CLI share it."""
+
+    example = TESTS.parent / "examples" / "tiny_grpo.yaml"
+
+    def __init__(self, rlfleet: str, model_dir: Path) -> None:
+        self.rlfleet, self.model_dir = rlfleet, model_dir
+
+    def command(self, out: Path, steps: int, *overrides: str) -> list[str]:
+        return [self.rlfleet, "train", str(self.example), f"output_dir={out}", f"model={self.model_dir}",
+                f"max_steps={steps}", "rollout_batch_size=4", "train_batch_size=4", "group_size=4",
+                "sample_table_size=0", "log_every=1", *overrides]  # fmt: skip
+
+    @staticmethod
+    def steps(out: Path) -> list[int]:
+        """The steps ``metrics.jsonl`` holds so far."""
+        path = out / "metrics.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [json.loads(line)["step"] for line in lines if line.strip()]
+
+
+@pytest.fixture
+def tiny_cli(venv_script, tiny_model_dir) -> TinyCliRun:  # noqa: ANN001 (fixtures)
+    return TinyCliRun(venv_script("rlfleet"), tiny_model_dir)

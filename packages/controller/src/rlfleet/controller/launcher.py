@@ -52,6 +52,7 @@ from rlfleet.common.control.worker import USER_ERROR_EXIT
 from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.connection import ENV_PREFIX as NATS_ENV_PREFIX
 from rlfleet.common.schema.connection import NatsConnection
+from rlfleet.common.schema.worker import ServiceConfig
 from rlfleet.controller.errors import TierDied, TierNotRestarted, TierRefused
 
 logger = logging.getLogger(__name__)
@@ -361,19 +362,22 @@ class EmbeddedFleet:
         return [self.workers[i] for i in group]
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop exactly the processes this fleet started: SIGTERM, wait, then SIGKILL their groups."""
+        """Stop exactly the processes this fleet started: SIGTERM, wait, then SIGKILL their groups.
+
+        A worker SIGTERMed drains first (its requests in progress get its ``drain_s`` to finish), so
+        each is waited for up to its own ``drain_s`` plus ``timeout`` before it is killed."""
         with _sigint_deferred():
             for worker in self.workers:
                 if worker.process.poll() is None:
                     worker.process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + timeout
+            start = time.monotonic()
             for worker in self.workers:
+                bound = drain_bound(worker.spec) + timeout
                 try:
-                    worker.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                    worker.process.wait(timeout=max(0.1, start + bound - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    logger.warning(
-                        "worker %s did not stop in %.0fs; killing it", worker.spec.worker_id, timeout
-                    )
+                    logger.warning("worker %s did not stop in %.0fs (drain_s and %.0f s more); killing it",
+                                   worker.spec.worker_id, bound, timeout)  # fmt: skip
                     _kill_group(worker.pid)
                     worker.process.wait(timeout=5)
                 _kill_group(worker.pid)  # whatever the worker itself started and left behind
@@ -392,6 +396,18 @@ class EmbeddedFleet:
 SUPERVISED_TIERS = ("rollout", "reward")
 """Tiers whose crashed workers :meth:`EmbeddedFleet.check` starts again on its own (a trainer needs
 its state restored: the run restarts it, :meth:`EmbeddedFleet.restart_tier`)."""
+
+
+def drain_bound(spec: WorkerSpec) -> float:
+    """How long ``spec``'s worker may drain once SIGTERMed: its config's ``drain_s`` (the schema's
+    default when the config does not set it)."""
+    config = spec.config
+    value = config.get("drain_s") if isinstance(config, dict) else getattr(config, "drain_s", None)
+    default = ServiceConfig.model_fields["drain_s"].default
+    try:
+        return max(0.0, float(value if value is not None else default))
+    except (TypeError, ValueError):
+        return float(default)
 
 
 def _kill_group(pgid: int) -> None:

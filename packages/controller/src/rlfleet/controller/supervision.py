@@ -118,10 +118,17 @@ class GuardedLoop:
             watched.check()
 
     def shutdown(self, leave: Callable[[], Awaitable[None]] | None) -> None:
-        """Cancel what a Ctrl-C left running, await ``leave()`` (10 s at most), cancel what is left."""
+        """Cancel what a Ctrl-C left running, await ``leave()`` (10 s at most), then cancel and await
+        every task still pending, end async generators and the default executor, so that closing
+        the loop leaves nothing behind to fail later ("Event loop is closed", "Writer is closed").
+
+        From here on the run is going away: what a task or callback fails with (a socket the other
+        side closed, the KeyboardInterrupt of a SIGTERM that landed in a background task) is logged
+        at debug level, not printed as a traceback."""
         loop = self._loop
         if loop is None or loop.is_closed():
             return
+        loop.set_exception_handler(_quiet)
         _cancel(loop, list(self._tasks))
         self._tasks.clear()
         if leave is not None:
@@ -129,12 +136,16 @@ class GuardedLoop:
                 loop.run_until_complete(asyncio.wait_for(leave(), timeout=10.0))
             except (ConnectionError, RuntimeError, TimeoutError) as exc:
                 logger.debug("leaving the control plane: %s", exc)
-        _cancel(loop, list(asyncio.all_tasks(loop)))
+        _drain(loop)
 
     def close(self) -> None:
-        """Close the loop (idempotent)."""
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.close()
+        """Close the loop (idempotent), after cancelling and awaiting what is still pending on it."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            if not loop.is_running():
+                loop.set_exception_handler(_quiet)
+                _drain(loop)
+            loop.close()
 
 
 def _cancel(loop: asyncio.AbstractEventLoop, tasks: list[asyncio.Task[Any]]) -> None:
@@ -142,6 +153,31 @@ def _cancel(loop: asyncio.AbstractEventLoop, tasks: list[asyncio.Task[Any]]) -> 
         task.cancel()
     if tasks:
         loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+
+
+_DRAIN_ROUNDS = 5
+"""Cancelling a task can start another (a client's close); a few rounds catch those."""
+
+
+def _drain(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel and await every pending task of ``loop`` (a few rounds), then its async generators and
+    its default executor (a thread finishing after the loop closed would fail to report back)."""
+    for _ in range(_DRAIN_ROUNDS):
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        if not pending:
+            break
+        _cancel(loop, pending)
+    for ending in (loop.shutdown_asyncgens(), loop.shutdown_default_executor()):
+        try:
+            loop.run_until_complete(asyncio.wait_for(ending, timeout=5.0))
+        except (RuntimeError, TimeoutError) as exc:
+            logger.debug("closing the run's event loop: %s", exc)
+
+
+def _quiet(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The loop's exception handler once the run stops: what fails now is a debug line, not a traceback."""
+    error = context.get("exception")
+    logger.debug("while the run stops: %s%s", context.get("message", ""), f" ({error!r})" if error else "")
 
 
 # --- what a crash costs ---------------------------------------------------------------------------
