@@ -23,20 +23,16 @@ import logging
 import math
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import yaml
 
 from rlfleet.common.atomic_files import write_atomic
-from rlfleet.common.control.messages import GenerateResult, TrainerConfigure, WeightsLoaded, WeightsPublished
+from rlfleet.common.control.messages import TrainerConfigure, WeightsLoaded, WeightsPublished
 from rlfleet.common.schema.algorithms import ALGORITHMS
 from rlfleet.common.schema.connection import NatsConnection, mask_url
-from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.trainer import model_fingerprint
-from rlfleet.common.schema.worker import TensorPlaneSettings
-from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer, worker_client, worker_store
 from rlfleet.controller.checkpoints import read_checkpoint_state, resolve_resume, write_checkpoint_state
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptDataset, PromptItem
@@ -45,100 +41,15 @@ from rlfleet.controller.fleet import Fleet
 from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec
 from rlfleet.controller.loggers import RunMetrics
 from rlfleet.controller.models import resolve_model
+from rlfleet.controller.own_store import OwnStore
 from rlfleet.controller.reward_control import RunReward, attach_reward
 from rlfleet.controller.samples import SampleTable
+from rlfleet.controller.step_program import KLController, StepProgram, StepResult
 from rlfleet.controller.supervision import GuardedLoop, SupervisedFleet, Supervisor
 from rlfleet.controller.watchdog import Watchdog
 from rlfleet.controller.worker_configs import tier_counts, worker_specs
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepResult:
-    """What one step produced: its metrics and where it stands."""
-
-    step: int
-    epoch: int
-    metrics: dict[str, float]
-    weight_version: int
-    samples: list[dict[str, Any]] = field(default_factory=list)
-    routes: dict[str, Any] = field(default_factory=dict)
-    """Where the step's prompts went (GRPO/PPO): route -> :class:`rlfleet.controller.routing.RouteSummary`."""
-
-
-class StepProgram(Protocol):
-    """One algorithm family's step: what it asks of the tiers for one dataset batch."""
-
-    last_routes: dict[str, Any]
-    """Where the last step's prompts went (empty for a step that generates nothing)."""
-
-    async def step(self, batch: list[PromptItem]) -> dict[str, float]: ...
-
-
-class KLController(Protocol):
-    """What the run needs of its KL coefficient controller (they are the online step program's:
-    :mod:`rlfleet.controller.online`): the value of the next step, settable between steps; each
-    step's update; its state, for checkpoints."""
-
-    kind: str
-    value: float
-
-    def update(self, current_kl: float, n_steps: int = 1) -> None: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-STORE_CAPACITY_BYTES = 1 << 30
-"""Capacity of the controller's own store; it holds one step's batch at a time."""
-
-
-class OwnStore:
-    """The controller's own TensorStore, and its clients of the other tiers' stores.
-
-    DPO's preference pairs and the responses a rollout fn writes are put here; the reward and
-    trainer tiers fetch them like any rollout worker's batch. The store starts on first use, on
-    the run's tensor plane settings (``bind_host``, ``advertise_host``, TLS), as every worker's
-    does; the clients (one per store, kept for the run) speak TLS when the run trusts a CA.
-    Consumed batches are released here; a rollout worker releases its own (only a store's owner
-    may delete).
-    """
-
-    def __init__(self, settings: TensorPlaneSettings, *, listen_all: bool) -> None:
-        plane = settings.model_dump(include=set(TensorPlaneSettings.model_fields))
-        if listen_all and "bind_host" not in settings.model_fields_set:
-            plane["bind_host"] = "0.0.0.0"  # workers of a joined cluster may run on other machines
-        self.settings = TensorPlaneSettings.model_validate(plane)
-        self.server: TensorStoreServer | None = None
-        self._clients: dict[str, TensorStoreClient] = {}
-
-    async def get(self) -> TensorStoreServer:
-        """The controller's own TensorStore, started on first use."""
-        if self.server is None:
-            self.server = await worker_store(self.settings, capacity_bytes=STORE_CAPACITY_BYTES, ttl_s=3600.0)
-        return self.server
-
-    async def fetch(self, ref: TensorRef, names: list[str] | None = None) -> dict[str, Any]:
-        """The tensors a ref names, from whichever tier's store holds them (a few texts, never a batch)."""
-        client = self._clients.get(ref.address)
-        if client is None:
-            client = self._clients[ref.address] = worker_client(ref.address, self.settings)
-        return await client.fetch(ref, names)
-
-    async def release(self, results: list[GenerateResult]) -> None:
-        """Free the consumed batches this store holds (the fn-written ones)."""
-        for result in results:
-            if self.server is not None and result.ref.address == self.server.address:
-                self.server.delete(result.ref.key)
-
-    async def stop(self) -> None:
-        """Close the clients and stop the store if it was started (idempotent)."""
-        clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
-            await client.close()
-        server, self.server = self.server, None
-        if server is not None:
-            await server.stop()
 
 
 class FleetRun:
@@ -463,10 +374,10 @@ class FleetRun:
         The processes are stopped whatever else fails on the way out.
         """
         try:
+            self.metrics.close()
             fleet, transport = self._fleet, self.transport
             self._fleet = self.transport = None
-            self.loop.shutdown(lambda: self._leave(fleet, transport))  # no task left to write metrics
-            self.metrics.close()
+            self.loop.shutdown(lambda: self._leave(fleet, transport))
         finally:
             launcher, self.launcher = self.launcher, None
             if launcher is not None:
