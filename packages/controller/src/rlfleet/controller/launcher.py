@@ -35,7 +35,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -46,14 +46,15 @@ from pydantic import BaseModel
 
 from rlfleet.common.atomic_files import write_atomic
 from rlfleet.common.control.embedded_nats import EmbeddedNats
-from rlfleet.common.control.nats_roles import ROLES, RunCredentials, server_config
+from rlfleet.common.control.nats_roles import ROLES, RunCredentials
 from rlfleet.common.control.procs import die_with_parent
 from rlfleet.common.control.worker import USER_ERROR_EXIT
-from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.connection import ENV_PREFIX as NATS_ENV_PREFIX
 from rlfleet.common.schema.connection import NatsConnection
 from rlfleet.common.schema.worker import ServiceConfig
 from rlfleet.controller.errors import TierDied, TierNotRestarted, TierRefused
+from rlfleet.controller.fleet_nats import BENCHMARK_NATS_ENV as BENCHMARK_NATS_ENV  # re-exported
+from rlfleet.controller.fleet_nats import NATS_ID, NatsSecurity, nats_died, restart_nats, start_run_nats
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,10 @@ class WorkerProcess:
             self.spec.tier, self.spec.worker_id, code, error=error, log_path=self.log_path, log_tail=tail
         )
 
+    def kill_group(self) -> None:
+        """SIGKILL what is left of the worker's process group (it leads one)."""
+        _kill_group(self.pid)
+
     def describe(self) -> str:
         """``rollout worker rollout-0 (pid 12, still running; log: ...)`` for error messages."""
         code = self.process.poll()
@@ -172,39 +177,6 @@ def _sigint_deferred() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-BENCHMARK_NATS_ENV = "RLFLEET_BENCHMARK_NATS"
-"""Benchmark-only: ``open`` or ``tls:CERT_FILE,KEY_FILE`` (see :class:`NatsSecurity`)."""
-
-
-@dataclass(frozen=True)
-class NatsSecurity:
-    """How an embedded run's nats-server is secured. Every run gets the default: a credential and
-    permissions per role. The others exist only so that ``benchmarks/security_overhead.py`` can
-    measure what security costs; no job-file setting reaches them, only the ``security`` argument
-    or the ``RLFLEET_BENCHMARK_NATS`` variable of the controller's environment. ``open``: no
-    credentials, no permissions (any local process may command the run). ``tls_cert`` and
-    ``tls_key``: the default plus TLS; clients trust that certificate as their CA (self-signed)."""
-
-    open: bool = False
-    tls_cert: str = ""
-    tls_key: str = ""
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> NatsSecurity:
-        """``RLFLEET_BENCHMARK_NATS`` of ``env``: unset (the default), ``open`` or ``tls:CERT,KEY``."""
-        value = env.get(BENCHMARK_NATS_ENV, "").strip()
-        if not value:
-            return cls()
-        if value == "open":
-            return cls(open=True)
-        cert, _, key = value.removeprefix("tls:").partition(",")
-        if not value.startswith("tls:") or not cert or not key:
-            raise ConfigError(
-                BENCHMARK_NATS_ENV, value, "a benchmark-only switch: 'open' or 'tls:CERT_FILE,KEY_FILE'"
-            )
-        return cls(tls_cert=cert, tls_key=key)
-
-
 class EmbeddedFleet:
     """Starts and stops a private nats-server plus worker processes for one run.
 
@@ -212,6 +184,9 @@ class EmbeddedFleet:
     which is normally unset: per-role credentials and permissions). ``restart_budget``: restarts
     of each crashed worker over the run (0: any crash raises, as before supervision).
     """
+
+    nats_host = "127.0.0.1"
+    """Interface the private nats-server listens on (the Ray launcher's: every interface)."""
 
     def __init__(
         self, run_dir: Path, *, jetstream: bool = False, security: NatsSecurity | None = None,
@@ -253,12 +228,8 @@ class EmbeddedFleet:
     def start_nats(self, cluster: str = "*") -> str:
         """Start the private nats-server with fresh credentials for ``cluster`` (``*``: any)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.credentials = None if self.security.open else RunCredentials.generate(cluster)
-        config = server_config(self.credentials) if self.credentials is not None else ""
-        self.nats = EmbeddedNats(jetstream=self.jetstream, config=config, tls_cert=self.security.tls_cert,
-                                 tls_key=self.security.tls_key)  # fmt: skip
-        self.nats.start()
-        logger.info("embedded nats-server pid %s at %s", self.nats.pid, self.nats.url)
+        self.nats, self.credentials = start_run_nats(self.security, cluster, jetstream=self.jetstream,
+                                                     host=self.nats_host)  # fmt: skip
         self._write_processes()
         return self.nats.url
 
@@ -298,10 +269,18 @@ class EmbeddedFleet:
         """``processes.json``: what this fleet started, for operators and for tests."""
         data = {
             "controller_pid": os.getpid(),
-            "nats": {"pid": self.nats.pid, "url": self.nats.url} if self.nats is not None else None,
+            "nats": self._nats_record(),
             "workers": [self._record(w) for w in self.workers],
         }
         write_atomic(self.run_dir / "processes.json", json.dumps(data, indent=2))  # never half a file
+
+    def _nats_record(self) -> dict[str, Any] | None:
+        if self.nats is None or self.nats.port is None:
+            return None
+        record: dict[str, Any] = {"pid": self.nats.pid, "url": self.nats.url}
+        if self.restarts.get(NATS_ID):
+            record["restarts"] = self.restarts[NATS_ID]
+        return record
 
     def _record(self, worker: WorkerProcess) -> dict[str, Any]:
         """A worker's line of ``processes.json`` (``restarts`` once it was started again)."""
@@ -312,10 +291,15 @@ class EmbeddedFleet:
         return record
 
     def check(self) -> None:
-        """Restart each crashed rollout or reward worker (within its budget, telling ``on_restart``);
-        raise :class:`TierDied` for the nats-server, for any other exit, and past the budget."""
-        if self.nats is not None and not self.nats.running:
-            raise TierDied("nats", "nats-server", None, error="the embedded nats-server is gone")
+        """Restart the nats-server and each crashed rollout or reward worker (within its budget,
+        telling ``on_restart`` of a worker); raise :class:`TierDied` for any other exit, and past
+        the budget."""
+        gone = nats_died(self.nats) if self.nats is not None else None
+        if gone is not None:  # the same port and configuration: every client reconnects to it
+            assert self.nats is not None
+            self.restarts[NATS_ID] = restart_nats(self.nats, gone, self.restarts.get(NATS_ID, 0),
+                                                  self.restart_budget)  # fmt: skip
+            self._write_processes()
         for i, worker in enumerate(self.workers):
             died = worker.died()
             if died is None:
@@ -323,7 +307,7 @@ class EmbeddedFleet:
             if isinstance(died, TierRefused) or worker.spec.tier not in SUPERVISED_TIERS:
                 raise died
             self._spend_restart(worker.spec.worker_id, died)
-            _kill_group(worker.pid)  # whatever the dead worker started and left behind
+            worker.kill_group()  # whatever the dead worker started and left behind
             self.workers[i] = self._start(worker.spec, self.restarts[worker.spec.worker_id])
             self._write_processes()
             if self.on_restart is not None:
@@ -350,7 +334,7 @@ class EmbeddedFleet:
         first = self.workers[group[0]].spec.worker_id
         self._spend_restart(first, died)
         for i in group:
-            _kill_group(self.workers[i].pid)
+            self.workers[i].kill_group()
             self.workers[i].process.wait(timeout=10)
         port = {"MASTER_PORT": str(free_port())}
         for i in group:
@@ -378,9 +362,9 @@ class EmbeddedFleet:
                 except subprocess.TimeoutExpired:
                     logger.warning("worker %s did not stop in %.0fs (drain_s and %.0f s more); killing it",
                                    worker.spec.worker_id, bound, timeout)  # fmt: skip
-                    _kill_group(worker.pid)
+                    worker.kill_group()
                     worker.process.wait(timeout=5)
-                _kill_group(worker.pid)  # whatever the worker itself started and left behind
+                worker.kill_group()  # whatever the worker itself started and left behind
             self.workers.clear()
             if self.nats is not None:
                 self.nats.stop()
