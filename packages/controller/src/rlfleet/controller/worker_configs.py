@@ -9,6 +9,7 @@ run refuses to start. The reward worker's config is the endpoint table of its ow
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +71,16 @@ def rollout_worker_configs(
 
 
 def reward_worker_config(config: TrainerConfig, cluster: str, reward_spec: Any) -> dict[str, Any]:
-    """The run's own reward worker: one endpoint, ``reward_endpoint``, scoring with ``reward_spec``."""
-    return {"cluster": cluster, "endpoints": {config.reward_endpoint: reward_spec}, **tensor_plane(config)}
+    """The run's own reward worker: one endpoint, ``reward_endpoint``, scoring with ``reward_spec``.
+
+    Its ``state_dir`` (``fleet/reward-state/<launch>``, new for each launch of the fleet, so a run
+    never picks up what an earlier run in the same ``output_dir`` swapped in; a resume gets the
+    checkpoint's reward from the controller) keeps what the run changes at run time: a reward
+    worker the launcher restarts serves the swapped reward model and its scaler's statistics."""
+    launch = f"{REWARD_ID}-{uuid.uuid4().hex[:8]}"
+    state = Path(config.output_dir).resolve() / "fleet" / "reward-state" / launch
+    return {"cluster": cluster, "endpoints": {config.reward_endpoint: reward_spec}, "state_dir": str(state),
+            **tensor_plane(config)}  # fmt: skip
 
 
 def tensor_plane(config: TrainerConfig) -> dict[str, Any]:

@@ -2,10 +2,13 @@
 
 One JSON file per endpoint (its name URL-quoted: ``team-a%2Fhelpful.json``) holds the spec in force,
 its revision, the scaler options and the scaler's running statistics. It is written atomically
-(:func:`rlfleet.common.atomic_files.write_atomic`) before a swap takes effect and every
+(:func:`rlfleet.common.atomic_files.write_atomic`) before a swap takes effect, after every batch a
+normalizing scaler folded into its statistics (before that batch is answered), and every
 ``state_save_s`` seconds, so a server killed at any instant finds the old state or the new one,
-never a mix. Endpoints created at run time (a ``SetRewardSpec`` for a name the config lacks) have a
-file like any other and come back too.
+never a mix, and its statistics as of the last batch it answered. Writes of one directory take
+turns (a swap writes from a worker thread, a scored batch from the event loop). Endpoints created
+at run time (a ``SetRewardSpec`` for a name the config lacks) have a file like any other and come
+back too.
 
 What is read back is hostile input like any other: a file that is too large, not JSON, not an
 :class:`EndpointState`, or that names another endpoint is a :class:`RewardStateError` naming the
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import quote, unquote
@@ -59,6 +63,7 @@ class StateDir:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self._writing = threading.Lock()  # one partial file per process: writers take turns
 
     def file_of(self, name: str) -> Path:
         return self.path / f"{quote(name, safe='')}.json"
@@ -102,6 +107,10 @@ class StateDir:
     def write(self, name: str, state: EndpointState) -> bool:
         """Save ``state`` as endpoint ``name``'s, atomically; False (nothing written) when the file
         already holds a higher revision (another replica's swap)."""
+        with self._writing:
+            return self._write(name, state)
+
+    def _write(self, name: str, state: EndpointState) -> bool:
         try:
             stored = self.read(name)
         except RewardStateError as exc:

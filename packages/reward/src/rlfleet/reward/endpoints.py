@@ -9,8 +9,9 @@ it with one assignment; swaps of one endpoint run one at a time, so revisions on
 build fails, the old version stays and the error goes back to whoever asked.
 
 With a ``state_dir``, each endpoint's current spec, revision, scaler and scaler statistics are
-written there (:mod:`rlfleet.reward.endpoint_state`: before a swap takes effect, and by
-:meth:`Endpoints.save`) and read back when the server starts, so a restart keeps hot-swapped
+written there (:mod:`rlfleet.reward.endpoint_state`: before a swap takes effect, after each batch
+a normalizing scaler counted (:meth:`Endpoints.counted`), and by :meth:`Endpoints.save`) and read
+back when the server starts, so a restart keeps hot-swapped
 rewards, endpoints created at run time and their statistics, and revisions keep going up. A swap
 whose state cannot be written does not take effect (its error goes back to whoever asked).
 """
@@ -244,6 +245,20 @@ class Endpoints:
         if self._saved is not None:
             spec = version.reward.spec.model_dump(mode="json", exclude={"revision"})
             self._saved.write(version.name, state_of(version.name, spec, version.revision, version.scaler))
+
+    def counted(self, version: EndpointVersion) -> None:
+        """After ``version``'s scaler folded a batch into its running statistics: save them before the
+        batch is answered (with a state_dir), so a server killed after answering comes back with the
+        statistics its answers were scaled with, not those of the last periodic save. A scaler that
+        does not normalize keeps no statistics and costs no write."""
+        if self._saved is None or version.scaler is None or not version.scaler.config.normalize:
+            return
+        try:
+            self._write(version)
+        except OSError as exc:  # the batch is still answered; the next save may succeed
+            logger.error(
+                "endpoint %s: scaler statistics not saved in %s: %s", version.name, self.state_dir, exc
+            )
 
     def save_one(self, name: str) -> None:
         """Write endpoint ``name``'s spec, revision and scaler state (atomically), with a state_dir."""

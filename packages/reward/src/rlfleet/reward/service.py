@@ -164,6 +164,7 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         raw = list(batch.total)
         scores = live.scale(raw)
         self.endpoints.record(name, raw)
+        self.endpoints.counted(live)  # the statistics these scores used, on disk before they go out
         return ScoreResult(job_id=request.job_id, endpoint=name, spec_version=live.version, scores=scores,
                            components=batch.components, raw_scores=raw if live.scaler else [])  # fmt: skip
 
