@@ -30,6 +30,7 @@ import pytest
 
 from rlfleet.common.control.messages import (
     LoadCheckpoint,
+    PublishWeights,
     SaveCheckpoint,
     Saved,
     TrainStepRequest,
@@ -115,6 +116,30 @@ async def test_a_killed_rank_1_is_named_within_60_s_and_rank_0_exits(ranks: Any)
     assert rank0.wait(timeout=30) == RANK_LOST_EXIT
     assert time.monotonic() - t0 < 60
     assert "TrainerRankDied: trainer rank 1 stopped answering" in ranks.fleet.workers[0].log_tail(20)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_rank_0_failing_after_the_first_collective_answers_and_exits(
+    tmp_path: Path, tiny_model_dir: Path, procs
+) -> None:
+    """Its weight store (a few KiB) fills during a publish, between two gathers: the follower waits in
+    the next gather, so rank 0 answers RanksOutOfStep and both ranks exit instead of hanging."""
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    settings = {**_settings(tiny_model_dir), "weights_store_mb": 0.004}
+    async with TwoRanks(tmp_path / "fleet", settings, rollouts(vocab)) as ranks:
+        assert isinstance(await ranks.ask("step", _step(ranks, 1)), TrainStepResult)  # both ranks up
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError) as failed:
+            await ranks.ask("publish", PublishWeights(weight_version=1, bucket_mb=0.002))
+        message = failed.value.remote_message
+        named = "RanksOutOfStep: trainer rank 0 failed in publish (publish weight version 1) after the first "
+        assert message.startswith(named + "collective (StoreFull: "), message
+        rank0, follower = (worker.process for worker in ranks.fleet.workers)
+        assert rank0.wait(timeout=30) == RANK_LOST_EXIT
+        assert follower.wait(timeout=60) != 0
+        assert time.monotonic() - t0 < 60, time.monotonic() - t0
+    assert procs.survivors(ranks.pids) == []
 
 
 @pytest.mark.slow

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rlfleet.common.errors import Failure, UserError
-from rlfleet.common.errors import JobIdReused as JobIdReused  # moved to common: rollout raises it too
 
 
 class ModelLoadError(UserError, FileNotFoundError):
@@ -80,6 +79,22 @@ class CarrierUnavailable(UserError, ValueError):
         super().__init__(f"the {carrier} weight carrier {reason}")
 
 
+class JobIdReused(UserError, ValueError):
+    """A request reuses the ``job_id`` of an earlier, different request (an idempotency key names one job)."""
+
+    code = "bad_request"
+
+    def __init__(self, kind: str, job_id: str, fields: Sequence[str]) -> None:
+        self.kind = kind
+        self.job_id = job_id
+        self.fields = list(fields)
+        super().__init__(
+            f"{kind} job_id {job_id!r} was first used for another request (it differs in "
+            f"{', '.join(self.fields) or 'nothing visible'}); a retry repeats its request, a new job "
+            "takes a new id"
+        )
+
+
 class TrainerRankFailed(Failure, RuntimeError):
     """Another trainer rank failed a command before its first collective (every rank skipped it).
 
@@ -114,3 +129,21 @@ class TrainerRankDied(Failure, RuntimeError):
         then = then or "rank 0 exits so that the trainer's ranks restart together"
         gone = f"stopped answering {silent_s:.0f} s ago" if silent_s > 0 else "is gone"
         super().__init__(f"trainer rank {rank} {gone}{during} ({how}); {then}")
+
+
+class RanksOutOfStep(Failure, RuntimeError):
+    """Rank 0 failed a command after its first collective: the other ranks wait in collectives it
+    left, and no later command would pair with theirs. Rank 0 answers with this and exits, so that
+    the ranks restart together (``error`` is what failed)."""
+
+    code = "internal"
+    retryable = False
+
+    def __init__(self, doing: str, error: BaseException) -> None:
+        self.doing = doing
+        self.error = error
+        during = f" in {doing}" if doing else ""
+        super().__init__(
+            f"trainer rank 0 failed{during} after the first collective ({type(error).__name__}: {error}); "
+            "the ranks are out of step, so rank 0 exits so that they restart together"
+        )

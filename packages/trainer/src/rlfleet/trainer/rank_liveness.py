@@ -12,6 +12,11 @@ answers the request in progress (or the next one) with it, logs it, and exits wi
 launcher (or torchrun, or the orchestrator) restarts the ranks together. A follower whose beat
 fails has lost rank 0 (its store is gone) and exits the same way (:class:`RankHeartbeat`).
 
+Rank 0 failing a command after its first collective (its weight store full in the middle of a
+publish, an error in a backward) leaves the followers in collectives it will not join:
+:meth:`RankWatch.guard` answers that request and every later one with
+:class:`~rlfleet.trainer.errors.RanksOutOfStep` and the process exits the same way.
+
 Both threads use a TCPStore client of their own, never the process group's.
 """
 
@@ -31,7 +36,7 @@ import torch.distributed as dist
 
 from rlfleet.common.errors import RlfleetError
 from rlfleet.trainer.distributed import DistContext
-from rlfleet.trainer.errors import TrainerRankDied
+from rlfleet.trainer.errors import RanksOutOfStep, TrainerRankDied, TrainerRankFailed
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -62,7 +67,12 @@ def _quiet(task: asyncio.Future[object]) -> None:
         task.exception()
 
 
-def _exit_lost(error: TrainerRankDied) -> None:
+def _exit_later(error: BaseException) -> None:
+    time.sleep(EXIT_GRACE_S)  # the answer goes out first
+    _exit_lost(error)
+
+
+def _exit_lost(error: BaseException) -> None:
     """End this process at once with ``error`` as its last line (the launcher reports that line)."""
     print(f"{type(error).__name__}: {error}", file=sys.stderr, flush=True)
     os._exit(RANK_LOST_EXIT)
@@ -121,10 +131,15 @@ class RankWatch:
 
     async def guard(self, work: Awaitable[T], own: BaseException | None = None) -> T:
         """``await work``, or raise :class:`TrainerRankDied` once a rank is found dead (at once when
-        one already is). Work that fails with an error of the collectives themselves (a
-        ``RuntimeError`` such as gloo's "connection closed by peer"; not rlfleet's, nor ``own``, the
-        error of this rank's own part) waits up to ``rank_silence_s`` for the watch to name the
-        dead rank, and raises that (caused by the error) when it does."""
+        one already is).
+
+        Work that fails leaves the ranks in step only with ``own`` (this rank's own part failed,
+        and every rank agreed to skip) or :class:`TrainerRankFailed` (another rank's part). An error
+        of the collectives themselves (a ``RuntimeError`` such as gloo's "connection reset by
+        peer") first waits up to ``rank_silence_s`` for the watch to name a dead rank, and raises
+        that when it does. Any other failure left the other ranks in collectives this rank will
+        not join: :class:`RanksOutOfStep` is raised (and every later request gets it), and the
+        process exits :data:`EXIT_GRACE_S` later."""
         lost = self._lost
         assert lost is not None, "start() the watch first"
         if lost.done():
@@ -137,11 +152,16 @@ class RankWatch:
             task.add_done_callback(_quiet)
             raise lost.exception()  # type: ignore[misc]
         error = task.exception()
-        if isinstance(error, RuntimeError) and not isinstance(error, RlfleetError) and error is not own:
+        if error is None or error is own or isinstance(error, TrainerRankFailed):
+            return task.result()
+        if isinstance(error, RuntimeError) and not isinstance(error, RlfleetError):
             await asyncio.wait({lost}, timeout=self.silence_s + 2 * BEAT_S)
-            if lost.done():
-                raise lost.exception() from error  # type: ignore[misc]
-        return task.result()
+        if not lost.done():
+            failure = RanksOutOfStep(self.doing(), error)
+            logger.error("%s", failure)
+            lost.set_exception(failure)
+            threading.Thread(target=_exit_later, args=(failure,), name="rank-exit", daemon=True).start()
+        raise lost.exception() from error  # type: ignore[misc]
 
     def stop(self) -> None:
         """Stop watching (rank 0 stops the followers: their silence is expected now)."""
@@ -172,8 +192,7 @@ class RankWatch:
             self._loop.call_soon_threadsafe(self._fail, error)
         except RuntimeError:  # the loop is closed: nobody waits for an answer
             pass
-        time.sleep(EXIT_GRACE_S)
-        _exit_lost(error)
+        _exit_later(error)
 
     def _fail(self, error: TrainerRankDied) -> None:
         if self._lost is not None and not self._lost.done():
