@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rlfleet.common.errors import Failure, UserError
+from rlfleet.common.errors import JobIdReused as JobIdReused  # moved to common: rollout raises it too
 
 
 class ModelLoadError(UserError, FileNotFoundError):
@@ -77,22 +78,6 @@ class CarrierUnavailable(UserError, ValueError):
         self.carrier = carrier
         self.reason = reason
         super().__init__(f"the {carrier} weight carrier {reason}")
-
-
-class JobIdReused(UserError, ValueError):
-    """A request reuses the ``job_id`` of an earlier, different request (an idempotency key names one job)."""
-
-    code = "bad_request"
-
-    def __init__(self, kind: str, job_id: str, fields: Sequence[str]) -> None:
-        self.kind = kind
-        self.job_id = job_id
-        self.fields = list(fields)
-        super().__init__(
-            f"{kind} job_id {job_id!r} was first used for another request (it differs in "
-            f"{', '.join(self.fields) or 'nothing visible'}); a retry repeats its request, a new job "
-            "takes a new id"
-        )
 
 
 class TrainerRankFailed(Failure, RuntimeError):
