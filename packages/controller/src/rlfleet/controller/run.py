@@ -374,10 +374,10 @@ class FleetRun:
         The processes are stopped whatever else fails on the way out.
         """
         try:
-            self.metrics.close()
             fleet, transport = self._fleet, self.transport
             self._fleet = self.transport = None
-            self.loop.shutdown(lambda: self._leave(fleet, transport))
+            self.loop.shutdown(lambda: self._leave(fleet, transport))  # no task left to write metrics
+            self.metrics.close()
         finally:
             launcher, self.launcher = self.launcher, None
             if launcher is not None:
