@@ -10,6 +10,7 @@ tests/integration/test_failures.py).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -63,6 +64,9 @@ def test_a_killed_trainer_is_restored_from_the_last_checkpoint(
     for key in KEYS:
         assert again[key] == pytest.approx(first[key], rel=1e-5, abs=1e-6), key
     assert results[5].weight_version > results[4].weight_version, "restored weights: a new version"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6], "metrics.jsonl holds each step once"
+    assert rows[4]["loss"] == pytest.approx(again["loss"], rel=1e-5, abs=1e-6), "step 5's line: the replay's"
     assert procs.survivors({**before, **after}) == []
 
 

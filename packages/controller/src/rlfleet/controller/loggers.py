@@ -9,6 +9,13 @@ never hidden: ``metrics.jsonl`` writes it as the string ``"NaN"``, ``"Infinity"`
 TensorBoard and W&B get the float, the ``[PROGRESS]`` line prints ``nan``/``inf``, and the console
 says which metrics were not finite and whether the update was skipped (:func:`nonfinite_line`).
 A metric a step did not produce reads ``n/a``.
+
+A run that goes back (a crashed trainer restored from a checkpoint runs the steps after it again,
+:mod:`rlfleet.controller.supervision`) logs a step it logged before. Every sink ends with each step
+once, the replay's: ``metrics.jsonl`` drops its lines from that step on (rewritten atomically)
+before the step is written again; TensorBoard opens a new event file with ``purge_step`` (it hides
+the earlier events from that step on); W&B, whose steps only go up, keeps the first run's values
+and skips the replay. :meth:`RunMetrics.rewind` does the same ahead of the replay.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from rlfleet.common.atomic_files import write_atomic
 from rlfleet.controller.errors import LoggerUnavailable
 
 logger = logging.getLogger(__name__)
@@ -30,39 +38,85 @@ logger = logging.getLogger(__name__)
 
 class MetricSink(Protocol):
     def log(self, step: int, metrics: dict[str, float]) -> None: ...
+    def rewind(self, step: int) -> None: ...
     def close(self) -> None: ...
 
 
 class JsonlSink:
     """One JSON object per step in ``metrics.jsonl`` (a new run replaces the file): ``step``, ``time``
-    (when the step ended, seconds since the epoch) and the step's metrics."""
+    (when the step ended, seconds since the epoch) and the step's metrics. A step logged again
+    replaces its line and every later one (:meth:`rewind`), so the file holds each step once."""
 
     def __init__(self, output_dir: Path) -> None:
         self.path = output_dir / "metrics.jsonl"
         self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - kept open for the run
+        self._last = -1  # the highest step written
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        if step <= self._last:
+            self.rewind(step - 1)
         clean = {k: json_number(v) for k, v in metrics.items()}
         self._file.write(json.dumps({"step": step, "time": round(time.time(), 3), **clean}) + "\n")
         self._file.flush()
+        self._last = step
+
+    def rewind(self, step: int) -> None:
+        """Drop the lines of the steps after ``step``: the file is rewritten atomically (a crash
+        leaves the old file or the new one), then appended to."""
+        if step >= self._last:
+            return
+        self._file.close()
+        kept = [line for line in self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+                if line.strip() and _step_of(line) <= step]  # fmt: skip
+        write_atomic(self.path, "".join(kept))
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
+        logger.info("metrics.jsonl rewound to step %d (%d lines kept)", step, len(kept))
+        self._last = step
 
     def close(self) -> None:
         self._file.close()
 
 
+def _step_of(line: str) -> int:
+    """The ``step`` of one ``metrics.jsonl`` line (a line that is not one counts as after every step)."""
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return sys.maxsize
+    return step if isinstance(step, int) else sys.maxsize
+
+
 class TensorBoardSink:
-    """Scalars into TensorBoard event files under ``output_dir/tensorboard``."""
+    """Scalars into TensorBoard event files under ``output_dir/tensorboard``. A step logged again
+    opens a new event file with ``purge_step``: TensorBoard hides what the earlier files hold from
+    that step on, so each step shows once."""
 
     def __init__(self, output_dir: Path) -> None:
+        self._log_dir = str(output_dir / "tensorboard")
+        self._writer = self._open()
+        self._last = -1
+
+    def _open(self, purge_step: int | None = None) -> Any:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+        return SummaryWriter(log_dir=self._log_dir, purge_step=purge_step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        if step <= self._last:
+            self.rewind(step - 1)
         for name, value in metrics.items():
             if isinstance(value, (int, float)):  # NaN and inf too: TensorBoard plots them as such
                 self._writer.add_scalar(name, value, step)
         self._writer.flush()
+        self._last = step
+
+    def rewind(self, step: int) -> None:
+        """Hide the events of the steps after ``step`` (a new writer purging from ``step + 1``)."""
+        if step >= self._last:
+            return
+        self._writer.close()
+        self._writer = self._open(purge_step=step + 1)
+        self._last = step
 
     def close(self) -> None:
         self._writer.close()
@@ -78,9 +132,17 @@ class WandbSink:
             raise LoggerUnavailable("wandb", "wandb") from exc
         self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", project), dir=str(output_dir),
                                config=config)  # fmt: skip
+        self._last = -1
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        if step <= self._last:  # W&B steps only go up: the first run of a replayed step stays
+            logger.info("W&B keeps step %d as first logged (a replayed step is not sent)", step)
+            return
         self._run.log(metrics, step=step)
+        self._last = step
+
+    def rewind(self, step: int) -> None:
+        """Nothing to drop: W&B cannot go back; the replayed steps are skipped in :meth:`log`."""
 
     def close(self) -> None:
         self._run.finish()
@@ -224,6 +286,12 @@ class RunMetrics:
         warning = nonfinite_line(step, metrics)
         if warning is not None:
             self.say(warning)
+
+    def rewind(self, step: int) -> None:
+        """The run went back to ``step`` (a trainer restored from ``checkpoint-<step>``): every sink
+        drops what it holds of later steps, which are logged again as they run."""
+        for sink in self._sinks:
+            sink.rewind(step)
 
     def say(self, text: str) -> None:
         """Print ``text`` without breaking the progress bar."""

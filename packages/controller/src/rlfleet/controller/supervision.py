@@ -331,6 +331,7 @@ class Supervisor:
         run.loop.run(self._trainer_back())
         step = run.global_step
         run.resume(checkpoint, weight_version=run.weight_version + 1)
+        run.metrics.rewind(run.global_step)  # the steps after it are logged again, each once
         run.metrics.say(
             f"rlfleet: the trainer was restored from {checkpoint.name} after: {cause}; steps "
             f"{run.global_step + 1}..{step + 1} run again"
