@@ -118,6 +118,12 @@ class EmbeddedNats:
         """Whether the server process is alive."""
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def returncode(self) -> int | None:
+        """The exit status of the server this object started, once it exited (negative: killed by
+        that signal); None while it runs and when it was not started (or was stopped)."""
+        return None if self._proc is None else self._proc.poll()
+
     def _command(self, binary: Path, tmp: Path) -> list[str]:
         port = self.requested_port or -1  # -1: nats-server picks a free port
         cmd = [str(binary), "-a", self.host, "-p", str(port), "--ports_file_dir", str(tmp)]
