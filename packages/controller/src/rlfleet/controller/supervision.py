@@ -12,7 +12,8 @@ run then forgets the dead process at once (a request in flight to it ends with `
 its chunk goes to another worker), and before the next step waits for the new process to
 announce when its tier has no other worker left (a rollout worker loads the trainer's current
 weights before it announces: ``rollout/catch_up.py``; a stale one is loaded by the fleet before it
-serves). A reward switched by ``set_reward_fn`` is sent again to a restarted reward worker. A
+serves). A restarted reward worker serves what the run switched or swapped at run time, scaler
+statistics included, from its ``state_dir`` (``reward/endpoint_state.py``). A
 step that failed because of the crash before it reached the trainer is run again, with the same
 prompts and sampling seed; a reward worker crashing mid-step interrupts the step at once (its
 score requests went to the dead process and would only time out). Past the budget the run stops
@@ -245,8 +246,7 @@ class Supervisor:
         return isinstance(fleet, SupervisedFleet) and fleet.train_requests != self._mark
 
     async def rejoined(self) -> None:
-        """Wait for the restarted workers whose tier (pool) has no live worker left; re-send a
-        switched reward to a restarted reward worker."""
+        """Wait for the restarted workers whose tier (pool) has no live worker left."""
         fleet, timeout = self.run.fleet, self.run.config.startup_timeout_s
         for (tier, worker_id), pool in list(self.rejoining.items()):
             info = fleet.registry.get(tier, worker_id)
@@ -257,9 +257,9 @@ class Supervisor:
                 continue  # the others serve meanwhile; it is admitted when it announces
             del self.rejoining[(tier, worker_id)]
             logger.warning("%s worker %s is back (weight version %d)", tier, worker_id, info.weight_version)
-            reward = self.run.reward
-            if tier == "reward" and reward is not None and reward.spec != reward.initial_spec:
-                await reward.switch(fleet.reward, {"spec": reward.spec})
+            # A reward worker restores what the run switched and swapped (spec, reward model, scaler
+            # statistics) from its state_dir (worker_configs.reward_worker_config): nothing is re-sent,
+            # as re-sending RunReward.spec would undo an update_reward_model(dir) swap.
 
     async def _wait_for(self, tier: str, worker_id: str, timeout: float) -> None:
         fleet = self.run.fleet
