@@ -28,7 +28,7 @@ from rlfleet.common.schema.trainer import TrainerWorkerConfig
 from rlfleet.trainer.checkpoint import check_loadable, check_writable, load_checkpoint, save_checkpoint
 from rlfleet.trainer.commands import CommandChannel, agree
 from rlfleet.trainer.errors import TrainerRankDied, TrainerRankFailed
-from rlfleet.trainer.rank_liveness import RANK_LOST_EXIT, RankHeartbeat
+from rlfleet.trainer.rank_liveness import RANK_LOST_EXIT, VERDICT_S, RankHeartbeat
 from rlfleet.trainer.ranks import build_models, rank_from_env, use_rank_thread
 from rlfleet.trainer.service import StoreClients, fetch_batch, run_step
 
@@ -68,6 +68,10 @@ class Follower:
                     await self.handle(command)
                 except Skipped as skipped:  # every rank skipped it; rank 0 answered with the cause
                     logger.warning("%s skipped by every trainer rank: %s", command["op"], skipped.__cause__)
+                except RuntimeError as exc:  # a collective broke: when rank 0 is gone, the heartbeat
+                    logger.error("%s failed: %s", command["op"], exc)  # ends the process naming it
+                    await asyncio.sleep(VERDICT_S)
+                    raise
         finally:
             heartbeat.stop()
             await self.stores.close()

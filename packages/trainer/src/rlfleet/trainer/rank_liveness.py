@@ -47,6 +47,10 @@ BEAT_S = 2.0
 RANK_LOST_EXIT = 75
 """The exit status of a rank that lost another (EX_TEMPFAIL: starting the ranks again can help)."""
 
+VERDICT_S = 3 * BEAT_S + 10.0
+"""How long a follower whose collective broke waits for its heartbeat to find rank 0 gone (the
+store client's timeout included) before it ends with the collective's own error."""
+
 EXIT_GRACE_S = 3.0
 """How long rank 0 waits after reporting a dead rank before it exits (its reply goes out)."""
 
