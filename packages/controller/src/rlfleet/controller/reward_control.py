@@ -3,7 +3,11 @@
 By default a run starts its own reward worker on its own NATS server and cluster. With
 ``reward_url`` set, the run starts none: it scores on a shared server (``rlfleet-reward serve``)
 at that NATS URL and ``reward_cluster``, connecting a second transport when the URL is not the
-run's own, and sends ``reward_token`` with every request, in the ``Rlfleet-Token`` header.
+run's own, and sends ``reward_token`` with every request, in the ``Rlfleet-Token`` header. That
+connection meets outages as the run's own does (``faults``): while it is down nobody on it is
+declared dead, a score whose reply may be lost is sent again when it is back, and one still down
+after ``faults.outage_grace_s`` fails the score with a named
+:class:`~rlfleet.common.errors.NatsServerError`.
 
 ::
 
@@ -148,10 +152,11 @@ class RewardControl:
 
             auth = config.reward_nats_auth.resolved(prefix="RLFLEET_REWARD_NATS_")
             transport = await NatsTransport.connect(config.reward_url, name="rlfleet-controller-reward",
-                                                    tier="controller", auth=auth)  # fmt: skip
+                                                    tier="controller", auth=auth,
+                                                    outage_grace_s=config.faults.outage_grace_s)  # fmt: skip
             owned.append(transport)
         if transport is not registry.transport or reward_cluster != cluster:
-            registry = WorkerRegistry(transport, reward_cluster)
+            registry = WorkerRegistry(transport, reward_cluster, dead_after=config.faults.dead_after_s)
             await registry.start()
             owned.insert(0, registry)
         control = cls(transport, reward_cluster, registry, token=token, request_timeout=timeout, owned=owned,
