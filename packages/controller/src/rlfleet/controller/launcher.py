@@ -10,8 +10,9 @@ under the run directory; the pids go to ``processes.json`` there. The launcher s
 processes it started (each worker leads its own process group, so whatever a worker spawned goes
 with it): on normal exit, on Ctrl-C and on error. Workers also get SIGTERM from the kernel if the
 thread that started them dies (``PR_SET_PDEATHSIG``), so a controller killed outright does not
-leave them running. :class:`NatsSecurity` holds the benchmark-only ways to run the server
-otherwise (open, or with TLS too), for ``benchmarks/security_overhead.py``.
+leave them running. The server itself (its security, :class:`~rlfleet.controller.fleet_nats.NatsSecurity`,
+and starting it again) is :mod:`rlfleet.controller.fleet_nats`'s; one worker process (its spec,
+log and exit) is :mod:`rlfleet.controller.worker_process`'s.
 
 Supervision (issue 12): :meth:`EmbeddedFleet.check`, which the run's event loop calls four times a
 second (:class:`~rlfleet.controller.supervision.GuardedLoop`), starts a crashed rollout or reward worker again
@@ -19,7 +20,10 @@ under the same id and config, up to ``restart_budget`` times per worker, and tel
 (the run forgets the dead process and waits for the new one to announce; a rollout worker loads
 the current weights before it announces). The trainer is restarted only when the run asks
 (:meth:`EmbeddedFleet.restart_tier`: it must be restored from a checkpoint); any other exit, an exit
-with code 2 (the worker refused its settings) and a crash past the budget raise.
+with code 2 (the worker refused its settings) and a crash past the budget raise. A nats-server
+that exits is started again on its port with the same configuration, within the same budget
+(:func:`~rlfleet.controller.fleet_nats.restart_nats`). Stopping waits for each worker's drain
+(its ``drain_s``) before it kills it.
 """
 
 from __future__ import annotations
@@ -27,17 +31,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,120 +49,16 @@ from rlfleet.common.atomic_files import write_atomic
 from rlfleet.common.control.embedded_nats import EmbeddedNats
 from rlfleet.common.control.nats_roles import ROLES, RunCredentials
 from rlfleet.common.control.procs import die_with_parent
-from rlfleet.common.control.worker import USER_ERROR_EXIT
 from rlfleet.common.schema.connection import ENV_PREFIX as NATS_ENV_PREFIX
 from rlfleet.common.schema.connection import NatsConnection
 from rlfleet.common.schema.worker import ServiceConfig
 from rlfleet.controller.errors import TierDied, TierNotRestarted, TierRefused
 from rlfleet.controller.fleet_nats import BENCHMARK_NATS_ENV as BENCHMARK_NATS_ENV  # re-exported
 from rlfleet.controller.fleet_nats import NATS_ID, NatsSecurity, nats_died, restart_nats, start_run_nats
+from rlfleet.controller.worker_process import WorkerProcess, WorkerSpec, find_script
+from rlfleet.controller.worker_process import last_error_line as last_error_line  # re-exported
 
 logger = logging.getLogger(__name__)
-
-# The final line of a Python traceback: "pkg.mod.SomeError: what went wrong".
-_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Z]\w*): (\S.*)$")
-_MAX_ERROR_CHARS = 400
-
-
-@dataclass
-class WorkerSpec:
-    """One worker process to start: its tier's console script and its config (the tier's worker
-    config object, e.g. ``TrainerWorkerConfig``, or a plain dict for a tier without one).
-
-    ``command`` replaces the console script (``[sys.executable, "-m", "mypkg.worker"]``, a wrapper
-    such as a profiler); ``serve --config FILE`` is appended to it either way.
-    """
-
-    tier: str
-    worker_id: str
-    config: BaseModel | dict[str, Any]
-    env: dict[str, str] = field(default_factory=dict)
-    command: list[str] | None = None
-
-    @property
-    def script(self) -> str:
-        return f"rlfleet-{self.tier}"
-
-    def config_data(self, nats_url: str) -> dict[str, Any]:
-        """What the worker's config file holds: its config, joining ``nats_url`` as ``worker_id``."""
-        config = (
-            self.config.model_dump(mode="json") if isinstance(self.config, BaseModel) else dict(self.config)
-        )
-        config.pop("nats_auth", None)  # credentials travel in the environment, never in a file
-        return {**config, "nats_url": nats_url, "worker_id": self.worker_id}
-
-
-@dataclass
-class WorkerProcess:
-    """A started worker: its spec, process and log file."""
-
-    spec: WorkerSpec
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.strip().splitlines()[-lines:])
-
-    def died(self) -> TierDied | TierRefused | None:
-        """The error describing this worker's exit, or None while it runs."""
-        code = self.process.poll()
-        if code is None:
-            return None
-        tail = self.log_tail(40)
-        error = "" if code < 0 else last_error_line(tail)
-        kind = TierRefused if code == USER_ERROR_EXIT else TierDied  # exit 2: the worker refused its settings
-        return kind(
-            self.spec.tier, self.spec.worker_id, code, error=error, log_path=self.log_path, log_tail=tail
-        )
-
-    def kill_group(self) -> None:
-        """SIGKILL what is left of the worker's process group (it leads one)."""
-        _kill_group(self.pid)
-
-    def describe(self) -> str:
-        """``rollout worker rollout-0 (pid 12, still running; log: ...)`` for error messages."""
-        code = self.process.poll()
-        state = "still running" if code is None else f"exited with code {code}"
-        return (
-            f"{self.spec.tier} worker {self.spec.worker_id} (pid {self.pid}, {state}; log: {self.log_path})"
-        )
-
-
-def last_error_line(log_text: str) -> str:
-    """The line of a crashed process's output that says why: the exception its traceback ends with
-    (``UnknownReward: ...``, module path dropped), else its last non-empty line."""
-    lines = [line.rstrip() for line in log_text.splitlines() if line.strip()]
-    for line in reversed(lines):
-        found = _EXCEPTION_LINE.match(line)
-        if found:
-            return _shorten(f"{found.group(1)}: {found.group(2)}")
-    return _shorten(lines[-1].strip()) if lines else ""
-
-
-def _shorten(text: str) -> str:
-    return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
-
-
-def find_script(name: str) -> str:
-    """A console script of this environment: next to the running interpreter first, then PATH."""
-    here = Path(sys.executable).parent / name
-    if here.exists():
-        return str(here)
-    found = shutil.which(name)
-    if found is None:
-        raise FileNotFoundError(
-            f"console script {name!r} not found next to {sys.executable} nor on PATH; "
-            "is its rlfleet package installed in this environment?"
-        )
-    return found
 
 
 @contextmanager
@@ -383,27 +280,16 @@ its state restored: the run restarts it, :meth:`EmbeddedFleet.restart_tier`)."""
 
 
 def drain_bound(spec: WorkerSpec) -> float:
-    """How long ``spec``'s worker may drain once SIGTERMed: its config's ``drain_s`` (the schema's
-    default when the config does not set it)."""
+    """How long ``spec``'s worker may drain once SIGTERMed: its config's ``drain_s``; when the config
+    does not set it, the schema's default for a tier's own console script, 0 for another command
+    (nothing says it drains)."""
     config = spec.config
     value = config.get("drain_s") if isinstance(config, dict) else getattr(config, "drain_s", None)
-    default = ServiceConfig.model_fields["drain_s"].default
+    default = 0.0 if spec.command else ServiceConfig.model_fields["drain_s"].default
     try:
         return max(0.0, float(value if value is not None else default))
     except (TypeError, ValueError):
         return float(default)
-
-
-def _kill_group(pgid: int) -> None:
-    """SIGKILL the process group a worker leads (it was started in a new session)."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
-    except PermissionError as exc:
-        logger.warning("cannot kill process group %d: %s", pgid, exc)
-        return
-    logger.info("killed what was left of process group %d", pgid)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
