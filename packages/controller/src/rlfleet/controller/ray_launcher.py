@@ -1,0 +1,393 @@
+"""The Ray launcher (issue 13): every tier as a process placed by Ray, on whichever node Ray picks.
+
+``launcher: ray`` (with ``ray_address``: ``auto``, ``ray://host:10001``, or empty for a local
+Ray started by the run) replaces the embedded launcher's local processes with Ray-placed ones; the
+rest of the run (NATS control plane, gRPC tensor plane, supervision, restarts) is the same.
+
+- **Placement.** Each worker runs inside a small Ray actor, :class:`WorkerHost`, which starts the
+  tier's console script (``rlfleet-<tier> serve --config ...``) on its node and watches it. The
+  actor reserves what the worker needs (:class:`RayPlacement`: CPUs, GPUs, custom resources per
+  tier). A trainer's ranks share one placement group (``STRICT_PACK``: one node, so their
+  rendezvous is that node's loopback), rank order kept. Ray sets ``CUDA_VISIBLE_DEVICES`` for each
+  actor from the GPUs it reserved, and the worker process inherits it, so no two workers share a
+  GPU unless asked to (fractional ``num_gpus``).
+- **Addresses.** The run's nats-server listens on every interface of the controller's node and
+  its URL names that node's IP (the one Ray reports); every worker's TensorStore listens on every
+  interface of its own node and advertises that node's IP. Nothing assumes loopback.
+- **Supervision.** The launcher keeps the restart policy (``faults.restart_budget``), exactly as
+  embedded: a worker process that exits is reported with its log tail (read through its actor,
+  wherever it runs) and started again in a fresh actor, which Ray may place on another node.
+
+Ray is an optional extra (``rlfleet-controller[ray]``): this module imports it only when a Ray
+fleet is built, and the embedded default never does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlfleet.common.control.worker import USER_ERROR_EXIT
+from rlfleet.common.errors import ConfigError
+from rlfleet.controller.errors import TierDied, TierRefused
+from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec, find_script, last_error_line
+
+logger = logging.getLogger(__name__)
+
+RAY_EXTRA = "rlfleet-controller[ray]"
+
+
+def import_ray(*, local: bool = False) -> Any:
+    """``ray``, or a :class:`ConfigError` that says how to install it.
+
+    ``local``: the run starts its own Ray on this machine, whose workers run this very
+    interpreter. Ray's ``uv run`` hook (on by default when the driver runs under ``uv run``) would
+    instead copy the working directory and build a fresh environment in it for every worker
+    (minutes, and gigabytes with torch), so it is switched off (``RAY_ENABLE_UV_RUN_RUNTIME_ENV=0``).
+    A cluster the run joins keeps its own settings (its image, or the hook as its operators chose).
+    """
+    if local:
+        os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"
+    try:
+        import ray
+        from ray._private import ray_constants
+    except ImportError:
+        raise ConfigError(
+            "launcher", "ray", f"the Ray launcher needs Ray: install {RAY_EXTRA} (uv sync --extra ray)"
+        ) from None
+    if local:  # read when ray.init runs; the variable alone is too late if Ray was imported already
+        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
+    return ray
+
+
+@dataclass(frozen=True)
+class TierResources:
+    """What one worker of a tier reserves on its Ray node."""
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
+
+    def options(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.resources:
+            out["resources"] = dict(self.resources)
+        return out
+
+    def bundle(self) -> dict[str, float]:
+        """The same, as a placement-group bundle."""
+        bundle = {"CPU": self.num_cpus, **self.resources}
+        if self.num_gpus:
+            bundle["GPU"] = self.num_gpus
+        return {k: v for k, v in bundle.items() if v}
+
+
+@dataclass(frozen=True)
+class RayPlacement:
+    """Per-tier reservations (``ray_resources`` of the job: ``{tier: {num_cpus, num_gpus, resources}}``)."""
+
+    tiers: dict[str, TierResources] = field(default_factory=dict)
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, dict[str, Any]], *, gpus: dict[str, float]) -> RayPlacement:
+        """``settings`` over the defaults: one CPU per worker, ``gpus[tier]`` GPUs (0 on CPU)."""
+        tiers = {}
+        for tier in ("trainer", "rollout", "reward"):
+            given = dict(settings.get(tier, {}))
+            unknown = set(given) - {"num_cpus", "num_gpus", "resources"}
+            if unknown:
+                raise ConfigError(f"ray_resources.{tier}", str(sorted(unknown)),
+                                  "allowed keys are num_cpus, num_gpus and resources")  # fmt: skip
+            tiers[tier] = TierResources(
+                num_cpus=float(given.get("num_cpus", 1.0)),
+                num_gpus=float(given.get("num_gpus", gpus.get(tier, 0.0))),
+                resources={str(k): float(v) for k, v in dict(given.get("resources", {})).items()},
+            )
+        unknown_tiers = set(settings) - set(tiers)
+        if unknown_tiers:
+            raise ConfigError(
+                "ray_resources", str(sorted(unknown_tiers)), "tiers are trainer, rollout, reward"
+            )
+        return cls(tiers)
+
+    def of(self, tier: str) -> TierResources:
+        return self.tiers.get(tier, TierResources())
+
+
+class WorkerHost:
+    """Runs one worker process on the node Ray placed this actor on (made a Ray actor by
+    :func:`host_actor_class`). The process leads its own process group; the actor answers for it."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log_path = ""
+
+    def node_ip(self) -> str:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+
+    def start(self, command: list[str], config: dict[str, Any], env: dict[str, str], work_dir: str,
+              name: str, restart: int) -> dict[str, Any]:  # fmt: skip
+        """Write the config (this node's IP as the advertised host), start the process, say where."""
+        ip = self.node_ip()
+        config = {**config, "bind_host": "0.0.0.0", "advertise_host": ip}
+        directory = Path(work_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        config_path = directory / f"{name}.yaml"
+        tmp = config_path.with_suffix(".yaml.tmp")
+        tmp.write_text(yaml.safe_dump(config, sort_keys=False))
+        os.replace(tmp, config_path)
+        self.log_path = str(directory / f"{name}.log")
+        with open(self.log_path, "ab" if restart else "wb") as log:
+            if restart:
+                log.write(f"\n--- rlfleet: restart {restart} of {name} (ray) ---\n".encode())
+                log.flush()
+            self.process = subprocess.Popen(
+                [*command, "serve", "--config", str(config_path)], stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env={**os.environ, **env}, start_new_session=True,
+            )  # fmt: skip
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        return {"pid": self.process.pid, "node_ip": ip, "node_id": node, "host": socket.gethostname(),
+                "log": self.log_path, "cuda_visible_devices": gpus}  # fmt: skip
+
+    def poll(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def wait(self, timeout: float) -> int | None:
+        if self.process is None:
+            return None
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def signal(self, signum: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signum)
+
+    def kill_group(self) -> None:
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def log_tail(self, lines: int) -> str:
+        try:
+            text = Path(self.log_path).read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def host_actor_class(ray: Any) -> Any:
+    """:class:`WorkerHost` as a Ray actor class (not restarted by Ray: the launcher's policy decides)."""
+    return ray.remote(max_restarts=0, max_concurrency=4)(WorkerHost)
+
+
+class RemoteProcess:
+    """The part of :class:`subprocess.Popen` the launcher uses, for a process a :class:`WorkerHost` runs."""
+
+    def __init__(self, ray: Any, actor: Any, pid: int) -> None:
+        self._ray, self.actor, self.pid = ray, actor, pid
+        self.returncode: int | None = None
+
+    def _call(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
+        return self._ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                self.returncode = self._call("poll")
+            except Exception:  # noqa: BLE001 - the actor (its node) is gone: so is the process
+                self.returncode = -int(signal.SIGKILL)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        bound = 3600.0 if timeout is None else timeout
+        deadline = time.monotonic() + bound
+        while self.poll() is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired("ray worker", bound)
+            try:
+                self._call("wait", min(left, 5.0), timeout=min(left, 5.0) + 30)
+            except Exception:  # noqa: BLE001
+                pass
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        try:
+            self._call("signal", int(signum))
+        except Exception as exc:  # noqa: BLE001 - already gone
+            logger.info("signal to ray worker pid %d not delivered: %s", self.pid, exc)
+
+    def kill_group(self) -> None:
+        try:
+            self._call("kill_group")
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        try:
+            self._ray.kill(self.actor)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+@dataclass
+class RayWorkerProcess:
+    """A worker started through Ray: the same face as the embedded launcher's ``WorkerProcess``."""
+
+    spec: WorkerSpec
+    process: RemoteProcess
+    log_path: Path
+    node_ip: str
+    host: str
+    cuda_visible_devices: str
+    node_id: str = ""
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return str(self.process._call("log_tail", lines))
+        except Exception:  # noqa: BLE001 - its node is gone; a shared filesystem may still have it
+            try:
+                return "\n".join(self.log_path.read_text(errors="replace").strip().splitlines()[-lines:])
+            except OSError:
+                return ""
+
+    def died(self) -> TierDied | TierRefused | None:
+        code = self.process.poll()
+        if code is None:
+            return None
+        tail = self.log_tail(40)
+        error = "" if code < 0 else last_error_line(tail)
+        kind = TierRefused if code == USER_ERROR_EXIT else TierDied
+        return kind(
+            self.spec.tier, self.spec.worker_id, code, error=error, log_path=self.log_path, log_tail=tail
+        )
+
+    def kill_group(self) -> None:
+        self.process.kill_group()
+
+    def describe(self) -> str:
+        code = self.process.poll()
+        state = "still running" if code is None else f"exited with code {code}"
+        where = f"pid {self.pid} on {self.host} {self.node_ip}"
+        return f"{self.spec.tier} worker {self.spec.worker_id} ({where}, {state}; log: {self.log_path})"
+
+
+class RayFleet(EmbeddedFleet):
+    """The embedded launcher's fleet, with every worker placed by Ray (see the module docstring).
+
+    ``address``: ``""`` starts a local Ray for the run (``num_cpus`` logical CPUs, default: the
+    machine's), ``auto`` joins the cluster of this node, ``ray://host:port`` a remote one.
+    """
+
+    def __init__(self, run_dir: Path, *, address: str = "", placement: RayPlacement | None = None,
+                 num_cpus: int | None = None, **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(run_dir, **kwargs)
+        self.ray = import_ray(local=not address)
+        self.address = address
+        self.placement = placement or RayPlacement()
+        self._started_ray = False
+        if not self.ray.is_initialized():
+            options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+            if address:
+                self.ray.init(address=address, **options)
+            else:
+                self.ray.init(num_cpus=num_cpus, **options)
+                self._started_ray = True
+        self.node_ip = str(self.ray.util.get_node_ip_address())
+        self._host_class = host_actor_class(self.ray)
+        self._groups: dict[str, Any] = {}  # tier -> placement group of its ranks
+
+    nats_host = "0.0.0.0"
+    """The run's nats-server listens on every interface of this node; :attr:`url` names its IP."""
+
+    @property
+    def url(self) -> str:
+        assert self.nats is not None and self.nats.port is not None, "start_nats() first"
+        return f"nats://{self.node_ip}:{self.nats.port}"
+
+    def _start(self, spec: WorkerSpec, restart: int = 0) -> RayWorkerProcess:
+        """Place ``spec``'s worker with Ray and start its process there."""
+        resources = self.placement.of(spec.tier)
+        options = resources.options()
+        rank = spec.env.get("RANK")
+        if rank is not None:  # a trainer rank: all of them in one placement group, on one node
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            group = self._rank_group(spec.tier, int(spec.env.get("WORLD_SIZE", "1")), resources)
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=int(rank)
+            )
+        actor = self._host_class.options(name=None, **options).remote()
+        program = list(spec.command) if spec.command else [find_script(spec.script)]
+        role = self.credentials.env(spec.tier) if self.credentials is not None else {}
+        env = {"PYTHONUNBUFFERED": "1", **spec.env, **role}
+        work_dir = str(self.run_dir / "workers")
+        started = self.ray.get(
+            actor.start.remote(program, spec.config_data(self.url), env, work_dir, spec.worker_id, restart),
+            timeout=300,
+        )
+        logger.info("ray placed %s worker %s on %s (%s), pid %d, CUDA_VISIBLE_DEVICES=%r", spec.tier,
+                    spec.worker_id, started["host"], started["node_ip"], started["pid"],
+                    started["cuda_visible_devices"])  # fmt: skip
+        process = RemoteProcess(self.ray, actor, int(started["pid"]))
+        return RayWorkerProcess(spec, process, Path(started["log"]), started["node_ip"], started["host"],
+                                started["cuda_visible_devices"], started["node_id"])  # fmt: skip
+
+    def _rank_group(self, tier: str, world: int, resources: TierResources) -> Any:
+        group = self._groups.get(tier)
+        if group is None:
+            from ray.util.placement_group import placement_group
+
+            group = placement_group([resources.bundle() for _ in range(world)], strategy="STRICT_PACK")
+            self.ray.get(group.ready(), timeout=300)
+            self._groups[tier] = group
+        return group
+
+    def _record(self, worker: Any) -> dict[str, Any]:
+        record = super()._record(worker)
+        if isinstance(worker, RayWorkerProcess):
+            record.update(node_ip=worker.node_ip, node_id=worker.node_id, host=worker.host,
+                          cuda_visible_devices=worker.cuda_visible_devices)  # fmt: skip
+        return record
+
+    def stop(self, timeout: float = 10.0) -> None:
+        try:
+            super().stop(timeout)
+        finally:
+            for group in self._groups.values():
+                try:
+                    from ray.util.placement_group import remove_placement_group
+
+                    remove_placement_group(group)
+                except Exception:  # noqa: BLE001 - the cluster may be gone already
+                    pass
+            self._groups.clear()
+            if self._started_ray:
+                self.ray.shutdown()
+                self._started_ray = False
