@@ -128,7 +128,7 @@ class EmbeddedFleet:
         self.nats, self.credentials = start_run_nats(self.security, cluster, jetstream=self.jetstream,
                                                      host=self.nats_host)  # fmt: skip
         self._write_processes()
-        return self.nats.url
+        return self.url
 
     def spawn(self, spec: WorkerSpec) -> WorkerProcess:
         """Start one worker; its config gets this fleet's NATS URL."""
@@ -174,7 +174,7 @@ class EmbeddedFleet:
     def _nats_record(self) -> dict[str, Any] | None:
         if self.nats is None or self.nats.port is None:
             return None
-        record: dict[str, Any] = {"pid": self.nats.pid, "url": self.nats.url}
+        record: dict[str, Any] = {"pid": self.nats.pid, "url": self.url}
         if self.restarts.get(NATS_ID):
             record["restarts"] = self.restarts[NATS_ID]
         return record
