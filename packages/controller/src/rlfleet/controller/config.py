@@ -34,6 +34,7 @@ from rlfleet.common.schema.rollout import RolloutSettings
 from rlfleet.common.schema.trainer import AlgorithmSettings, BatchSettings, ModelSettings, UpdateSettings
 from rlfleet.common.schema.worker import FleetAddress, Placement, TensorPlaneSettings
 from rlfleet.controller.fault_settings import FaultSettings
+from rlfleet.controller.launcher_settings import LauncherSettings
 
 POOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 RESERVED_ROUTES = ("any", "text")
@@ -133,7 +134,7 @@ class RolloutPoolConfig(ConfigModel):
 
 class TrainerConfig(
     FleetAddress, Placement, TensorPlaneSettings, ModelSettings, KLControlFields, UpdateSettings,
-    BatchSettings, AlgorithmSettings,
+    BatchSettings, AlgorithmSettings, LauncherSettings,
 ):  # fmt: skip
     """Hyperparameters and run settings shared by the GRPO/PPO/DPO trainers.
 
@@ -141,7 +142,8 @@ class TrainerConfig(
     sizes (``BatchSettings``), optimizer and loss settings (``UpdateSettings``), the KL
     controller (``KLControlFields``), how the trainer holds the model (``ModelSettings``), device
     and seed (``Placement``), the fleet to join (``FleetAddress``), where every TensorStore of the run
-    listens and its TLS files (``TensorPlaneSettings``). The rest are the controller's own.
+    listens and its TLS files (``TensorPlaneSettings``), who starts the tiers (``LauncherSettings``).
+    The rest are the controller's own.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -210,6 +212,15 @@ class TrainerConfig(
     faults: FaultSettings = Field(
         default_factory=FaultSettings, description="retries, restarts, the stall watchdog (issue 12)"
     )
+
+    @model_validator(mode="after")
+    def _launcher_starts_its_own_nats(self) -> TrainerConfig:
+        if self.launcher == "ray" and self.nats_url is not None:
+            raise ValueError(
+                "launcher=ray starts the run's own nats-server on this node; unset nats_url (a run that "
+                "joins a fleet by nats_url starts no tier)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_lengths(self) -> TrainerConfig:

@@ -391,3 +391,15 @@ class RayFleet(EmbeddedFleet):
             if self._started_ray:
                 self.ray.shutdown()
                 self._started_ray = False
+
+
+def placement_for(config: Any) -> RayPlacement:
+    """A job's reservations: its ``ray_resources`` over one CPU per worker and, on CUDA, one GPU per
+    trainer rank and ``tensor_parallel_size`` GPUs per rollout worker (half a GPU each for a trainer
+    and rollout workers colocated on it)."""
+    gpus: dict[str, float] = {}
+    if config.device == "cuda":
+        colocated = bool(config.rollout.colocate)
+        gpus = {"trainer": 0.5 if colocated else 1.0,
+                "rollout": 0.5 if colocated else float(config.rollout.tensor_parallel_size)}  # fmt: skip
+    return RayPlacement.from_settings(config.ray_resources, gpus=gpus)

@@ -39,6 +39,7 @@ from rlfleet.controller.dataset import PromptDataset, PromptItem
 from rlfleet.controller.errors import TierNotReady
 from rlfleet.controller.fleet import Fleet
 from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec
+from rlfleet.controller.launcher_settings import build_launcher
 from rlfleet.controller.loggers import RunMetrics
 from rlfleet.controller.models import resolve_model
 from rlfleet.controller.own_store import OwnStore
@@ -153,8 +154,7 @@ class FleetRun:
         try:
             url, auth, env = cfg.nats_url, cfg.nats_auth, None
             if url is None:
-                budget = cfg.faults.restart_budget
-                self.launcher = EmbeddedFleet(self.output_dir / "fleet", restart_budget=budget)
+                self.launcher = build_launcher(cfg, self.output_dir / "fleet")  # embedded or ray
                 self.supervisor.attach(self.launcher)
                 url = self.launcher.start_nats(self.cluster)
                 auth, env = self.launcher.connection("controller"), {}  # not the shell's RLFLEET_NATS_*

@@ -1,0 +1,60 @@
+"""Which launcher starts a run's tiers, and where: the job's ``launcher`` settings (issue 13).
+
+``launcher: embedded`` (the default) starts every tier as a local process; ``launcher: ray``
+places them on a Ray cluster (:mod:`rlfleet.controller.ray_launcher`): ``ray_address`` empty
+starts a local Ray for the run (``ray_num_cpus`` logical CPUs), ``auto`` joins the cluster of
+this node, ``ray://host:10001`` a remote one. ``ray_resources`` reserves per tier what each of its
+workers needs on its node: ``{rollout: {num_gpus: 1, resources: {rollout_node: 1}}}`` (unset:
+one CPU each, and on CUDA one GPU per trainer rank and ``tensor_parallel_size`` per rollout
+worker). Both launchers start the run's nats-server themselves, so either needs ``nats_url``
+unset; a run that joins a fleet by ``nats_url`` starts nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from rlfleet.common.schema.config import ConfigModel
+
+
+class LauncherSettings(ConfigModel):
+    """The job's launcher: embedded local processes, or Ray-placed ones."""
+
+    launcher: Literal["embedded", "ray"] = Field(
+        default="embedded", description="who starts the tiers when nats_url is unset: embedded (local "
+        "processes) or ray (placed on a Ray cluster)",
+    )  # fmt: skip
+    ray_address: str = Field(
+        default="", description="launcher=ray: empty = a local Ray for this run, 'auto' = this node's "
+        "cluster, 'ray://host:port' = a remote one",
+    )  # fmt: skip
+    ray_num_cpus: int | None = Field(
+        default=None, ge=1, description="launcher=ray, local Ray: its logical CPUs (None: this machine's)"
+    )
+    ray_resources: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="launcher=ray: per tier {num_cpus, num_gpus, resources} each worker reserves",
+    )
+
+    @model_validator(mode="after")
+    def _ray_fields_need_ray(self) -> LauncherSettings:
+        if self.launcher != "ray":
+            given = {"ray_address", "ray_num_cpus", "ray_resources"} & self.model_fields_set
+            if given:
+                raise ValueError(f"{', '.join(sorted(given))} only apply with launcher=ray")
+        return self
+
+
+def build_launcher(config: Any, run_dir: Any) -> Any:
+    """The fleet that starts ``config``'s tiers under ``run_dir``: an ``EmbeddedFleet`` or a ``RayFleet``."""
+    budget = config.faults.restart_budget
+    if config.launcher == "ray":
+        from rlfleet.controller.ray_launcher import RayFleet, placement_for
+
+        return RayFleet(run_dir, address=config.ray_address, num_cpus=config.ray_num_cpus,
+                        placement=placement_for(config), restart_budget=budget)  # fmt: skip
+    from rlfleet.controller.launcher import EmbeddedFleet
+
+    return EmbeddedFleet(run_dir, restart_budget=budget)
