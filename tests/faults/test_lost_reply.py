@@ -5,7 +5,8 @@ Worker answers a generate after 3 s, and the server refuses the answer (the fail
 window once caused on a loaded machine). The worker goes on heartbeating as idle; the watchdog
 gives the request up ``lost_after_s`` later with :class:`RequestLost` naming the worker and the
 job, instead of the caller waiting out a 900 s deadline. A worker still busy on the job (its
-heartbeats say so) is never given up: its late answer arrives.
+heartbeats say so) is never given up: its late answer arrives, even past the request's deadline,
+which is extended while the worker is busy (up to ``max_extensions`` times), and not otherwise.
 """
 
 from __future__ import annotations
@@ -93,3 +94,32 @@ async def test_a_worker_busy_on_the_job_is_never_given_up() -> None:
         job = GenerateRequest(job_id="g-2", prompt_token_ids=[[1]])
         reply = await watched.request(worker.own_subject, job, timeout=30.0, tier="rollout")
         assert isinstance(reply, Ack) and reply.detail == "generated"
+
+
+@pytest.mark.timeout(40)
+async def test_a_deadline_passing_while_the_worker_is_busy_on_it_is_extended_within_a_cap() -> None:
+    async for control, worker, registry in _fleet(window_s=60, delay_s=3.5):
+        watched = Watchdog(60.0, registry=registry).watch(control)
+        job = GenerateRequest(job_id="g-3", prompt_token_ids=[[1]])
+        reply = await watched.request(worker.own_subject, job, timeout=1.0, tier="rollout")
+        assert isinstance(reply, Ack) and reply.detail == "generated"  # busy, so waited past 1 s
+
+        capped = Watchdog(60.0, registry=registry, max_extensions=1).watch(control)
+        sent = time.monotonic()
+        with pytest.raises(RequestTimeout) as caught:
+            await capped.request(worker.own_subject, GenerateRequest(job_id="g-4", prompt_token_ids=[[1]]),
+                                 timeout=1.0, tier="rollout")  # fmt: skip
+        assert 1.9 <= time.monotonic() - sent < 3.4  # 1 s, extended once: 2 s in all
+        assert not isinstance(caught.value, RequestLost)
+
+
+@pytest.mark.timeout(40)
+async def test_a_deadline_passing_with_no_busy_worker_is_not_extended() -> None:
+    async for control, worker, _ in _fleet(window_s=60, delay_s=3.0):
+        empty = WorkerRegistry(control, "another-cluster")  # knows no worker: nobody is busy on it
+        watched = Watchdog(60.0, registry=empty).watch(control)
+        sent = time.monotonic()
+        with pytest.raises(RequestTimeout):
+            await watched.request(worker.own_subject, GenerateRequest(job_id="g-5", prompt_token_ids=[[1]]),
+                                  timeout=1.0, tier="rollout")  # fmt: skip
+        assert time.monotonic() - sent < 2.5

@@ -61,7 +61,7 @@ from rlfleet.controller.errors import (
 )
 from rlfleet.controller.fault_settings import FaultSettings
 from rlfleet.controller.lost_chunks import ChunkOrder, ChunkOrders
-from rlfleet.controller.retry import is_retryable, with_retries
+from rlfleet.controller.retry import backoff_s, is_retryable, with_retries
 
 logger = logging.getLogger(__name__)
 
@@ -208,13 +208,23 @@ class Fleet:
             weight_version=weight_version,
         )
         tried: set[str] = set(avoid)
+        rounds = 1  # every live worker tried once is a round; the run's retry budget allows more
         while True:
             alive = {w.worker_id: w for w in self.rollout_workers(pool, weight_version)}
             candidates = [preferred] if preferred in alive and preferred not in tried else []
             candidates += [w for w in alive if w not in tried and w != preferred]
+            if not candidates and rounds < self.faults.retry_attempts and set(alive) - set(avoid):
+                wait = backoff_s(self.faults, rounds)
+                logger.warning("generate job %s: every rollout worker failed it (%s); try %d of %d in %.1f s",
+                               request.job_id, sorted(tried), rounds + 1, self.faults.retry_attempts,
+                               wait)  # fmt: skip
+                await asyncio.sleep(wait)
+                rounds, tried = rounds + 1, set(avoid)  # the same job id: a worker answers a repeat once
+                continue
             if not candidates:
                 raise NoWorkerServed(
-                    f"generate job {request.job_id}: every rollout worker failed it ({sorted(tried)})"
+                    f"generate job {request.job_id}: every rollout worker failed it ({sorted(tried)}"
+                    f"{f', {rounds} rounds' if rounds > 1 else ''})"
                 )
             worker = alive[candidates[0]]
             tried.add(worker.worker_id)

@@ -14,10 +14,13 @@ The report is a warning in the log, an entry of :attr:`Watchdog.reports` and a c
 :attr:`Watchdog.longest_s` is the longest wait of any request so far (the chaos benchmark's
 "longest stall").
 
-One case is acted on: a worker that heartbeats and reports no work in progress for
-``lost_after_s`` (30 s) while a request to it is still unanswered has finished or dropped it, and
-its answer is not coming (a reply refused by the NATS server, a handler that ended without
-answering). Waiting on would only wait out the request's deadline, so the request ends with
+Two cases are acted on. A request whose deadline passes while a worker it may be on is heard from
+and busy (its heartbeats say so) gets the deadline again, up to ``max_extensions`` times (7: 8x the
+deadline in all), with a warning each time: on an overloaded machine work is slow, not lost, and
+failing it would only start it again from nothing. And a worker that heartbeats and reports no work
+in progress for ``lost_after_s`` (30 s) while a request to it is still unanswered has finished or
+dropped it, and its answer is not coming (a reply refused by the NATS server, a handler that ended
+without answering). Waiting on would only wait out the request's deadline, so the request ends with
 :class:`RequestLost` (a :class:`RequestTimeout`: retried and re-dispatched like one) naming the
 worker and the job.
 """
@@ -45,6 +48,11 @@ SILENT_AFTER_S = 6.0
 
 LOST_AFTER_S = 30.0
 """A request whose worker(s) heartbeat as idle this long, after it was sent, is given up as lost."""
+
+
+MAX_EXTENSIONS = 7
+"""A request whose deadline passes while its worker is alive and busy gets its deadline again, up to
+this many times (8x the deadline in all): a loaded machine is slow, not broken."""
 
 
 class RequestLost(RequestTimeout):
@@ -101,12 +109,16 @@ class Watchdog:
         on_report: Callable[[StallReport], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         lost_after_s: float | None = LOST_AFTER_S,
+        max_extensions: int = MAX_EXTENSIONS,
     ) -> None:
         if stall_report_s <= 0:
             raise ValueError(f"stall_report_s must be > 0 s, got {stall_report_s}")
         if lost_after_s is not None and lost_after_s <= 0:
             raise ValueError(f"lost_after_s must be > 0 s (or None: never give up), got {lost_after_s}")
         self.lost_after_s = lost_after_s
+        if max_extensions < 0:
+            raise ValueError(f"max_extensions must be >= 0, got {max_extensions}")
+        self.max_extensions = max_extensions
         self.stall_report_s = stall_report_s
         self.registry = registry
         self.silent_after_s = silent_after_s
@@ -179,6 +191,13 @@ class Watchdog:
             if self.on_report is not None:
                 self.on_report(report)
         return made
+
+    def working(self, entry: Waiting, now: float | None = None) -> bool:
+        """Whether a worker ``entry`` may be on is heard from and busy: its deadline is extended."""
+        now = self.clock() if now is None else now
+        return any(
+            now - w.last_seen <= self.silent_after_s and (w.activity or w.busy) for w in self._workers(entry)
+        )
 
     def _check_lost(self, entry: Waiting, now: float) -> None:
         """Give ``entry`` up when every worker it may be on has beaten as idle for ``lost_after_s``.
@@ -290,13 +309,30 @@ class WatchedTransport:
         with self.watchdog.track(target_tier or tier, worker_id, message.kind, job_id) as entry:
             entry.subject = subject
             entry.lost = asyncio.get_running_loop().create_future()
+            cap = timeout * (1 + self.watchdog.max_extensions)
             asked = asyncio.ensure_future(
-                self._inner.request(subject, message, timeout=timeout, tier=tier, headers=headers)
+                self._inner.request(subject, message, timeout=cap, tier=tier, headers=headers)
             )
+            deadline = entry.since + timeout
             try:
-                await asyncio.wait([asked, entry.lost], return_when=asyncio.FIRST_COMPLETED)
-            except asyncio.CancelledError:
+                while True:
+                    left = deadline - self.watchdog.clock()
+                    await asyncio.wait([asked, entry.lost], timeout=max(0.0, left),
+                                       return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                    if asked.done() or entry.lost.done():
+                        break
+                    if self.watchdog.clock() < deadline:
+                        continue
+                    if not self.watchdog.working(entry):
+                        raise RequestTimeout(subject, target_tier or tier, timeout)
+                    deadline += timeout
+                    logger.warning("%s: still working on %s job %s after %.0f s (its deadline); waiting "
+                                   "up to %.0f s more (at most %.0f s in all)", entry.worker_id or entry.tier,
+                                   entry.what, entry.job_id or "-", self.watchdog.clock() - entry.since,
+                                   timeout, cap)  # fmt: skip
+            except BaseException:
                 asked.cancel()
+                await asyncio.gather(asked, return_exceptions=True)
                 raise
             if asked.done():
                 entry.lost.cancel()
