@@ -87,6 +87,9 @@ async def test_a_generate_sent_again_after_an_outage_runs_once(
     assert isinstance(result, GenerateResult) and result.num_samples == 4
     assert _batches(worker) == [result.ref.key], "the resent generate ran a second time"
     assert "run-gen-0 repeated: answering with its first reply" in caplog.text
+    # the worker's metrics count the tokens it generated once, the repeat not again
+    line = f'rlfleet_tokens_total{{tier="rollout",worker="{worker.worker_id}"}} {float(result.num_tokens)}'
+    assert result.num_tokens > 0 and line in worker.metrics.exposition().decode()
 
 
 @pytest.mark.timeout(60)

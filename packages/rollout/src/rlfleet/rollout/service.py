@@ -170,10 +170,12 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
                 self.busy -= 1
         ref = self.store.put_local(f"rollout/{request.job_id}", tensors)
         self._batches.append((self.weight_version, ref.key))
+        generated = sum(len(c.token_ids) for c in completions)
+        self.metrics.tokens.inc(generated)  # rlfleet_tokens_total: its rate is the worker's tokens/s
         return GenerateResult(
             job_id=request.job_id, worker_id=self.worker_id, weight_version=self.weight_version, ref=ref,
             num_prompts=len(request.prompt_token_ids), num_samples=len(completions),
-            num_tokens=sum(len(c.token_ids) for c in completions), seconds=seconds,
+            num_tokens=generated, seconds=seconds,
         )  # fmt: skip
 
     def carrier(self, message: LoadWeights) -> str:
