@@ -171,7 +171,8 @@ def _perturbed_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 async def _greedy(fleet: Fleet, worker_id: str, prompts: list[list[int]], version: int) -> list[list[int]]:
     info = fleet.registry.get("rollout", worker_id)
     assert info is not None
-    request = GenerateRequest(job_id=f"greedy-{worker_id}", prompt_token_ids=prompts, weight_version=version,
+    job = f"greedy-{worker_id}-v{version}"  # a job id names one request (a repeat is answered from cache)
+    request = GenerateRequest(job_id=job, prompt_token_ids=prompts, weight_version=version,
                               sampling=SamplingParams(n=1, temperature=0.0, max_tokens=8))  # fmt: skip
     reply = await fleet.transport.request(info.subject, request, timeout=60, tier="rollout")
     client = TensorStoreClient(reply.ref.address)  # type: ignore[union-attr]
