@@ -1,7 +1,8 @@
 """``launcher=ray``: the tiny GRPO job trains through Ray-placed tiers on a real local Ray (issue 13).
 
 The run starts its own Ray (4 logical CPUs), its nats-server on every interface named by the node
-IP, and every tier in a Ray actor; it trains, the reward rises over the steps, every worker's
+IP, and every tier in a Ray actor; it trains, the reward rises over the steps, ``rlfleet status
+--run`` (a real CLI process, the run's observer login) lists its three workers, every worker's
 record names its Ray node, and closing the run leaves none of its processes behind.
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,10 +44,18 @@ def test_tiny_grpo_trains_through_ray_placed_tiers(tmp_path: Path, tiny_model_di
     trainer = GRPOTrainer(str(tiny_model_dir), "charset:allowed=0123456789",
                           PromptDataset(str(DATA), max_prompt_length=32), config)  # fmt: skip
     try:
-        rewards = [step.metrics["reward/mean"] for step in trainer.steps(num_epochs=3, max_steps=8)]
+        steps = trainer.steps(num_epochs=3, max_steps=8)
+        rewards = [next(steps).metrics["reward/mean"] for _ in range(2)]
+        shown = subprocess.run([str(Path(sys.executable).parent / "rlfleet"), "status", "--run", str(out)],
+                               capture_output=True, text=True, timeout=120)  # fmt: skip
+        rewards += [step.metrics["reward/mean"] for step in steps]
         processes = json.loads((out / "fleet" / "processes.json").read_text())
     finally:
         trainer.close()
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines()[0].startswith(f"fleet {trainer.cluster}: rollout 1, reward 1, trainer 1")
+    rows = {line.split()[1]: line.split() for line in shown.stdout.splitlines()[2:]}
+    assert set(rows) == {"rollout-0", "reward-0", "trainer-0"} and all(r[7] == "ok" for r in rows.values())
     assert len(rewards) == 8
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3, rewards  # it learns
     node = ray.util.get_node_ip_address() if ray.is_initialized() else processes["workers"][0]["node_ip"]

@@ -180,13 +180,17 @@ class FleetRun:
         return self.output_dir / "fleet" / "join-rollout.yaml"
 
     def _write_join_config(self, url: str) -> None:
+        """``join-rollout.yaml`` (the rollout role's login) and ``status.yaml`` (the observer's, for
+        ``rlfleet status --run OUTPUT_DIR``), each readable by this user only."""
         assert self.launcher is not None
-        auth = self.launcher.connection("rollout")
-        password = auth.password.get_secret_value()
-        login = {"user": auth.user, "password": password, "inbox_prefix": auth.inbox_prefix}
-        data = {"nats_url": url, "cluster": self.cluster, "nats_auth": login}
         self.join_config.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.join_config, yaml.safe_dump(data, sort_keys=False), mode=0o600)
+        status = self.join_config.parent / "status.yaml"
+        for role, path in (("rollout", self.join_config), ("observer", status)):
+            auth = self.launcher.connection(role)
+            password = auth.password.get_secret_value()
+            login = {"user": auth.user, "password": password, "inbox_prefix": auth.inbox_prefix}
+            data = {"nats_url": url, "cluster": self.cluster, "nats_auth": login}
+            write_atomic(path, yaml.safe_dump(data, sort_keys=False), mode=0o600)
 
     async def _connect(self, url: str, auth: NatsConnection, env: dict[str, str] | None = None) -> None:
         from rlfleet.common.control.nats_transport import NatsTransport

@@ -3,6 +3,7 @@
 ::
 
     rlfleet status --nats nats://host:4222 --cluster prod [--watch] [--nats-user ...]
+    rlfleet status --run outputs/tiny_grpo [--watch]      # a run this machine launched
 
 It joins the fleet's membership subjects as an observer (the same registry the controller keeps),
 asks every worker to announce itself, and after ``--wait`` seconds prints one row per worker:
@@ -10,7 +11,9 @@ tier, id, pool, host (of its TensorStore), pid, weight version, requests in prog
 (``ok`` while heartbeats arrive, ``silent Ns`` once they stop) and what it is doing. With
 ``--watch`` the table is redrawn every ``--interval`` seconds until Ctrl-C. Credentials come from
 the ``--nats-*`` flags or ``RLFLEET_NATS_*`` (on a permissioned server, a user that may subscribe
-to the membership subjects and publish the controller's ping, such as the controller's).
+to the membership subjects and publish the controller's ping, such as the controller's); with
+``--run`` from the observer login the run's launcher wrote (``fleet/status.yaml``, this user only:
+the ``observer`` role may read membership and ping, nothing else).
 """
 
 from __future__ import annotations
@@ -20,9 +23,14 @@ import asyncio
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
 
 from rlfleet.common.control.membership import WorkerInfo, WorkerRegistry
 from rlfleet.common.control.transport import WORKER_TIERS
+from rlfleet.common.errors import ConfigError
+from rlfleet.common.schema.connection import NatsConnection
 
 SILENT_AFTER_S = 6.0
 """A worker unheard for this long shows as ``silent`` (three beats of the default 2 s)."""
@@ -34,8 +42,11 @@ def add_status_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     from rlfleet.common.control.worker import add_nats_arguments
 
     status = sub.add_parser("status", help="print the workers of a running fleet")
-    status.add_argument("--nats", dest="nats_url", required=True, help="NATS URL of the fleet")
-    status.add_argument("--cluster", required=True, help="the fleet's cluster name (a run's `cluster`)")
+    status.add_argument("--run", type=Path, default=None,
+                        help="a running embedded or Ray-launched run's output_dir (its fleet/status.yaml "
+                        "holds the URL, cluster and an observer's login)")  # fmt: skip
+    status.add_argument("--nats", dest="nats_url", default=None, help="NATS URL of the fleet")
+    status.add_argument("--cluster", default=None, help="the fleet's cluster name (a run's `cluster`)")
     status.add_argument("--watch", action="store_true", help="redraw the table until Ctrl-C")
     status.add_argument("--interval", type=float, default=2.0, help="seconds between redraws (--watch)")
     status.add_argument("--wait", type=float, default=2.5, help="seconds to listen before the first table")
@@ -88,8 +99,13 @@ async def show(args: argparse.Namespace, out=sys.stdout) -> None:  # noqa: ANN00
     from rlfleet.common.control.nats_transport import NatsTransport
     from rlfleet.common.control.worker import connection_from_args
 
+    auth = connection_from_args(args)
+    if args.run is not None:
+        args.nats_url, args.cluster, auth = _run_login(args.run)
+    if not args.nats_url or not args.cluster:
+        raise ConfigError("status", "", "give --run OUTPUT_DIR, or --nats URL and --cluster NAME")
     transport = await NatsTransport.connect(
-        args.nats_url, name="rlfleet-status", tier="controller", auth=connection_from_args(args),
+        args.nats_url, name="rlfleet-status", tier="controller", auth=auth,
         max_reconnect_attempts=0 if not args.watch else -1,
     )  # fmt: skip
     registry = WorkerRegistry(transport, args.cluster, dead_after=3600.0)  # observe, never reap
@@ -106,6 +122,21 @@ async def show(args: argparse.Namespace, out=sys.stdout) -> None:  # noqa: ANN00
     finally:
         await registry.stop()
         await transport.close()
+
+
+def _run_login(run_dir: Path) -> tuple[str, str, NatsConnection]:
+    """The URL, cluster and observer login a run wrote to ``fleet/status.yaml``."""
+    path = run_dir / "fleet" / "status.yaml"
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError("--run", str(run_dir), f"no {path}: is it the output_dir of a run started by its "
+                          "launcher (not one that joined a fleet by nats_url)?") from None  # fmt: skip
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError("--run", str(path), f"unreadable: {exc}") from None
+    if not isinstance(data, dict) or not {"nats_url", "cluster", "nats_auth"} <= set(data):
+        raise ConfigError("--run", str(path), "not a run's status file (nats_url, cluster, nats_auth)")
+    return str(data["nats_url"]), str(data["cluster"]), NatsConnection.model_validate(data["nats_auth"])
 
 
 def run_status_command(args: argparse.Namespace) -> int:

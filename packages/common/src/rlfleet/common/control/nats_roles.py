@@ -10,6 +10,7 @@ needs (cluster ``C``, ``P = rlfleet.C``)::
     rollout     P.rollout.membership, P.trainer.latest,     P.rollout.>, P.controller.ping, its inbox
                 replies
     reward      P.reward.membership, replies                P.reward.>, P.controller.ping, its inbox
+    observer    P.controller.ping                           P.<tier>.membership, its inbox
 
 "Replies" is nats-server's ``allow_responses``: a worker may answer the requests it received, on
 their reply subject, once each, and publish nowhere else. nats-server forgets that permission two
@@ -35,8 +36,9 @@ from dataclasses import dataclass, field
 from rlfleet.common.control.transport import WORKER_TIERS, subject
 from rlfleet.common.schema.connection import NatsConnection
 
-ROLES = ("controller", *WORKER_TIERS)
-"""Every role of an embedded run: the controller and one per worker tier."""
+ROLES = ("controller", *WORKER_TIERS, "observer")
+"""Every role of an embedded run: the controller, one per worker tier, and an observer
+(``rlfleet status``: it reads the membership subjects and asks workers to announce, nothing else)."""
 
 WORKER_PUBLISHES: dict[str, tuple[str, ...]] = {"trainer": (), "rollout": ("trainer.latest",), "reward": ()}
 """Requests a worker role sends besides its membership (verbs of another tier, ``tier.verb``)."""
@@ -69,6 +71,9 @@ def role_permissions(cluster: str, role: str, reply_window_s: float = REPLY_WIND
         return f"rlfleet.{cluster}.{tier}.{verb}"
 
     memberships = [on(tier, "membership") for tier in WORKER_TIERS]
+    if role == "observer":
+        return {"publish": {"allow": [on("controller", "ping")]},
+                "subscribe": {"allow": [*memberships, f"{inbox(role)}.>"]}}  # fmt: skip
     if role == "controller":
         return {
             "publish": {"allow": [f"rlfleet.{cluster}.>"], "deny": memberships},
