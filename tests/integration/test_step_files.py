@@ -1,8 +1,13 @@
-"""One GRPO step passes through at most 46 source files, and ARCHITECTURE.md lists them.
+"""One GRPO step passes through at most 56 source files, and ARCHITECTURE.md lists them.
 
 Issue 10 cut a step to 40 files; issue 12 added six, one per fault-handling duty a step needs
-(supervision, retries, the stall watchdog, worker activity, sampling bounds, the trainer's reply
-cache). A file more than that is a design change to argue for here, not a number to bump.
+(supervision, retries, the stall watchdog, worker activity, sampling bounds, the reply cache),
+then two more duties (request deadlines scaled to the work, regenerating a lost chunk); issue 13
+one (each worker's metrics). Seven more are halves of files split by idea to stay under 400 lines
+(membership -> heartbeat, NATS transport -> subscription and reconnect, fleet -> dispatch,
+launcher -> worker process and the run's nats-server, run -> the controller's own store): the
+same code, in more files. A file more than that is a design change to argue for here, not a
+number to bump.
 
 The tiny GRPO example runs as a user runs it (``rlfleet train``, every tier a process) for 4
 steps, with a profiler in every process (``step_trace/sitecustomize.py`` notes when each rlfleet
@@ -25,7 +30,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = Path(__file__).parent / "step_trace"
-LIMIT = 46
+LIMIT = 56
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -63,7 +68,7 @@ def _listed() -> list[str]:
     return re.findall(r"^\s*\d+\.\s+`(rlfleet/[^`]+\.py)`", section, flags=re.MULTILINE)
 
 
-def test_one_grpo_step_passes_through_at_most_46_files(tmp_path: Path) -> None:
+def test_one_grpo_step_passes_through_at_most_56_files(tmp_path: Path) -> None:
     touched = _files_of_step(tmp_path)
     assert touched, "the profiler saw no step"
     assert len(touched) <= LIMIT, f"one step went through {len(touched)} files: {touched}"
