@@ -36,10 +36,9 @@ from typing import Any
 
 import yaml
 
-from rlfleet.common.control.worker import USER_ERROR_EXIT
 from rlfleet.common.errors import ConfigError
-from rlfleet.controller.errors import TierDied, TierRefused
-from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec, find_script, last_error_line
+from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec, find_script
+from rlfleet.controller.worker_process import WorkerProcess, tail_of
 
 logger = logging.getLogger(__name__)
 
@@ -191,11 +190,7 @@ class WorkerHost:
             pass
 
     def log_tail(self, lines: int) -> str:
-        try:
-            text = Path(self.log_path).read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.strip().splitlines()[-lines:])
+        return tail_of(self.log_path, lines)
 
 
 def host_actor_class(ray: Any) -> Any:
@@ -253,43 +248,23 @@ class RemoteProcess:
 
 
 @dataclass
-class RayWorkerProcess:
-    """A worker started through Ray: the same face as the embedded launcher's ``WorkerProcess``."""
+class RayWorkerProcess(WorkerProcess):
+    """A worker started through Ray: the embedded launcher's ``WorkerProcess`` (its exit read the
+    same way), with the process behind its actor and the node Ray placed it on."""
 
-    spec: WorkerSpec
-    process: RemoteProcess
-    log_path: Path
-    node_ip: str
-    host: str
-    cuda_visible_devices: str
+    node_ip: str = ""
+    host: str = ""
+    cuda_visible_devices: str = ""
     node_id: str = ""
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
 
     def log_tail(self, lines: int = 15) -> str:
         try:
-            return str(self.process._call("log_tail", lines))
+            return str(self.process._call("log_tail", lines))  # type: ignore[attr-defined]
         except Exception:  # noqa: BLE001 - its node is gone; a shared filesystem may still have it
-            try:
-                return "\n".join(self.log_path.read_text(errors="replace").strip().splitlines()[-lines:])
-            except OSError:
-                return ""
-
-    def died(self) -> TierDied | TierRefused | None:
-        code = self.process.poll()
-        if code is None:
-            return None
-        tail = self.log_tail(40)
-        error = "" if code < 0 else last_error_line(tail)
-        kind = TierRefused if code == USER_ERROR_EXIT else TierDied
-        return kind(
-            self.spec.tier, self.spec.worker_id, code, error=error, log_path=self.log_path, log_tail=tail
-        )
+            return tail_of(self.log_path, lines)
 
     def kill_group(self) -> None:
-        self.process.kill_group()
+        self.process.kill_group()  # type: ignore[attr-defined]
 
     def describe(self) -> str:
         code = self.process.poll()
@@ -356,7 +331,7 @@ class RayFleet(EmbeddedFleet):
                     spec.worker_id, started["host"], started["node_ip"], started["pid"],
                     started["cuda_visible_devices"])  # fmt: skip
         process = RemoteProcess(self.ray, actor, int(started["pid"]))
-        return RayWorkerProcess(spec, process, Path(started["log"]), started["node_ip"], started["host"],
+        return RayWorkerProcess(spec, process, Path(started["log"]), started["node_ip"], started["host"],  # type: ignore[arg-type]
                                 started["cuda_visible_devices"], started["node_id"])  # fmt: skip
 
     def _rank_group(self, tier: str, world: int, resources: TierResources) -> Any:

@@ -58,6 +58,15 @@ class WorkerSpec:
         return {**config, "nats_url": nats_url, "worker_id": self.worker_id}
 
 
+def tail_of(path: str | Path, lines: int) -> str:
+    """The last ``lines`` lines of a log file ("" when it cannot be read)."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
 @dataclass
 class WorkerProcess:
     """A started worker: its spec, process and log file."""
@@ -71,11 +80,7 @@ class WorkerProcess:
         return self.process.pid
 
     def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.strip().splitlines()[-lines:])
+        return tail_of(self.log_path, lines)
 
     def died(self) -> TierDied | TierRefused | None:
         """The error describing this worker's exit, or None while it runs."""
