@@ -40,10 +40,12 @@ class LauncherSettings(ConfigModel):
 
     @model_validator(mode="after")
     def _ray_fields_need_ray(self) -> LauncherSettings:
-        if self.launcher != "ray":
-            given = {"ray_address", "ray_num_cpus", "ray_resources"} & self.model_fields_set
+        if self.launcher != "ray":  # set to a non-default value (a dumped config repeats the defaults)
+            fields = type(self).model_fields
+            given = [n for n in ("ray_address", "ray_num_cpus", "ray_resources")
+                     if getattr(self, n) != fields[n].get_default(call_default_factory=True)]  # fmt: skip
             if given:
-                raise ValueError(f"{', '.join(sorted(given))} only apply with launcher=ray")
+                raise ValueError(f"{', '.join(given)}: only used with launcher=ray (here: {self.launcher})")
         return self
 
 
