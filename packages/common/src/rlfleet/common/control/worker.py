@@ -39,7 +39,7 @@ from rlfleet.common.control.messages import (
     WorkerAnnounce,
 )
 from rlfleet.common.control.transport import Handler, Subscription, Transport, worker_subject
-from rlfleet.common.control.worker_metrics import Health, MetricsServer, WorkerMetrics
+from rlfleet.common.control.worker_metrics import Health, MetricsServer, WorkerMetrics, serve_metrics
 from rlfleet.common.errors import Failure, WrongMessageKind
 from rlfleet.common.schema.connection import NatsConnection
 from rlfleet.common.schema.worker import ServiceConfig
@@ -137,14 +137,9 @@ class Worker(Generic[C]):
         logger.info("%s worker %s is up on cluster %s", self.tier, self.worker_id, self.config.cluster)
 
     def _start_metrics(self) -> None:
-        port = self.config.metrics_port
-        if port is None or self.metrics_server is not None:
-            return
-        host = self.config.metrics_host or self.config.bind_host
-        self.metrics_server = MetricsServer(self.metrics, self.health, host, port, on_scrape=self._sample)
-        self.metrics_server.start()
-        logger.info("%s metrics on http://%s:%d/metrics (health: /healthz)", self.worker_id, host,
-                    self.metrics_server.port)  # fmt: skip
+        if self.metrics_server is None:
+            self.metrics_server = serve_metrics(self.metrics, self.health, self.config, self.worker_id,
+                                                on_scrape=self._sample)  # fmt: skip
 
     def _sample(self) -> None:
         self.metrics.weight_version.set(self.weight_version)
@@ -152,15 +147,7 @@ class Worker(Generic[C]):
     def health(self) -> Health:
         """What ``/healthz`` answers: serving once set up, connected and not draining."""
         connected = bool(getattr(self.transport, "is_connected", True))
-        if self.draining:
-            state = "draining"
-        elif not self._set_up:
-            state = "starting"
-        elif not connected:
-            state = "disconnected"
-        else:
-            state = "serving"
-        return Health(state == "serving", state, self.weight_version, len(self.in_flight))
+        return Health.of(self.draining, self._set_up, connected, self.weight_version, len(self.in_flight))
 
     def status(self) -> WorkerStatus:
         """What the next heartbeat reports: weight version, busy count, the oldest request in progress."""

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -42,6 +43,19 @@ class Health:
     state: str  # "serving", "starting", "draining", "disconnected", ...
     weight_version: int
     in_flight: int
+
+    @classmethod
+    def of(cls, draining: bool, set_up: bool, connected: bool, weight_version: int, in_flight: int) -> Health:
+        """A worker's health: serving once set up, connected and not draining."""
+        if draining:
+            state = "draining"
+        elif not set_up:
+            state = "starting"
+        elif not connected:
+            state = "disconnected"
+        else:
+            state = "serving"
+        return cls(state == "serving", state, weight_version, in_flight)
 
 
 class WorkerMetrics:
@@ -170,3 +184,17 @@ class MetricsServer:
                 logger.debug("metrics http: " + format, *args)
 
         return Handler
+
+
+def serve_metrics(
+    metrics: WorkerMetrics, health: Callable[[], Health], config: Any, name: str,
+    on_scrape: Callable[[], None] | None = None,
+) -> MetricsServer | None:  # fmt: skip
+    """Start ``name``'s metrics server on ``config.metrics_port`` (None: no server) and
+    ``config.metrics_host`` (empty: ``config.bind_host``)."""
+    if config.metrics_port is None:
+        return None
+    host = config.metrics_host or config.bind_host
+    server = MetricsServer(metrics, health, host, config.metrics_port, on_scrape=on_scrape).start()
+    logger.info("%s metrics on http://%s:%d/metrics (health: /healthz)", name, host, server.port)
+    return server
