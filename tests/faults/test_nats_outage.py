@@ -12,17 +12,13 @@ is stopped for good mid-run: clients fail over to the others and the run finishe
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import yaml
 
 from rlfleet.common.control.embedded_nats import EmbeddedNats, free_port
 from rlfleet.controller import GRPOTrainer, TrainerConfig
@@ -39,27 +35,8 @@ Starter = Callable[[str, str, dict[str, object]], None]
 
 
 @pytest.fixture
-def workers(tmp_path: Path, venv_script, cli_env) -> Iterator[Starter]:  # noqa: ANN001
-    """Start ``rlfleet-<tier> serve`` on a NATS URL; stops exactly the processes it started."""
-    started: list[subprocess.Popen[bytes]] = []
-
-    def start(tier: str, url: str, config: dict[str, object]) -> None:
-        path = tmp_path / f"{tier}-{len(started)}.yaml"
-        path.write_text(yaml.safe_dump({"nats_url": url, **config}))
-        with open(tmp_path / f"{tier}-{len(started)}.log", "wb") as log:
-            started.append(subprocess.Popen([venv_script(f"rlfleet-{tier}"), "serve", "--config", str(path)],
-                                            stdout=log, stderr=subprocess.STDOUT, env=cli_env))  # fmt: skip
-
-    yield start
-    for proc in started:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in started:
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+def workers(serve_tier) -> Starter:  # noqa: ANN001 - tests/faults/conftest.py's real-process starter
+    return serve_tier
 
 
 def _fleet(start: Starter, url: str, cluster: str, model: str) -> None:
