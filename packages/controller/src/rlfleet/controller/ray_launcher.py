@@ -36,6 +36,7 @@ from typing import Any
 
 import yaml
 
+from rlfleet.common.atomic_files import write_atomic
 from rlfleet.common.errors import ConfigError
 from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec, find_script
 from rlfleet.controller.worker_process import WorkerProcess, tail_of
@@ -143,9 +144,7 @@ class WorkerHost:
         directory = Path(work_dir)
         directory.mkdir(parents=True, exist_ok=True)
         config_path = directory / f"{name}.yaml"
-        tmp = config_path.with_suffix(".yaml.tmp")
-        tmp.write_text(yaml.safe_dump(config, sort_keys=False))
-        os.replace(tmp, config_path)
+        write_atomic(config_path, yaml.safe_dump(config, sort_keys=False))
         self.log_path = str(directory / f"{name}.log")
         with open(self.log_path, "ab" if restart else "wb") as log:
             if restart:

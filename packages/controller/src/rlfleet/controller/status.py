@@ -31,9 +31,7 @@ from rlfleet.common.control.membership import WorkerInfo, WorkerRegistry
 from rlfleet.common.control.transport import WORKER_TIERS
 from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.connection import NatsConnection
-
-SILENT_AFTER_S = 6.0
-"""A worker unheard for this long shows as ``silent`` (three beats of the default 2 s)."""
+from rlfleet.controller.watchdog import SILENT_AFTER_S  # unheard this long: "silent", as the watchdog says
 
 COLUMNS = ("TIER", "WORKER", "POOL", "HOST", "PID", "VERSION", "BUSY", "HEALTH", "ACTIVITY")
 
