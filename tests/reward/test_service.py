@@ -6,6 +6,7 @@ statistics of another tenant's endpoint.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.timeout(60)
 
 SCORE = subject("test", "reward", "score")
 OWN = subject("test", "reward", "worker.reward-0")
+JOB_IDS = itertools.count()
 TOKEN_A, TOKEN_B, ADMIN = "token-of-team-a", "token-of-team-b", "the-admin-token"
 
 CONFIG: dict[str, Any] = {
@@ -42,7 +44,8 @@ CONFIG: dict[str, Any] = {
 
 
 async def score(client, ref, endpoint: str, token: str) -> ScoreResult:
-    request = ScoreRequest(job_id="j", endpoint=endpoint, rollout=ref, token=token)
+    """One scoring, under a job id of its own (a repeated job id is answered from its first reply)."""
+    request = ScoreRequest(job_id=f"j-{next(JOB_IDS)}", endpoint=endpoint, rollout=ref, token=token)
     reply = await client.request(SCORE, request, timeout=10)
     assert isinstance(reply, ScoreResult)
     return reply

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -84,7 +85,7 @@ async def users(deploy_nats: EmbeddedNats) -> AsyncIterator[dict[str, NatsTransp
 
 
 async def score(client: NatsTransport, endpoint: str, token: str, ref: Any) -> ScoreResult | RemoteError:
-    request = ScoreRequest(job_id="j", endpoint=endpoint, rollout=ref)
+    request = ScoreRequest(job_id=f"j-{uuid.uuid4().hex[:8]}", endpoint=endpoint, rollout=ref)  # each its own
     try:
         reply = await client.request(SCORE, request, timeout=30, tier="reward", headers={TOKEN_HEADER: token})
     except RemoteError as refused:

@@ -301,12 +301,15 @@ class RunReward:
         self.spec = spec
         self.initial_spec = spec  # spec follows set_reward_fn; a resume compares the two
         self.endpoint = endpoint
+        self.model: dict[str, Any] | None = None  # the last update_reward_model(dir) on top of spec
 
     async def switch(self, control: RewardControl, wire: Mapping[str, Any]) -> RewardSpecSet:
         """Send ``wire`` (from :func:`describe_reward_fn` or :func:`model_swap`) to every reward worker."""
         done = await control.set_reward(wire, self.endpoint)
         if "spec" in wire:
-            self.spec = wire["spec"]
+            self.spec, self.model = wire["spec"], None  # a new spec replaces any swapped model
+        if wire.get("model_path") is not None:
+            self.model = {"model_path": wire["model_path"], "component": wire.get("component")}
         return done
 
     async def stats(self, control: RewardControl) -> RewardStats:
@@ -314,24 +317,31 @@ class RunReward:
         return await control.stats(self.endpoint)
 
     async def checkpoint_state(self, control: RewardControl) -> dict[str, Any]:
-        """What a checkpoint keeps: the spec in force, the starting one, and the endpoint's
-        ``RewardScaler`` options and running statistics when one is set."""
+        """What a checkpoint keeps: the spec in force, the starting one, the reward model swapped
+        in on top of it (``update_reward_model(dir)``), and the endpoint's ``RewardScaler`` options
+        and running statistics when one is set."""
         stats = (await self.stats(control)).endpoints.get(self.endpoint)
         scaler = None
         if stats is not None and stats.scaler is not None:
             scaler = {"scaler": stats.scaler, "scaler_state": stats.scaler_state}
-        return {"reward_spec": self.spec, "initial_reward_spec": self.initial_spec, "reward_scaler": scaler}
+        return {"reward_spec": self.spec, "initial_reward_spec": self.initial_spec,
+                "reward_model": self.model, "reward_scaler": scaler}  # fmt: skip
 
     async def restore(self, control: RewardControl, state: dict[str, Any]) -> None:
         """Re-apply the checkpoint's reward where the resumed run should continue with it: a spec
-        switched mid-run (:func:`~rlfleet.controller.checkpoints.reward_to_restore`), and a
-        ``RewardScaler``'s options and running statistics."""
+        switched mid-run (:func:`~rlfleet.controller.checkpoints.reward_to_restore`), a reward model
+        swapped in, and a ``RewardScaler``'s options and running statistics. A run resumed with a
+        reward of its own (neither the checkpoint's starting one nor the one in force) keeps it."""
         restore = reward_to_restore(state, self.spec)
         scaler = state.get("reward_scaler")
         in_force = state.get("reward_spec")
-        if restore is None and (scaler is None or self.spec != in_force):
+        model = state.get("reward_model")
+        if restore is None and ((scaler is None and model is None) or self.spec != in_force):
             return
-        logger.info(
-            "re-applying the checkpoint's reward %r%s", in_force, " with its scaler" if scaler else ""
-        )
+        logger.info("re-applying the checkpoint's reward %r%s%s", in_force,
+                    " with its scaler" if scaler else "",
+                    f", reward model {model['model_path']}" if model else "")  # fmt: skip
         await self.switch(control, {"spec": in_force, **(scaler or {})})
+        if model is not None:  # on top of the spec; scaler None keeps the statistics just restored
+            swap = {"model_path": model["model_path"], "component": model.get("component")}
+            await self.switch(control, swap)

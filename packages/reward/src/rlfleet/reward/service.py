@@ -23,6 +23,7 @@ version it started with, and its :class:`ScoreResult` names that version.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from typing import Any
 
@@ -36,6 +37,7 @@ from rlfleet.common.control.messages import (
     SetRewardSpec,
     Shutdown,
 )
+from rlfleet.common.control.reply_cache import ReplyCache
 from rlfleet.common.control.transport import TOKEN_HEADER, request_headers, subject
 from rlfleet.common.control.worker import Worker
 from rlfleet.common.errors import WrongMessageKind
@@ -71,6 +73,7 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         self.endpoints = Endpoints(cfg.state_dir)
         await self.endpoints.start(cfg.endpoints)
         self._clients: dict[str, Any] = {}
+        self.replies = ReplyCache()  # a repeated score (same tenant, job id and request): its first reply
         self._closing: set[asyncio.Task[None]] = set()
         self._saver: asyncio.Task[None] | None = None
         if cfg.state_dir:
@@ -139,8 +142,19 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         live = self.endpoints.get(name, self.tenants.visible(tenant, self.endpoints.names()))
         await self.tenants.take_request(tenant)
         self.tenants.check_store(tenant, request.rollout.address)
-        with self.tenants.slot(tenant):
-            return await self._score_on(request, live, tenant)
+        # A resent score (a retry, a resend after an outage: the same request) is answered from its
+        # first reply, so a scaler's statistics count each batch once. Keyed by tenant (job ids are
+        # each tenant's own), by the request itself (a client that reuses a job id for another batch
+        # is scored as before, not refused) and by the reward version (after a swap: scored anew).
+        identity = request.model_dump_json(exclude={"protocol"}).encode()
+        digest = hashlib.sha256(identity).hexdigest()[:16]
+        key = f"{tenant.name if tenant is not None else ''}/{request.job_id}/{digest}/{live.version}"
+
+        async def once() -> ScoreResult:
+            with self.tenants.slot(tenant):
+                return await self._score_on(request, live, tenant)
+
+        return await self.replies.once(request, key if request.job_id else "", once)
 
     async def _score_on(
         self, request: ScoreRequest, live: EndpointVersion, tenant: Tenant | None
