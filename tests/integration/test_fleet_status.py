@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -98,7 +99,7 @@ async def test_status_lists_the_running_fleet(fleet) -> None:  # noqa: ANN001
     assert lines[0] == f"fleet {CLUSTER}: rollout 1, reward 1, trainer 0", done.stdout
     assert lines[1].split() == "TIER WORKER POOL HOST PID VERSION BUSY HEALTH ACTIVITY".split()
     by_id = {line.split()[1]: line.split() for line in lines[2:]}
-    assert by_id["rollout-0"][:3] == ["rollout", "rollout-0", "fast"]
+    assert by_id["rollout-0"][:4] == ["rollout", "rollout-0", "fast", socket.gethostname()]
     assert by_id["rollout-0"][4:] == [str(os.getpid()), "3", "0", "ok", "idle"]
     assert by_id["reward-0"][0] == "reward" and by_id["reward-0"][4] == str(reward.pid)
     assert by_id["reward-0"][7] == "ok"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +54,9 @@ def test_tiny_grpo_trains_through_ray_placed_tiers(tmp_path: Path, tiny_model_di
     finally:
         trainer.close()
     assert shown.returncode == 0, shown.stderr
-    assert shown.stdout.splitlines()[0].startswith(f"fleet {trainer.cluster}: rollout 1, reward 1, trainer 1")
+    first = shown.stdout.splitlines()[0]
+    assert first.startswith(f"fleet {trainer.cluster}: rollout 1, reward 1, trainer 1; trainer at step ")
+    assert int(re.search(r"at step (\d+),", first).group(1)) >= 2, first  # type: ignore[union-attr]
     rows = {line.split()[1]: line.split() for line in shown.stdout.splitlines()[2:]}
     assert set(rows) == {"rollout-0", "reward-0", "trainer-0"} and all(r[7] == "ok" for r in rows.values())
     assert len(rewards) == 8

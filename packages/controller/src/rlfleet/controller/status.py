@@ -6,8 +6,9 @@
     rlfleet status --run outputs/tiny_grpo [--watch]      # a run this machine launched
 
 It joins the fleet's membership subjects as an observer (the same registry the controller keeps),
-asks every worker to announce itself, and after ``--wait`` seconds prints one row per worker:
-tier, id, pool, host (of its TensorStore), pid, weight version, requests in progress, health
+asks every worker to announce itself, and after ``--wait`` seconds prints the trainer's current
+step and weight version, then one row per worker: tier, id, pool, host (its hostname, and its
+TensorStore host after a slash when that differs), pid, weight version, requests in progress, health
 (``ok`` while heartbeats arrive, ``silent Ns`` once they stop) and what it is doing. With
 ``--watch`` the table is redrawn every ``--interval`` seconds until Ctrl-C. Credentials come from
 the ``--nats-*`` flags or ``RLFLEET_NATS_*`` (on a permissioned server, a user that may subscribe
@@ -52,12 +53,14 @@ def add_status_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
 
 
 def host_of(worker: WorkerInfo) -> str:
-    """The host of a worker's TensorStore address (``host:port``, ``[v6]:port``), or ``-``."""
+    """Where a worker runs: its hostname (wire 2.3 announces carry it), and the host of its
+    TensorStore address (``host:port``, ``[v6]:port``) when it has one; ``-`` when neither is known."""
     address = worker.data_address
-    if not address:
-        return "-"
-    host, _, _ = address.rpartition(":")
-    return host.strip("[]") or "-"
+    store = address.rpartition(":")[0].strip("[]") if address else ""
+    name = worker.announce.host
+    if name and store and store != name:
+        return f"{name}/{store}"
+    return name or store or "-"
 
 
 def rows(workers: Sequence[WorkerInfo], now: float) -> list[tuple[str, ...]]:
@@ -77,8 +80,11 @@ def rows(workers: Sequence[WorkerInfo], now: float) -> list[tuple[str, ...]]:
 def render(cluster: str, workers: Sequence[WorkerInfo], now: float) -> str:
     """The table, under a summary line (workers per tier, the trainer's weight version)."""
     counts = ", ".join(f"{tier} {sum(w.tier == tier for w in workers)}" for tier in WORKER_TIERS)
-    trainers = [w.weight_version for w in workers if w.tier == "trainer" and w.weight_version >= 0]
-    version = f"; trainer at weight version {max(trainers)}" if trainers else ""
+    trainers = [w for w in workers if w.tier == "trainer"]
+    steps = [w.step for w in trainers if w.step >= 0]
+    versions = [w.weight_version for w in trainers if w.weight_version >= 0]
+    version = f"; trainer at step {max(steps)}" if steps else ("; trainer" if versions else "")
+    version += f"{',' if steps else ' at'} weight version {max(versions)}" if versions else ""
     lines = [f"fleet {cluster}: {counts}{version}"]
     table = [COLUMNS, *rows(workers, now)]
     if len(table) == 1:

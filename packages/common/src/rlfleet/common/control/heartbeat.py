@@ -28,6 +28,7 @@ class WorkerStatus(NamedTuple):
     busy: int = 0
     activity: str = ""  # what the worker is doing now ('' when idle), e.g. "generate rollout-3f2a"
     activity_s: float = 0.0  # seconds since that activity began
+    step: int = -1  # the last training step this worker did (trainer ranks; -1: none)
 
 
 class Heartbeater:
@@ -111,7 +112,7 @@ class Heartbeater:
         beat = Heartbeat(
             tier=a.tier, worker_id=a.worker_id, weight_version=now.weight_version, busy=now.busy,
             pool=a.pool, incarnation=a.incarnation, activity=now.activity[:256],
-            activity_s=max(0.0, now.activity_s),
+            activity_s=max(0.0, now.activity_s), step=max(-1, now.step),
         )  # fmt: skip
         await self.transport.publish(membership_subject(self.cluster, a.tier), beat)
 

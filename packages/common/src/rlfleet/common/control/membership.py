@@ -63,6 +63,8 @@ class WorkerInfo:
     """What the worker's last heartbeat said it was doing ('' when idle)."""
     activity_s: float = 0.0
     """For how long, as of that heartbeat (``last_seen``)."""
+    step: int = -1
+    """The last training step the worker's heartbeat said it did (trainer ranks; -1: none)."""
 
     @property
     def tier(self) -> str:
@@ -225,7 +227,7 @@ class WorkerRegistry:
                 await self._ping()  # a worker we missed or declared dead: ask again
             else:
                 info.last_seen, info.weight_version, info.busy = now, message.weight_version, message.busy
-                info.activity, info.activity_s = message.activity, message.activity_s
+                info.activity, info.activity_s, info.step = message.activity, message.activity_s, message.step
         elif isinstance(message, WorkerLeave):
             info = self._workers.pop((message.tier, message.worker_id), None)
             if info is not None:

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-PROTOCOL = "2.2"
+PROTOCOL = "2.3"
 """The wire schema version this code speaks: bump MINOR for additive changes, MAJOR otherwise."""
 
 Tier = Literal["controller", "rollout", "reward", "trainer"]

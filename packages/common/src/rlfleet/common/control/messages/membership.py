@@ -26,6 +26,7 @@ class WorkerAnnounce(Message):
     weight_version: int = -1
     pool: str = "default"
     pid: int = 0
+    host: str = Field(default="", max_length=255, description="the worker's hostname (wire 2.3; '': unknown)")
     gpu_uuids: list[str] = Field(
         default_factory=list, max_length=64, description="GPUs the worker's model lives on (empty: CPU)"
     )
@@ -52,6 +53,7 @@ class Heartbeat(Message):
     )
     activity: str = Field(default="", max_length=256, description="what the worker is doing now ('': idle)")
     activity_s: float = Field(default=0.0, ge=0.0, description="seconds since the activity began")
+    step: int = Field(default=-1, ge=-1, description="last training step done (trainer, wire 2.3; -1: none)")
 
 
 class WorkerLeave(Message):
