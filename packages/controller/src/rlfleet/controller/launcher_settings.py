@@ -6,8 +6,9 @@ starts a local Ray for the run (``ray_num_cpus`` logical CPUs), ``auto`` joins t
 this node, ``ray://host:10001`` a remote one. ``ray_resources`` reserves per tier what each of its
 workers needs on its node: ``{rollout: {num_gpus: 1, resources: {rollout_node: 1}}}`` (unset:
 one CPU each, and on CUDA one GPU per trainer rank and ``tensor_parallel_size`` per rollout
-worker). Both launchers start the run's nats-server themselves, so either needs ``nats_url``
-unset; a run that joins a fleet by ``nats_url`` starts nothing.
+worker). ``ray_max_restarts``: Ray restarts a rollout worker's actor that died that many times (the
+worker rejoins at the current weights). Both launchers start the run's nats-server themselves, so
+either needs ``nats_url`` unset; a run that joins a fleet by ``nats_url`` starts nothing.
 """
 
 from __future__ import annotations
@@ -38,11 +39,16 @@ class LauncherSettings(ConfigModel):
         description="launcher=ray: per tier {num_cpus, num_gpus, resources} each worker reserves",
     )
 
+    ray_max_restarts: int = Field(
+        default=3, ge=0, description="launcher=ray: times Ray restarts a rollout worker's actor that died "
+        "(its worker starts again and rejoins at the current weights); past it, faults.restart_budget",
+    )  # fmt: skip
+
     @model_validator(mode="after")
     def _ray_fields_need_ray(self) -> LauncherSettings:
         if self.launcher != "ray":  # set to a non-default value (a dumped config repeats the defaults)
             fields = type(self).model_fields
-            given = [n for n in ("ray_address", "ray_num_cpus", "ray_resources")
+            given = [n for n in ("ray_address", "ray_num_cpus", "ray_resources", "ray_max_restarts")
                      if getattr(self, n) != fields[n].get_default(call_default_factory=True)]  # fmt: skip
             if given:
                 raise ValueError(f"{', '.join(given)}: only used with launcher=ray (here: {self.launcher})")
@@ -56,7 +62,8 @@ def build_launcher(config: Any, run_dir: Any) -> Any:
         from rlfleet.controller.ray_launcher import RayFleet, placement_for
 
         return RayFleet(run_dir, address=config.ray_address, num_cpus=config.ray_num_cpus,
-                        placement=placement_for(config), restart_budget=budget)  # fmt: skip
+                        placement=placement_for(config), restart_budget=budget,
+                        max_restarts=config.ray_max_restarts)  # fmt: skip
     from rlfleet.controller.launcher import EmbeddedFleet
 
     return EmbeddedFleet(run_dir, restart_budget=budget)

@@ -48,6 +48,7 @@ from rlfleet.controller.config import KLControlFields, KLSchedule, TrainerConfig
 from rlfleet.controller.dataset import PromptDataset, PromptItem
 from rlfleet.controller.lost_chunks import StepChunks
 from rlfleet.controller.reward_control import describe_reward_fn, model_swap
+from rlfleet.controller.rollout_scaling import scale_rollout
 from rlfleet.controller.routing import RolloutFn, RolloutRouter, RoutedRollout, RouteSummary, chunk_metadata
 from rlfleet.controller.run import FleetRun
 from rlfleet.controller.trainer_base import TrainerBase
@@ -357,6 +358,10 @@ class OnlineTrainer(TrainerBase):
                 f"set_rollout_fn takes a function of a PromptItem (or None), got {type(fn).__name__}"
             )
         self.online_step.router.fn = fn
+
+    def scale_rollout(self, pool: str, n: int) -> list[str]:
+        """Make rollout pool ``pool`` ``n`` workers between steps (see rollout_scaling.py)."""
+        return scale_rollout(self.fleet_run, pool, n)
 
     def set_reward_fn(self, fn: Any) -> str:
         """Switch the reward for the next steps (progressive rewards); returns the new reward version.

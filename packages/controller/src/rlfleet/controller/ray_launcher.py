@@ -26,19 +26,16 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import socket
-import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from rlfleet.common.atomic_files import write_atomic
 from rlfleet.common.errors import ConfigError
+from rlfleet.controller.errors import TierDied
 from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec, find_script
+from rlfleet.controller.ray_worker_host import RemoteProcess as RemoteProcess  # re-exported
+from rlfleet.controller.ray_worker_host import WorkerHost as WorkerHost  # re-exported
+from rlfleet.controller.ray_worker_host import host_actor_class
 from rlfleet.controller.worker_process import WorkerProcess, tail_of
 
 logger = logging.getLogger(__name__)
@@ -123,129 +120,6 @@ class RayPlacement:
         return self.tiers.get(tier, TierResources())
 
 
-class WorkerHost:
-    """Runs one worker process on the node Ray placed this actor on (made a Ray actor by
-    :func:`host_actor_class`). The process leads its own process group; the actor answers for it."""
-
-    def __init__(self) -> None:
-        self.process: subprocess.Popen[bytes] | None = None
-        self.log_path = ""
-
-    def node_ip(self) -> str:
-        import ray
-
-        return str(ray.util.get_node_ip_address())
-
-    def start(self, command: list[str], config: dict[str, Any], env: dict[str, str], work_dir: str,
-              name: str, restart: int) -> dict[str, Any]:  # fmt: skip
-        """Write the config (this node's IP as the advertised host), start the process, say where."""
-        ip = self.node_ip()
-        config = {**config, "bind_host": "0.0.0.0", "advertise_host": ip}
-        directory = Path(work_dir)
-        directory.mkdir(parents=True, exist_ok=True)
-        config_path = directory / f"{name}.yaml"
-        write_atomic(config_path, yaml.safe_dump(config, sort_keys=False))
-        self.log_path = str(directory / f"{name}.log")
-        with open(self.log_path, "ab" if restart else "wb") as log:
-            if restart:
-                log.write(f"\n--- rlfleet: restart {restart} of {name} (ray) ---\n".encode())
-                log.flush()
-            self.process = subprocess.Popen(
-                [*command, "serve", "--config", str(config_path)], stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env={**os.environ, **env}, start_new_session=True,
-            )  # fmt: skip
-        import ray
-
-        node = ray.get_runtime_context().get_node_id()
-        gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-        return {"pid": self.process.pid, "node_ip": ip, "node_id": node, "host": socket.gethostname(),
-                "log": self.log_path, "cuda_visible_devices": gpus}  # fmt: skip
-
-    def poll(self) -> int | None:
-        return None if self.process is None else self.process.poll()
-
-    def wait(self, timeout: float) -> int | None:
-        if self.process is None:
-            return None
-        try:
-            return self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def signal(self, signum: int) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signum)
-
-    def kill_group(self) -> None:
-        if self.process is None:
-            return
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def log_tail(self, lines: int) -> str:
-        return tail_of(self.log_path, lines)
-
-
-def host_actor_class(ray: Any) -> Any:
-    """:class:`WorkerHost` as a Ray actor class (not restarted by Ray: the launcher's policy decides)."""
-    return ray.remote(max_restarts=0, max_concurrency=4)(WorkerHost)
-
-
-class RemoteProcess:
-    """The part of :class:`subprocess.Popen` the launcher uses, for a process a :class:`WorkerHost` runs."""
-
-    def __init__(self, ray: Any, actor: Any, pid: int) -> None:
-        self._ray, self.actor, self.pid = ray, actor, pid
-        self.returncode: int | None = None
-
-    def _call(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
-        return self._ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                self.returncode = self._call("poll")
-            except Exception:  # noqa: BLE001 - the actor (its node) is gone: so is the process
-                self.returncode = -int(signal.SIGKILL)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        bound = 3600.0 if timeout is None else timeout
-        deadline = time.monotonic() + bound
-        while self.poll() is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise subprocess.TimeoutExpired("ray worker", bound)
-            try:
-                self._call("wait", min(left, 5.0), timeout=min(left, 5.0) + 30)
-            except Exception:  # noqa: BLE001
-                pass
-        assert self.returncode is not None
-        return self.returncode
-
-    def send_signal(self, signum: int) -> None:
-        try:
-            self._call("signal", int(signum))
-        except Exception as exc:  # noqa: BLE001 - already gone
-            logger.info("signal to ray worker pid %d not delivered: %s", self.pid, exc)
-
-    def kill_group(self) -> None:
-        try:
-            self._call("kill_group")
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-        try:
-            self._ray.kill(self.actor)
-        except Exception:  # noqa: BLE001
-            pass
-
-
 @dataclass
 class RayWorkerProcess(WorkerProcess):
     """A worker started through Ray: the embedded launcher's ``WorkerProcess`` (its exit read the
@@ -255,6 +129,11 @@ class RayWorkerProcess(WorkerProcess):
     host: str = ""
     cuda_visible_devices: str = ""
     node_id: str = ""
+    actor_pid: int = 0
+    ray_restarts_seen: int = 0
+    """Ray restarts of its actor the launcher has handled (told the run about)."""
+    located_pid: int = 0
+    """The process pid whose node the fields above name."""
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -280,7 +159,7 @@ class RayFleet(EmbeddedFleet):
     """
 
     def __init__(self, run_dir: Path, *, address: str = "", placement: RayPlacement | None = None,
-                 num_cpus: int | None = None, **kwargs: Any) -> None:  # fmt: skip
+                 num_cpus: int | None = None, max_restarts: int = 0, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(run_dir, **kwargs)
         self.ray = import_ray(local=not address)
         self.address = address
@@ -295,6 +174,8 @@ class RayFleet(EmbeddedFleet):
                 self._started_ray = True
         self.node_ip = str(self.ray.util.get_node_ip_address())
         self._host_class = host_actor_class(self.ray)
+        self._restarted_class = host_actor_class(self.ray, max_restarts)  # RAY_RESTARTED_TIERS' workers
+        self.max_restarts = max_restarts
         self._groups: dict[str, Any] = {}  # tier -> placement group of its ranks
 
     nats_host = "0.0.0.0"
@@ -317,21 +198,57 @@ class RayFleet(EmbeddedFleet):
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 group, placement_group_bundle_index=int(rank)
             )
-        actor = self._host_class.options(name=None, **options).remote()
         program = list(spec.command) if spec.command else [find_script(spec.script)]
         role = self.credentials.env(spec.tier) if self.credentials is not None else {}
         env = {"PYTHONUNBUFFERED": "1", **spec.env, **role}
-        work_dir = str(self.run_dir / "workers")
-        started = self.ray.get(
-            actor.start.remote(program, spec.config_data(self.url), env, work_dir, spec.worker_id, restart),
-            timeout=300,
-        )
+        launch = {"command": program, "config": spec.config_data(self.url), "env": env, "restart": restart,
+                  "work_dir": str(self.run_dir / "workers"), "name": spec.worker_id}  # fmt: skip
+        host = self._restarted_class if spec.tier in RAY_RESTARTED_TIERS else self._host_class
+        actor = host.options(name=None, **options).remote(launch)  # starts the process (again on a restart)
+        started = self.ray.get(actor.describe.remote(), timeout=300)
         logger.info("ray placed %s worker %s on %s (%s), pid %d, CUDA_VISIBLE_DEVICES=%r", spec.tier,
                     spec.worker_id, started["host"], started["node_ip"], started["pid"],
                     started["cuda_visible_devices"])  # fmt: skip
         process = RemoteProcess(self.ray, actor, int(started["pid"]))
         return RayWorkerProcess(spec, process, Path(started["log"]), started["node_ip"], started["host"],  # type: ignore[arg-type]
-                                started["cuda_visible_devices"], started["node_id"])  # fmt: skip
+                                started["cuda_visible_devices"], started["node_id"],
+                                started["actor_pid"], located_pid=int(started["pid"]))  # fmt: skip
+
+    def check(self) -> None:
+        """The embedded launcher's check, then each worker whose actor Ray restarted (it started the
+        process again, which rejoins at the current weights): the run is told, as of a restart by
+        the launcher, so it forgets the dead process and waits for the new one; not counted against
+        ``restart_budget`` (Ray's ``max_restarts`` bounds these), and never restarted twice."""
+        super().check()
+        for worker in list(self.workers):
+            process = worker.process
+            if not isinstance(worker, RayWorkerProcess) or not isinstance(process, RemoteProcess):
+                continue
+            if process.ray_restarts > worker.ray_restarts_seen:  # at once, while Ray restarts it
+                worker.ray_restarts_seen = process.ray_restarts
+                self._ray_restarted(worker)
+            if not process.down and worker.located_pid not in (0, process.pid):
+                self._locate(worker)  # back, perhaps on another node
+
+    def _locate(self, worker: RayWorkerProcess) -> None:
+        worker.located_pid = worker.pid
+        try:
+            started = self.ray.get(worker.process.actor.describe.remote(), timeout=60)  # type: ignore[attr-defined]
+            worker.node_ip, worker.host = started["node_ip"], started["host"]
+            worker.node_id, worker.actor_pid = started["node_id"], int(started["actor_pid"])
+        except Exception as exc:  # noqa: BLE001 - died again: the next check sees it
+            logger.warning("restarted actor of %s did not say where it runs: %s", worker.spec.worker_id, exc)
+        self._write_processes()
+
+    def _ray_restarted(self, worker: RayWorkerProcess) -> None:
+        """Tell the run (``on_restart``) that ``worker``'s actor died and Ray starts it again."""
+        why = f"its Ray actor died; Ray restarted it ({worker.ray_restarts_seen} of {self.max_restarts})"
+        died = TierDied(worker.spec.tier, worker.spec.worker_id, -9, error=why,
+                        log_path=worker.log_path, log_tail=tail_of(worker.log_path, 20))  # fmt: skip
+        logger.warning("%s", died)
+        self._write_processes()
+        if self.on_restart is not None:
+            self.on_restart(worker, died)
 
     def _rank_group(self, tier: str, world: int, resources: TierResources) -> Any:
         group = self._groups.get(tier)
@@ -347,7 +264,10 @@ class RayFleet(EmbeddedFleet):
         record = super()._record(worker)
         if isinstance(worker, RayWorkerProcess):
             record.update(node_ip=worker.node_ip, node_id=worker.node_id, host=worker.host,
-                          cuda_visible_devices=worker.cuda_visible_devices)  # fmt: skip
+                          cuda_visible_devices=worker.cuda_visible_devices,
+                          actor_pid=worker.actor_pid)  # fmt: skip
+            if worker.ray_restarts_seen:
+                record["ray_restarts"] = worker.ray_restarts_seen
         return record
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -365,6 +285,12 @@ class RayFleet(EmbeddedFleet):
             if self._started_ray:
                 self.ray.shutdown()
                 self._started_ray = False
+
+
+RAY_RESTARTED_TIERS = ("rollout",)
+"""Tiers whose actors Ray restarts (``ray_max_restarts``): their worker starts again by itself and
+rejoins at the current weights. A reward worker's or trainer's death goes to the launcher's
+supervision instead (a trainer needs its checkpoint restored by the run)."""
 
 
 def placement_for(config: Any) -> RayPlacement:

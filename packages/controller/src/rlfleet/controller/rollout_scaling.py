@@ -1,0 +1,133 @@
+"""Scale a rollout pool while the run goes on (issue 13 point 2): ``trainer.scale_rollout(pool, n)``.
+
+Between steps, the run's launcher (embedded: local processes; ``launcher: ray``: new Ray actors,
+placed like the pool's other workers) starts or stops rollout workers of ``pool`` until it has
+``n``. The job's ``num_rollout_workers`` (or ``rollout_pools.<pool>.workers``) is the size a run
+starts with; this changes it for the rest of the run.
+
+- **Adding.** A new worker gets the pool's engine settings under the next free id
+  (``rollout-<i>``, or ``rollout-<pool>-<i>`` with named pools) and loads the trainer's current
+  weights before it announces (``rollout/catch_up.py``, as a restarted worker does). The run waits
+  for its announce and, should it still hold another version, loads the published one into it
+  through the fleet's admission path (:meth:`~rlfleet.controller.fleet.Fleet._admit`); the fleet
+  routes generate requests only to workers at the current version in any case. It is supervised
+  (restarted within the budget) as the others are.
+- **Removing.** The newest workers go first. Each leaves the launcher's supervision (so its exit
+  is not taken for a crash), then is SIGTERMed: it drains (refuses new requests, which go to
+  another worker, finishes what it took, says it leaves) within its ``drain_s``, and is killed past
+  that. A chunk whose producer is gone before the reward and trainer tiers fetched it is generated
+  again (``lost_chunks.py``), so no sample is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from rlfleet.common.errors import ConfigError
+from rlfleet.controller.errors import TierNotReady
+from rlfleet.controller.launcher import WorkerSpec, drain_bound
+from rlfleet.controller.worker_configs import rollout_worker_configs
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 10.0
+"""Seconds past a removed worker's ``drain_s`` before it is killed."""
+
+
+def pool_workers(launcher: Any, pool: str) -> list[Any]:
+    """The launcher's rollout workers of ``pool``, oldest id first."""
+    found = [w for w in launcher.workers
+             if w.spec.tier == "rollout" and getattr(w.spec.config, "pool", None) == pool]  # fmt: skip
+    return sorted(found, key=lambda w: _index(w.spec.worker_id))
+
+
+def _index(worker_id: str) -> int:
+    tail = worker_id.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
+
+
+def scale_rollout(run: Any, pool: str, n: int) -> list[str]:
+    """Make ``pool`` of ``run`` (a :class:`~rlfleet.controller.run.FleetRun`) ``n`` workers; returns
+    their ids. Call it between steps."""
+    cfg = run.config
+    if run.launcher is None:
+        raise ConfigError("scale_rollout", pool, "this run joins a fleet by nats_url and starts no workers; "
+                          "start or stop rollout workers where that fleet runs")  # fmt: skip
+    if pool not in cfg.pools():
+        raise ConfigError("scale_rollout", pool, f"no such rollout pool; the pools are {sorted(cfg.pools())}")
+    if n < 0:
+        raise ValueError(f"scale_rollout({pool!r}, {n}): n must be >= 0")
+    run.start()
+    current = pool_workers(run.launcher, pool)
+    others = [w for w in run.launcher.workers if w.spec.tier == "rollout" and w not in current]
+    if n == 0 and not others:
+        raise ValueError(f"scale_rollout({pool!r}, 0) would leave the run without a rollout worker")
+    if n > len(current):
+        _add(run, pool, n - len(current), current)
+    elif n < len(current):
+        run.loop.run(_remove(run, current[n:][::-1]))
+    ids = [w.spec.worker_id for w in pool_workers(run.launcher, pool)]
+    logger.info("rollout pool %s scaled to %d worker(s): %s", pool, len(ids), ", ".join(ids))
+    return ids
+
+
+def _add(run: Any, pool: str, count: int, current: list[Any]) -> None:
+    cfg = run.config
+    template = next(c for c in rollout_worker_configs(cfg, run.model_path, run.cluster) if c.pool == pool)
+    used = {w.spec.worker_id for w in run.launcher.workers}
+    added, i = [], 0
+    while len(added) < count:
+        name = f"rollout-{pool}-{i}" if cfg.rollout_pools else f"rollout-{i}"
+        if name not in used:
+            config = template.model_copy(update={"worker_id": name, "seed": template.seed + i})
+            run.launcher.spawn(WorkerSpec("rollout", name, config))
+            added.append(name)
+        i += 1
+    run.loop.run(_admitted(run, added))
+
+
+async def _admitted(run: Any, worker_ids: list[str]) -> None:
+    """Wait until each new worker announced and holds the run's current weight version."""
+    fleet, version = run.fleet, run.weight_version
+    timeout = run.config.startup_timeout_s
+    deadline = asyncio.get_running_loop().time() + timeout
+    pending = list(worker_ids)
+    while pending:
+        for worker_id in list(pending):
+            info = fleet.registry.get("rollout", worker_id)
+            if info is None:
+                continue
+            if info.weight_version == version or version == 0:
+                pending.remove(worker_id)
+                logger.info("rollout worker %s admitted at weight version %d", worker_id, info.weight_version)
+            elif fleet.published is not None and fleet.published.weight_version == version:
+                await fleet._admit(info, fleet.published)  # the fleet's own admission of a stale worker
+        if pending and asyncio.get_running_loop().time() > deadline:
+            missing = [run.describe_worker(w) for w in pending]
+            raise TierNotReady(timeout, missing, f"new rollout worker(s) not admitted at version {version}")
+        if pending:
+            await asyncio.sleep(0.1)
+
+
+async def _remove(run: Any, workers: list[Any]) -> None:
+    """Take ``workers`` out of supervision, let each drain (SIGTERM), kill what outlives its bound."""
+    launcher = run.launcher
+    for worker in workers:
+        launcher.workers.remove(worker)  # no longer supervised: its exit is not a crash
+        run.supervisor.rejoining.pop(("rollout", worker.spec.worker_id), None)
+        worker.process.send_signal(15)
+    launcher._write_processes()  # processes.json lists what still runs
+    for worker in workers:
+        bound = drain_bound(worker.spec) + STOP_GRACE_S
+        try:
+            await asyncio.to_thread(worker.process.wait, bound)
+        except Exception as exc:  # noqa: BLE001 - subprocess.TimeoutExpired or the actor gone: kill it
+            logger.warning("rollout worker %s did not stop within %.0f s (%s); killing it",
+                           worker.spec.worker_id, bound, exc)  # fmt: skip
+        worker.kill_group()
+        info = run.fleet.registry.forget("rollout", worker.spec.worker_id)  # its leave may be lost
+        if info is not None:
+            run.fleet.gone.mark_gone(info)
+        logger.info("rollout worker %s removed (drained)", worker.spec.worker_id)
