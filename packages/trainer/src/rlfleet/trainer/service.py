@@ -250,7 +250,7 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
                 what = f"fetch and check the batch of step {request.step}"
                 batch = await self._agreed(command, what, lambda: fetch_batch(self, request))
                 metrics = await self._ranks(asyncio.to_thread(self._update, batch, request))
-                self.step = request.step  # heartbeats carry it: `rlfleet status` shows the run's step
+                self.trained_step = request.step  # heartbeats carry it: `rlfleet status` shows the run's step
             finally:
                 self.busy -= 1
         return TrainStepResult(step=request.step, metrics=metrics, weight_version=self.weight_version,

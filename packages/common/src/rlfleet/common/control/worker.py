@@ -76,7 +76,7 @@ class Worker(Generic[C]):
         self.transport = transport
         self.worker_id = config.worker_id or f"{self.tier}-{socket.gethostname()}-{os.getpid()}"
         self.weight_version = -1
-        self.step = -1  # the last training step done (a trainer sets it; heartbeats carry it)
+        self.trained_step = -1  # the last training step done (a trainer sets it; heartbeats carry it)
         self.busy = 0
         self.incarnation = uuid.uuid4().hex[:16]
         """This process's life: announces (and replies that say so) carry it; a restart makes another."""
@@ -156,7 +156,7 @@ class Worker(Generic[C]):
         activity, seconds = self.in_flight.describe()
         if self.draining:
             activity = f"draining ({len(self.in_flight)} in flight{': ' + activity if activity else ''})"
-        return WorkerStatus(self.weight_version, self.busy, activity, seconds, self.step)
+        return WorkerStatus(self.weight_version, self.busy, activity, seconds, self.trained_step)
 
     async def subscribe(
         self, subject: str, handler: Handler, *, queue: str | None = None, max_concurrency: int | None = None
