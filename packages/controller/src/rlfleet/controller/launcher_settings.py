@@ -7,8 +7,10 @@ this node, ``ray://host:10001`` a remote one. ``ray_resources`` reserves per tie
 workers needs on its node: ``{rollout: {num_gpus: 1, resources: {rollout_node: 1}}}`` (unset:
 one CPU each, and on CUDA one GPU per trainer rank and ``tensor_parallel_size`` per rollout
 worker). ``ray_max_restarts``: Ray restarts a rollout worker's actor that died that many times (the
-worker rejoins at the current weights). Both launchers start the run's nats-server themselves, so
-either needs ``nats_url`` unset; a run that joins a fleet by ``nats_url`` starts nothing.
+worker rejoins at the current weights). ``rollout_scale: {3: {default: 2}}`` grows or shrinks
+rollout pools as the run goes on (before step 3, ``default`` gets 2 workers). Both launchers start
+the run's nats-server themselves, so either needs ``nats_url`` unset; a run that joins a fleet by
+``nats_url`` starts nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +46,25 @@ class LauncherSettings(ConfigModel):
         "(its worker starts again and rejoins at the current weights); past it, faults.restart_budget",
     )  # fmt: skip
 
+    rollout_scale: dict[int, dict[str, int]] = Field(
+        default_factory=dict,
+        description="rollout pool sizes from a step on: {step: {pool: workers}} (pool 'default' without "
+        "rollout_pools); before that step the run scales each pool to its size (trainer.scale_rollout); "
+        "num_rollout_workers / rollout_pools set the size it starts with",
+    )
+
+    gpus: list[int | str] | int | None = Field(
+        default=None, description="embedded launcher: the GPU ids (as CUDA_VISIBLE_DEVICES names them) or "
+        "count its workers are placed on, disjoint per role (controller/gpu_assignment.py); None: "
+        "CUDA_VISIBLE_DEVICES, else every GPU torch sees; [] or 0: hide GPUs from every worker",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _gpus_need_embedded(self) -> LauncherSettings:
+        if self.launcher == "ray" and self.gpus is not None:
+            raise ValueError("gpus: only used with launcher=embedded (Ray places GPUs: ray_resources)")
+        return self
+
     @model_validator(mode="after")
     def _ray_fields_need_ray(self) -> LauncherSettings:
         if self.launcher != "ray":  # set to a non-default value (a dumped config repeats the defaults)
@@ -52,6 +73,9 @@ class LauncherSettings(ConfigModel):
                      if getattr(self, n) != fields[n].get_default(call_default_factory=True)]  # fmt: skip
             if given:
                 raise ValueError(f"{', '.join(given)}: only used with launcher=ray (here: {self.launcher})")
+        for step, sizes in self.rollout_scale.items():
+            if step < 1 or any(n < 0 for n in sizes.values()):
+                raise ValueError(f"rollout_scale {step}: {sizes}: steps count from 1 and sizes from 0")
         return self
 
 
@@ -64,6 +88,7 @@ def build_launcher(config: Any, run_dir: Any) -> Any:
         return RayFleet(run_dir, address=config.ray_address, num_cpus=config.ray_num_cpus,
                         placement=placement_for(config), restart_budget=budget,
                         max_restarts=config.ray_max_restarts)  # fmt: skip
+    from rlfleet.controller.gpu_assignment import assignment_for
     from rlfleet.controller.launcher import EmbeddedFleet
 
-    return EmbeddedFleet(run_dir, restart_budget=budget)
+    return EmbeddedFleet(run_dir, restart_budget=budget, gpus=assignment_for(config))

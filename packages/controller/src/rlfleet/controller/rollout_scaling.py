@@ -12,6 +12,8 @@ starts with; this changes it for the rest of the run.
   through the fleet's admission path (:meth:`~rlfleet.controller.fleet.Fleet._admit`); the fleet
   routes generate requests only to workers at the current version in any case. It is supervised
   (restarted within the budget) as the others are.
+- **On a schedule.** The job's ``rollout_scale: {step: {pool: n}}`` does the same before each step
+  it names (:func:`scale_due`, called by the run's step loop).
 - **Removing.** The newest workers go first. Each leaves the launcher's supervision (so its exit
   is not taken for a crash), then is SIGTERMed: it drains (refuses new requests, which go to
   another worker, finishes what it took, says it leaves) within its ``drain_s``, and is killed past
@@ -131,3 +133,11 @@ async def _remove(run: Any, workers: list[Any]) -> None:
         if info is not None:
             run.fleet.gone.mark_gone(info)
         logger.info("rollout worker %s removed (drained)", worker.spec.worker_id)
+
+
+def scale_due(run: Any) -> None:
+    """Apply the job's ``rollout_scale`` entry for the step about to run (if any)."""
+    sizes = run.config.rollout_scale.get(run.global_step + 1) if run.online else None
+    for pool, n in (sizes or {}).items():
+        if len(pool_workers(run.launcher, pool) if run.launcher is not None else []) != n:
+            scale_rollout(run, pool, n)

@@ -44,6 +44,7 @@ from rlfleet.controller.loggers import RunMetrics
 from rlfleet.controller.models import resolve_model
 from rlfleet.controller.own_store import OwnStore
 from rlfleet.controller.reward_control import RunReward, attach_reward
+from rlfleet.controller.rollout_scaling import scale_due
 from rlfleet.controller.samples import SampleTable
 from rlfleet.controller.step_program import KLController, StepProgram, StepResult
 from rlfleet.controller.supervision import GuardedLoop, SupervisedFleet, Supervisor
@@ -282,6 +283,7 @@ class FleetRun:
                 if self.global_step >= total:
                     return
                 try:
+                    scale_due(self)  # the job's rollout_scale, before the step it names
                     metrics = self.supervisor.run_step(program, batch)
                     if metrics is None:  # the trainer was restored from a checkpoint: go on from there
                         rewound = True
