@@ -17,6 +17,13 @@ rest of the run (NATS control plane, gRPC tensor plane, supervision, restarts) i
 - **Supervision.** The launcher keeps the restart policy (``faults.restart_budget``), exactly as
   embedded: a worker process that exits is reported with its log tail (read through its actor,
   wherever it runs) and started again in a fresh actor, which Ray may place on another node.
+- **Ray restarts.** A rollout worker's actor is made with ``max_restarts`` (``ray_max_restarts``):
+  when the actor itself dies (its Ray worker process), Ray makes it again and it starts the worker
+  again (:mod:`rlfleet.controller.ray_worker_host`), which rejoins at the current weights.
+  :meth:`RayFleet.check` tells the run as soon as the actor is down, so the run forgets the dead
+  process and waits for the new one, and the launcher does not start a second one; only an actor
+  Ray gave up on falls to the restart budget above. Scaling a pool mid-run (``trainer.scale_rollout``,
+  :mod:`rlfleet.controller.rollout_scaling`) places its new workers like the others.
 
 Ray is an optional extra (``rlfleet-controller[ray]``): this module imports it only when a Ray
 fleet is built, and the embedded default never does.

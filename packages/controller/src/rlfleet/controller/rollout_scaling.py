@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from typing import Any
 
 from rlfleet.common.errors import ConfigError
@@ -119,7 +120,7 @@ async def _remove(run: Any, workers: list[Any]) -> None:
     for worker in workers:
         launcher.workers.remove(worker)  # no longer supervised: its exit is not a crash
         run.supervisor.rejoining.pop(("rollout", worker.spec.worker_id), None)
-        worker.process.send_signal(15)
+        worker.process.send_signal(signal.SIGTERM)
     launcher._write_processes()  # processes.json lists what still runs
     for worker in workers:
         bound = drain_bound(worker.spec) + STOP_GRACE_S
