@@ -143,6 +143,9 @@ def test_each_container_starts_with_a_config_that_loads(deployment: str) -> None
         config = load_config(TIERS[program], source, cli_overrides(args))
         assert config.worker_id == POD_FIELDS["metadata.name"]
         assert config.nats_url == "nats://nats:4222"
+        ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+        assert config.metrics_port == ports["metrics"], (config.metrics_port, ports)
+        assert (config.metrics_host or config.bind_host) == "0.0.0.0"  # reachable from Prometheus
         if program == "rlfleet-rollout":
             assert (config.bind_host, config.advertise_host) == ("0.0.0.0", POD_FIELDS["status.podIP"])
         else:
@@ -168,3 +171,32 @@ def test_the_nats_password_secret_has_a_key_for_every_user_of_the_config() -> No
     needed = set(re.findall(r"\$(RLFLEET_NATS_PASS_[A-Z_]+)", (DEPLOY / "nats-server.conf").read_text()))
     readme = (K8S / "README.md").read_text()
     assert needed and all(f"--from-literal={name}=" in readme for name in needed), needed
+
+
+def test_every_service_selects_a_deployment_and_a_port_its_pods_name() -> None:
+    """Each Service reaches pods (its selector matches a Deployment's pod labels) on named container
+    ports that exist; a metrics Service carries the Prometheus scrape annotations for that port."""
+    objects = _objects()
+    deployments = [o for o in objects if o["kind"] == "Deployment"]
+    services = [o for o in objects if o["kind"] == "Service"]
+    assert {s["metadata"]["name"] for s in services} >= {"rlfleet-reward-metrics", "rlfleet-rollout-metrics"}
+    for service in services:
+        selector = service["spec"]["selector"].items()
+        pods = [
+            d["spec"]["template"]
+            for d in deployments
+            if selector <= d["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        assert pods, service["metadata"]["name"]
+        named = {
+            p["name"]: p["containerPort"]
+            for t in pods
+            for c in t["spec"]["containers"]
+            for p in c.get("ports", [])
+        }
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in named, (service["metadata"]["name"], port)
+        if service["metadata"]["name"].endswith("-metrics"):
+            notes = service["metadata"]["annotations"]
+            assert notes["prometheus.io/scrape"] == "true"
+            assert int(notes["prometheus.io/port"]) == named["metrics"]
