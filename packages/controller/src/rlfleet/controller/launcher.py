@@ -55,6 +55,7 @@ from rlfleet.common.schema.worker import ServiceConfig
 from rlfleet.controller.errors import TierDied, TierNotRestarted, TierRefused
 from rlfleet.controller.fleet_nats import BENCHMARK_NATS_ENV as BENCHMARK_NATS_ENV  # re-exported
 from rlfleet.controller.fleet_nats import NATS_ID, NatsSecurity, nats_died, restart_nats, start_run_nats
+from rlfleet.controller.gpu_assignment import GPU_ENV, GpuAssignment
 from rlfleet.controller.worker_process import WorkerProcess, WorkerSpec, find_script
 from rlfleet.controller.worker_process import last_error_line as last_error_line  # re-exported
 
@@ -79,7 +80,9 @@ class EmbeddedFleet:
 
     ``security`` is for benchmarks only (:class:`NatsSecurity`; None: ``RLFLEET_BENCHMARK_NATS``,
     which is normally unset: per-role credentials and permissions). ``restart_budget``: restarts
-    of each crashed worker over the run (0: any crash raises, as before supervision).
+    of each crashed worker over the run (0: any crash raises, as before supervision). ``gpus``:
+    each worker's ``CUDA_VISIBLE_DEVICES`` (:func:`~rlfleet.controller.gpu_assignment.assignment_for`;
+    None, as on a CPU-only machine: the controller's environment is passed on unchanged).
     """
 
     nats_host = "127.0.0.1"
@@ -87,7 +90,7 @@ class EmbeddedFleet:
 
     def __init__(
         self, run_dir: Path, *, jetstream: bool = False, security: NatsSecurity | None = None,
-        restart_budget: int = 0,
+        restart_budget: int = 0, gpus: GpuAssignment | None = None,
     ) -> None:  # fmt: skip
         self.run_dir = Path(run_dir)
         self.jetstream = jetstream
@@ -99,6 +102,8 @@ class EmbeddedFleet:
         self.credentials: RunCredentials | None = None
         """The run's per-role NATS credentials, made by :meth:`start_nats` (None when open)."""
         self.restart_budget = restart_budget
+        self.gpus = gpus
+        """Each worker's ``CUDA_VISIBLE_DEVICES`` (:mod:`rlfleet.controller.gpu_assignment`); None: unset."""
         self.restarts: dict[str, int] = {}
         """Restarts so far, by worker id (a trainer's ranks count under rank 0's id)."""
         self.on_restart: Callable[[WorkerProcess, TierDied], None] | None = None
@@ -151,6 +156,9 @@ class EmbeddedFleet:
         if self.security.tls_cert:
             role[f"{NATS_ENV_PREFIX}TLS_CA_FILE"] = self.security.tls_cert
         env = {**inherited, "PYTHONUNBUFFERED": "1", **spec.env, **role}
+        if self.gpus is not None:
+            live = {w.spec.worker_id for w in self.workers}
+            env.update(self.gpus.env_for(spec.tier, spec.worker_id, spec.config, spec.env, live))
         with open(log_path, "ab" if restart else "wb") as log:
             if restart:
                 log.write(f"\n--- rlfleet: restart {restart} of {spec.worker_id} ---\n".encode())
@@ -159,7 +167,8 @@ class EmbeddedFleet:
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=env, start_new_session=True, preexec_fn=die_with_parent,
             )  # fmt: skip
-        logger.info("started %s worker %s (pid %d), log %s", spec.tier, spec.worker_id, process.pid, log_path)
+        logger.info("started %s worker %s (pid %d%s), log %s", spec.tier, spec.worker_id, process.pid,
+                    f", {GPU_ENV}={env[GPU_ENV]!r}" if self.gpus is not None else "", log_path)  # fmt: skip
         return WorkerProcess(spec, process, log_path)
 
     def _write_processes(self) -> None:
@@ -183,6 +192,8 @@ class EmbeddedFleet:
         """A worker's line of ``processes.json`` (``restarts`` once it was started again)."""
         record: dict[str, Any] = {"tier": worker.spec.tier, "worker_id": worker.spec.worker_id,
                                   "pid": worker.pid, "log": str(worker.log_path)}  # fmt: skip
+        if self.gpus is not None and worker.spec.worker_id in self.gpus.held:
+            record["cuda_visible_devices"] = ",".join(self.gpus.held[worker.spec.worker_id])
         if self.restarts.get(worker.spec.worker_id):
             record["restarts"] = self.restarts[worker.spec.worker_id]
         return record

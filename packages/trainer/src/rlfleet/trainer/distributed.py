@@ -4,7 +4,7 @@ A trainer of W ranks runs one process per rank (per GPU), started by ``torchrun`
 embedded launcher, or by any orchestrator that sets the torchrun variables::
 
     RANK, WORLD_SIZE          this process's rank and the number of ranks
-    LOCAL_RANK                its index on this node (the CUDA device it takes)
+    LOCAL_RANK                its index on this node (the CUDA device it takes, among those it sees)
     LOCAL_WORLD_SIZE          ranks per node (optional: default WORLD_SIZE, i.e. one node)
     MASTER_ADDR, MASTER_PORT  where rank 0 listens for the rendezvous
 
@@ -167,6 +167,13 @@ def _env_int(name: str, default: int | None = None) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def rank_cuda_index(local_rank: int) -> int:
+    """The CUDA device a rank takes: ``LOCAL_RANK`` among the GPUs it sees, modulo their number, so
+    a rank that sees only its own GPU (the embedded launcher's ``CUDA_VISIBLE_DEVICES`` per rank)
+    takes ``cuda:0`` and one that sees the node's GPUs (``torchrun``) takes ``cuda:LOCAL_RANK``."""
+    return local_rank % max(1, torch.cuda.device_count())
+
+
 def init_distributed(device: str = "auto", sharding: Sharding = "auto") -> DistContext:
     """Join the trainer's process group from the torchrun environment and build the mesh.
 
@@ -192,8 +199,8 @@ def init_distributed(device: str = "auto", sharding: Sharding = "auto") -> DistC
         setup_nccl()
     timeout = timedelta(minutes=float(os.environ[TIMEOUT_ENV]))
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-        where = torch.device("cuda", local_rank)
+        where = torch.device("cuda", rank_cuda_index(local_rank))
+        torch.cuda.set_device(where)
     else:
         where = torch.device("cpu")
     if not dist.is_initialized():

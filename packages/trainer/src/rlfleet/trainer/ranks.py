@@ -20,7 +20,7 @@ from rlfleet.common.schema.algorithms import ALGORITHMS
 from rlfleet.common.schema.trainer import TrainerWorkerConfig
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.critic import Critic
-from rlfleet.trainer.distributed import DistContext, init_distributed
+from rlfleet.trainer.distributed import DistContext, init_distributed, rank_cuda_index
 
 
 def use_rank_thread(loop: asyncio.AbstractEventLoop, device: str) -> None:
@@ -32,7 +32,8 @@ def use_rank_thread(loop: asyncio.AbstractEventLoop, device: str) -> None:
     """
     initializer = None
     if device != "cpu" and torch.cuda.is_available():
-        initializer = functools.partial(torch.cuda.set_device, int(os.environ.get("LOCAL_RANK", "0")))
+        index = rank_cuda_index(int(os.environ.get("LOCAL_RANK", "0")))
+        initializer = functools.partial(torch.cuda.set_device, index)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-rank", initializer=initializer)
     loop.set_default_executor(pool)
 
