@@ -156,12 +156,16 @@ def test_every_custom_resource_the_job_asks_for_is_offered_by_a_worker_group() -
         for group in groups[1:]:
             offered = _ray_resources(group)
             gpus = float(group["rayStartParams"].get("num-gpus", "0"))
-            fits.append(all(offered.get(k, 0) >= v * world for k, v in wanted.get("resources", {}).items())
-                        and gpus >= wanted.get("num_gpus", 0) * world)  # fmt: skip
+            cpus = float(group["rayStartParams"]["num-cpus"])
+            custom = all(offered.get(k, 0) >= v * world for k, v in wanted.get("resources", {}).items())
+            gpus_fit = gpus >= wanted.get("num_gpus", 0) * world
+            fits.append(custom and gpus_fit and cpus >= wanted.get("num_cpus", 1) * world)
         assert any(fits), (tier, wanted)
     for group in groups[1:]:  # the GPUs Ray offers are the ones the pod gets
-        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
-        assert float(group["rayStartParams"].get("num-gpus", "0")) == float(limits.get("nvidia.com/gpu", 0))
+        resources = group["template"]["spec"]["containers"][0]["resources"]
+        gpus = float(resources["limits"].get("nvidia.com/gpu", 0))
+        assert float(group["rayStartParams"].get("num-gpus", "0")) == gpus
+        assert group["rayStartParams"]["num-cpus"] == resources["requests"]["cpu"]  # what Ray offers
 
 
 def test_the_shared_reward_variant_of_the_readme_loads() -> None:
