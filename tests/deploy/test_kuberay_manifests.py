@@ -132,6 +132,11 @@ def test_each_pod_template_is_valid_kubernetes(group: int) -> None:
         kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
 
 
+def test_the_generated_config_map_keeps_the_name_the_raycluster_mounts() -> None:
+    """kustomize does not rewrite ConfigMap names inside a CRD's pod templates: no hash suffix."""
+    assert _kustomization()["generatorOptions"]["disableNameSuffixHash"] is True
+
+
 def test_the_rayjob_runs_on_the_raycluster() -> None:
     objects = _objects()
     cluster = objects["RayCluster"]["metadata"]["name"]
