@@ -169,14 +169,14 @@ class GpuAssignment:
                               f"{len(free)} spare of {len(self.layout.gpus)} ({self.table()})")  # fmt: skip
         return free[:count]
 
-    def table(self) -> str:
-        """The layout as lines: ``trainer rank 0: 0`` ... (for the log)."""
+    def table(self, sep: str = "; ") -> str:
+        """The layout, a row per process: ``trainer rank 0: GPU 0``, ``rollout default #0: GPU 1,2``..."""
         rows = [f"trainer rank {r}: GPU {','.join(ids)}" for r, ids in enumerate(self.layout.trainer)]
         for pool, slots in self.layout.pools.items():
             mode = " (colocated)" if pool in self.layout.colocated else ""
             rows += [f"rollout {pool} #{i}{mode}: GPU {','.join(ids)}" for i, ids in enumerate(slots)]
         rows.append(f"spare (reward when its spec names cuda): {','.join(self.layout.spare) or '-'}")
-        return "; ".join(rows)
+        return sep.join(rows)
 
 
 def assignment_for(config: Any, environ: Mapping[str, str] | None = None) -> GpuAssignment | None:
@@ -187,5 +187,5 @@ def assignment_for(config: Any, environ: Mapping[str, str] | None = None) -> Gpu
     pools = {name: (n, s.tensor_parallel_size, s.colocate) for name, (n, s) in config.pools().items()}
     layout = plan_gpus(gpus, config.num_train_workers, pools) if gpus else GpuLayout([], [], {})
     assignment = GpuAssignment(layout)
-    logger.info("GPU placement over %s: %s", gpus or "no GPUs (all hidden)", assignment.table())
+    logger.info("GPU placement over %s:\n  %s", gpus or "no GPUs (all hidden)", assignment.table("\n  "))
     return assignment
