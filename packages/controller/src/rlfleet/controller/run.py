@@ -283,7 +283,8 @@ class FleetRun:
                 if self.global_step >= total:
                     return
                 try:
-                    scale_due(self)  # the job's rollout_scale, before the step it names
+                    if self.config.rollout_scale:  # the job's schedule, before the step it names
+                        scale_due(self)
                     metrics = self.supervisor.run_step(program, batch)
                     if metrics is None:  # the trainer was restored from a checkpoint: go on from there
                         rewound = True
