@@ -237,8 +237,7 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
         return request.settings if "settings" in request.model_fields_set else StepSettings.of(self.config)
 
     async def step(self, request: TrainStepRequest) -> TrainStepResult:
-        """One update on the referenced rollouts and their scores, with the step's settings; a repeat of
-        a ``job_id`` gets the first reply (:mod:`rlfleet.trainer.idempotency`)."""
+        """One update on the rollouts and scores with the step's settings; a repeated job id: its reply."""
         return await self.replies.once(request, request.job_id, lambda: self._step(request))
 
     async def _step(self, request: TrainStepRequest) -> TrainStepResult:
