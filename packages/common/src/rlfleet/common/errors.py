@@ -374,6 +374,16 @@ class JobIdReused(UserError, ValueError):
         )
 
 
+class HubModelNotFound(UserError, FileNotFoundError):
+    """A Hugging Face Hub model id that could not be made a local folder (not cached, offline, or the
+    download failed); ``reason`` says which and what to do."""
+
+    def __init__(self, repo_id: str, reason: str) -> None:
+        self.repo_id = repo_id
+        self.reason = reason
+        super().__init__(f"Hub model {repo_id!r}: {reason}")
+
+
 _BY_KIND: tuple[tuple[type[BaseException], str], ...] = (
     (ProtocolMismatch, "protocol_mismatch"),
     (MessageDecodeError, "bad_message"),

@@ -157,6 +157,11 @@ class TrainerConfig(
     critic_model_name: str | None = Field(
         default=None, description="PPO critic backbone (like model); None: initialised from the actor"
     )
+    chat_template: str | None = Field(
+        default=None,
+        description="chat template the controller renders prompts with, in place of the model's: a Jinja "
+        "string or the path of a .jinja file; None: the model's own",
+    )
     output_dir: str = Field(default="outputs/run", description="metrics, logs and checkpoints go here")
     log_every: int = Field(default=1, ge=1, description="steps between [PROGRESS] lines")
     save_every: int = Field(
@@ -314,7 +319,10 @@ class DataConfig(ConfigModel):
 class JobConfig(TrainerConfig):
     """A whole run for ``rlfleet train``: the trainer's settings plus model, reward and data."""
 
-    model: str = Field(description="actor model: a local HF dir, 'smollm2', or 'tiny:<name>'")
+    model: str = Field(
+        description="actor model: a local HF dir, a Hugging Face Hub id 'org/name' or 'org/name@revision' "
+        "(local cache first; HF_HUB_OFFLINE respected), 'smollm2', or 'tiny:<name>'"
+    )
     reward: str | dict[str, Any] | None = Field(
         default=None, description="reward spec for the reward tier (e.g. 'rm:path=/m'); dpo takes none"
     )

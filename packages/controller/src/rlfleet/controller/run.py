@@ -45,6 +45,7 @@ from rlfleet.controller.models import resolve_model
 from rlfleet.controller.own_store import OwnStore
 from rlfleet.controller.reward_control import RunReward, attach_reward
 from rlfleet.controller.rollout_scaling import scale_due
+from rlfleet.controller.run_tokenizer import load_run_tokenizer
 from rlfleet.controller.samples import SampleTable
 from rlfleet.controller.step_program import KLController, StepProgram, StepResult
 from rlfleet.controller.supervision import GuardedLoop, SupervisedFleet, Supervisor
@@ -79,9 +80,8 @@ class FleetRun:
         critic = critic_model_name or config.critic_model_name
         self.critic_path = resolve_model(critic, seed=config.seed) if critic else self.model_path
         """The critic's backbone (PPO): the named model, else the actor's checkpoint."""
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        self.tokenizer = load_run_tokenizer(self.model_path, trust_remote_code=config.trust_remote_code,
+                                            chat_template=config.chat_template)  # fmt: skip
         dataset.bind_tokenizer(self.tokenizer)
         self.dataset = dataset
         self.cluster = config.cluster or f"run-{uuid.uuid4().hex[:8]}"

@@ -63,6 +63,7 @@ def rollout_worker_configs(
                     model_path=str(model_path),
                     device=config.device,
                     seed=config.seed + len(workers),
+                    trust_remote_code=config.trust_remote_code,
                     **tensor_plane(config),
                     **settings.model_dump(include=set(RolloutSettings.model_fields)),
                 )  # fmt: skip
@@ -80,7 +81,7 @@ def reward_worker_config(config: TrainerConfig, cluster: str, reward_spec: Any) 
     launch = f"{REWARD_ID}-{uuid.uuid4().hex[:8]}"
     state = Path(config.output_dir).resolve() / "fleet" / "reward-state" / launch
     return {"cluster": cluster, "endpoints": {config.reward_endpoint: reward_spec}, "state_dir": str(state),
-            **tensor_plane(config)}  # fmt: skip
+            "trust_remote_code": config.trust_remote_code, **tensor_plane(config)}  # fmt: skip
 
 
 def tensor_plane(config: TrainerConfig) -> dict[str, Any]:

@@ -1,6 +1,10 @@
 """Loading Hugging Face models for reward components: device choice, offline loading, a shared cache.
 
-Models load from local directories only (``local_files_only``: nothing is fetched from a hub).
+Models load from local directories (``local_files_only``); a Hugging Face Hub id (``org/name``,
+``org/name@revision``) names its snapshot in the local Hugging Face cache, fetched first unless
+``HF_HUB_OFFLINE`` is set (:mod:`rlfleet.common.hub`). Whether a model may run the Python code its
+folder ships is the worker's own ``trust_remote_code`` (:func:`allow_remote_code`, set once at
+start), never a tenant's spec.
 Loaded models are shared: components (or endpoints) naming the same directory, device and dtype
 hold one copy, and the copy goes once the last reward using it is dropped, so a hot swap to
 another model frees the old one. The cache key includes the size and mtime of every file in the
@@ -21,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from rlfleet.common.errors import HubModelNotFound
+from rlfleet.common.hub import resolve_hub_model, split_hub_id
 from rlfleet.reward.errors import RewardModelError
 
 if TYPE_CHECKING:
@@ -44,6 +50,8 @@ class LoadedModel:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+_REMOTE_CODE = threading.Event()
+"""Set: reward models may run the code their folders ship (the worker's ``trust_remote_code``)."""
 _CACHE: weakref.WeakValueDictionary[CacheKey, LoadedModel] = weakref.WeakValueDictionary()
 _CACHE_LOCK = threading.Lock()
 
@@ -72,11 +80,30 @@ def resolve_dtype(dtype: DtypeName, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def allow_remote_code(enabled: bool) -> None:
+    """The worker's ``trust_remote_code``: whether loaders pass it to ``from_pretrained``."""
+    if enabled:
+        _REMOTE_CODE.set()
+    else:
+        _REMOTE_CODE.clear()
+
+
+def remote_code_allowed() -> bool:
+    """What loaders pass as ``trust_remote_code`` (see :func:`allow_remote_code`)."""
+    return _REMOTE_CODE.is_set()
+
+
 def model_dir(path: str) -> Path:
-    """``path`` as an existing local model directory (one holding ``config.json``)."""
+    """``path`` as an existing local model directory (one holding ``config.json``), or the local
+    snapshot of the Hub model it names."""
     folder = Path(path).expanduser()
+    if not folder.exists() and split_hub_id(path) is not None and not path.startswith(("~", ".")):
+        try:
+            return resolve_hub_model(path)
+        except HubModelNotFound as exc:
+            raise RewardModelError(path, f"no such directory; as a Hub id: {exc.reason}") from exc
     if not folder.is_dir():
-        raise RewardModelError(path, "no such directory (reward models load from local directories only)")
+        raise RewardModelError(path, "no such directory (and not a Hugging Face Hub id 'org/name')")
     if not (folder / "config.json").is_file():
         raise RewardModelError(path, "the directory holds no config.json; is it a Hugging Face model?")
     return folder.resolve()

@@ -23,7 +23,7 @@ from pydantic import Field
 
 from rlfleet.reward.base import ModelComponent
 from rlfleet.reward.errors import RewardModelError
-from rlfleet.reward.loading import DtypeName, LoadedModel, load_shared
+from rlfleet.reward.loading import DtypeName, LoadedModel, load_shared, remote_code_allowed
 
 if TYPE_CHECKING:
     import torch
@@ -36,8 +36,11 @@ InputFormat = Literal["auto", "pair", "chat", "concat", "response"]
 def _load_seq_cls(folder: Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    model = AutoModelForSequenceClassification.from_pretrained(folder, local_files_only=True, dtype=dtype)
+    remote = remote_code_allowed()
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=remote)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        folder, local_files_only=True, dtype=dtype, trust_remote_code=remote
+    )
     if tokenizer.pad_token is None:  # decoder-only reward models often have none: pad with EOS
         if tokenizer.eos_token is None:
             raise ValueError("the tokenizer has neither a pad nor an EOS token to pad batches with")

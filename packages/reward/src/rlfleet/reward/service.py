@@ -44,6 +44,7 @@ from rlfleet.common.errors import WrongMessageKind
 from rlfleet.common.schema.reward import RewardWorkerConfig
 from rlfleet.reward.endpoints import Endpoints, EndpointVersion
 from rlfleet.reward.errors import ForbiddenOperation
+from rlfleet.reward.loading import allow_remote_code
 from rlfleet.reward.quota_store import open_quotas
 from rlfleet.reward.registry import parse_reward_spec
 from rlfleet.reward.tenants import Tenant, TenantTable
@@ -70,6 +71,7 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         self.tenants = TenantTable(cfg.tenants, admin=cfg.admin, allowed_modules=cfg.allowed_modules,
                                    max_concurrency=cfg.max_concurrency,
                                    quotas=await open_quotas(cfg, self.transport))  # fmt: skip
+        allow_remote_code(cfg.trust_remote_code)  # the server's own setting, never a tenant's
         self.endpoints = Endpoints(cfg.state_dir)
         await self.endpoints.start(cfg.endpoints)
         self._clients: dict[str, Any] = {}

@@ -23,7 +23,7 @@ from pydantic import Field
 
 from rlfleet.reward.base import ModelComponent
 from rlfleet.reward.errors import RewardInputError, RewardModelError
-from rlfleet.reward.loading import DtypeName, LoadedModel, load_shared
+from rlfleet.reward.loading import DtypeName, LoadedModel, load_shared, remote_code_allowed
 
 if TYPE_CHECKING:
     import torch
@@ -53,8 +53,9 @@ def encoder_path(model: str) -> str:
 def _load_encoder(folder: Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
     from transformers import AutoModel, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    model = AutoModel.from_pretrained(folder, local_files_only=True, dtype=dtype)
+    remote = remote_code_allowed()
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=remote)
+    model = AutoModel.from_pretrained(folder, local_files_only=True, dtype=dtype, trust_remote_code=remote)
     return model.to(device), tokenizer
 
 

@@ -99,7 +99,8 @@ def to_rollout_tensors(
 def engine_kwargs(cfg: RolloutWorkerConfig, engine: str, device: str) -> dict[str, Any]:
     """Constructor arguments of ``engine`` (a resolved engine name) from the worker's config."""
     kwargs: dict[str, Any] = {"dtype": cfg.dtype, "device": device, "seed": cfg.seed,
-                              "max_batch_size": cfg.max_batch_size}  # fmt: skip
+                              "max_batch_size": cfg.max_batch_size,
+                              "trust_remote_code": cfg.trust_remote_code}  # fmt: skip
     if engine == "vllm":
         eager = cfg.enforce_eager if cfg.enforce_eager is not None else device == "cpu"
         kwargs.update(

@@ -116,8 +116,9 @@ class Actor(Trainable):
         """Load the model: on its device, or on the CPU when FSDP will shard it onto the device."""
         device = "cpu" if dist.distributed else dist.device
         return load_causal_lm(
-            self.model_path, dtype=self._dtype, device=device, attn_implementation=self._attn
-        )
+            self.model_path, dtype=self._dtype, device=device, attn_implementation=self._attn,
+            trust_remote_code=self.settings.trust_remote_code,
+        )  # fmt: skip
 
     def reference(self) -> PreTrainedModel:
         """The frozen reference model, loaded from ``model_path`` on first use.

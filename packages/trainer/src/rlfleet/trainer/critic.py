@@ -72,13 +72,15 @@ def load_value_model(
     device: str | torch.device = "cpu",
     attn_implementation: str | None = None,
     seed: int = 0,
+    trust_remote_code: bool = False,
 ) -> ValueModel:
     """The backbone of the causal LM in ``path`` with a fresh value head, on ``device``.
 
     Raises:
         ModelLoadError: the directory does not exist or has no ``config.json``.
     """
-    backbone = load_pretrained(AutoModel, path, dtype=dtype, attn_implementation=attn_implementation)
+    backbone = load_pretrained(AutoModel, path, dtype=dtype, attn_implementation=attn_implementation,
+                               trust_remote_code=trust_remote_code)  # fmt: skip
     model = ValueModel(backbone.to(device), seed=seed)
     logger.info("loaded critic backbone %s (%s, %s) from %s", type(backbone).__name__, dtype, device, path)
     return model
@@ -123,6 +125,7 @@ class Critic(Trainable):
             device="cpu" if dist.distributed else dist.device,  # FSDP moves the shards over
             attn_implementation=attn_implementation,
             seed=seed,
+            trust_remote_code=settings.trust_remote_code,
         )
         disable_dropout(value_model)
         shard_model(value_model, dist, bf16=bf16)

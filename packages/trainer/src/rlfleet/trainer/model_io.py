@@ -39,9 +39,11 @@ def set_seed(seed: int) -> None:
 
 
 def load_pretrained(
-    auto_class: Any, path: str | Path, *, dtype: torch.dtype, attn_implementation: str | None = None
-) -> PreTrainedModel:
-    """``auto_class.from_pretrained`` of a local directory (no hub), in ``dtype``, on the CPU.
+    auto_class: Any, path: str | Path, *, dtype: torch.dtype, attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:  # fmt: skip
+    """``auto_class.from_pretrained`` of a local directory (no hub), in ``dtype``, on the CPU;
+    ``trust_remote_code`` lets it run modeling code the folder ships (``ModelSettings``).
 
     Raises:
         ModelLoadError: the directory does not exist or has no ``config.json``.
@@ -50,6 +52,7 @@ def load_pretrained(
     if not (path / "config.json").is_file():
         raise ModelLoadError(str(path), "no config.json there (expected a save_pretrained directory)")
     kwargs: dict[str, object] = {"dtype": dtype, "local_files_only": True}
+    kwargs["trust_remote_code"] = trust_remote_code
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     return auto_class.from_pretrained(str(path), **kwargs)
@@ -61,13 +64,15 @@ def load_causal_lm(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """Load an HF causal LM from a local directory, in ``dtype`` on ``device``, in eval mode.
 
     Raises:
         ModelLoadError: the directory does not exist or has no ``config.json``.
     """
-    model = load_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=attn_implementation)
+    model = load_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=attn_implementation,
+                            trust_remote_code=trust_remote_code)  # fmt: skip
     model.to(device)
     model.eval()
     logger.info("loaded %s (%s, %s) from %s", type(model).__name__, dtype, device, path)

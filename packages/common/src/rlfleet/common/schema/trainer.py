@@ -22,7 +22,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from rlfleet.common.schema.algorithms import ALGORITHMS, AlgorithmName, KLMode
 from rlfleet.common.schema.config import ConfigModel
-from rlfleet.common.schema.worker import ModelWorkerConfig
+from rlfleet.common.schema.worker import ModelLoading, ModelWorkerConfig
 
 KLEstimator = Literal["k1", "k2", "k3"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
@@ -37,7 +37,7 @@ def resolve_precision(setting: Precision, device: str) -> Literal["none", "bf16"
     return "bf16" if str(device).startswith("cuda") else "none"
 
 
-class ModelSettings(ConfigModel):
+class ModelSettings(ModelLoading):
     """How the trainer holds the model; fixed for a run (see the module docstring)."""
 
     param_dtype: Literal["float32", "bfloat16"] = Field(

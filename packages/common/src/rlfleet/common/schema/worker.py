@@ -5,7 +5,8 @@ it. :class:`Placement` says where a process computes and how its randomness is s
 ``device`` and ``seed`` reach each worker the launcher starts. :class:`ServiceConfig` is the base of
 every tier's worker config; :class:`ModelWorkerConfig` adds the model a trainer or rollout worker holds.
 :class:`TensorPlaneSettings` says where a worker's TensorStore listens, the address it advertises
-in its refs, and the TLS files of the tensor plane.
+in its refs, and the TLS files of the tensor plane. :class:`ModelLoading` says how every tier loads
+Hugging Face models (the trainer's model settings and every worker's config include it).
 """
 
 from __future__ import annotations
@@ -68,7 +69,17 @@ class TensorPlaneSettings(ConfigModel):
     )
 
 
-class ServiceConfig(FleetAddress, Placement, TensorPlaneSettings):
+class ModelLoading(ConfigModel):
+    """How a tier loads Hugging Face models: what ``from_pretrained`` may run."""
+
+    trust_remote_code: bool = Field(
+        default=False,
+        description="let transformers (and vLLM) run the Python modeling/tokenizer code a model folder "
+        "ships (config.json auto_map); only for models you trust. Reaches every tier's loaders",
+    )
+
+
+class ServiceConfig(FleetAddress, Placement, TensorPlaneSettings, ModelLoading):
     """Settings every worker process takes; an unset NATS URL or cluster is the default one."""
 
     @model_validator(mode="before")

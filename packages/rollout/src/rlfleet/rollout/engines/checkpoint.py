@@ -46,21 +46,22 @@ class CheckpointInfo:
     weights: dict[str, torch.Tensor]
 
 
-def load_tokenizer(model_path: str | Path) -> Any:
-    """The checkpoint's tokenizer, left padding, pad token = EOS when it had none (as the HF engine)."""
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+def load_tokenizer(model_path: str | Path, *, trust_remote_code: bool = False) -> Any:
+    """The checkpoint's tokenizer, left padding, pad token = EOS when it had none (every engine's)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def read_checkpoint(model_path: str | Path) -> CheckpointInfo:
-    """Read ``model_path`` (an HF model directory) into a :class:`CheckpointInfo`."""
+def read_checkpoint(model_path: str | Path, *, trust_remote_code: bool = False) -> CheckpointInfo:
+    """Read ``model_path`` (an HF model directory) into a :class:`CheckpointInfo`; ``trust_remote_code``
+    lets its config and tokenizer run the code the folder ships."""
     path = Path(model_path)
-    config = AutoConfig.from_pretrained(path).get_text_config()
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).get_text_config()
     generation = _generation_config(path)
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
     gen_eos = generation.eos_token_id if generation else None
     gen_pad = generation.pad_token_id if generation else None
     eos = _ids(tokenizer.eos_token_id, gen_eos, config.eos_token_id)

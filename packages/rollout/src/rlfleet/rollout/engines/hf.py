@@ -36,7 +36,6 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
-    AutoTokenizer,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -47,6 +46,7 @@ from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.batch import pad_left
 from rlfleet.common.schema.carriers import IpcBucket
 from rlfleet.rollout.engines.base import Completion, WeightsInput
+from rlfleet.rollout.engines.checkpoint import load_tokenizer
 from rlfleet.rollout.engines.cuda_ipc import device_uuid, load_and_release, meta_items
 from rlfleet.rollout.engines.weights import TiedPair, copy_weights, load_targets, validate
 from rlfleet.rollout.errors import EngineClosed, InvalidPrompt, IpcUnavailable
@@ -77,6 +77,7 @@ class HFEngine:
         seed: int = 0,
         max_batch_size: int = 64,
         model_id: str | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         if dtype not in DTYPES:
             raise ConfigError("dtype", dtype, f"expected one of {', '.join(DTYPES)}")
@@ -85,8 +86,10 @@ class HFEngine:
         self.model_id = model_id or str(model_path)
         self.max_batch_size = max_batch_size
         self._device = torch.device(device)
-        self._tokenizer = _load_tokenizer(model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype])
+        self._tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
+        )
         self._model: Any = model.to(self._device).eval()
         self._eos_ids = _eos_ids(self._model, self._tokenizer)
         self._pad_id = _pad_id(self._model, self._tokenizer)
@@ -243,14 +246,6 @@ class HFEngine:
             (row[:n], lp[:n], stop)
             for row, lp, n, stop in zip(tokens, logprobs, lengths, stopped, strict=True)
         ]
-
-
-def _load_tokenizer(model_path: str | Path) -> Any:
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:

@@ -106,12 +106,13 @@ class VLLMEngine:
         sleep_level: Literal[1, 2] = 1,
         cpu_kv_cache_gib: float = 1.0,
         model_id: str | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         check_settings(
             dtype, device, max_batch_size, tensor_parallel_size, gpu_memory_utilization, sleep_level
         )
         self.model_id = model_id or str(model_path)
-        self._info = read_checkpoint(model_path)
+        self._info = read_checkpoint(model_path, trust_remote_code=trust_remote_code)
         self.max_model_len = context_cap(max_model_len, self._info.max_positions)
         self.colocate = colocate
         self.sleep_level = sleep_level
@@ -137,6 +138,7 @@ class VLLMEngine:
             "enable_prefix_caching": enable_prefix_caching,
             "logprobs_mode": LOGPROBS_MODE,
             "worker_extension_cls": WORKER_EXTENSION,
+            "trust_remote_code": trust_remote_code,
         }
         if device == "cuda":
             llm_kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=colocate)
