@@ -40,9 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("config", help="print the resolved config of a job file and exit")
     show.add_argument("config", type=Path)
     show.add_argument("overrides", nargs="*")
+    from rlfleet.controller.evaluation import add_eval_parser
+    from rlfleet.controller.plots import add_plot_parser
     from rlfleet.controller.status import add_status_parser
 
     add_status_parser(sub)
+    add_eval_parser(sub)
+    add_plot_parser(sub)
     return parser
 
 
@@ -132,6 +136,8 @@ def _main(args: argparse.Namespace) -> int:
 
         return run_status_command(args)
     try:
+        if getattr(args, "handler", None) is not None:  # eval, plot: their modules run them
+            return args.handler(args)
         job = _load_job(args.config, args.overrides)
         if args.command == "config":
             print(json.dumps(job.masked_dump(), indent=2))

@@ -56,7 +56,7 @@ class SampleTable:
         await store.release(results)
         scores = [s for result in scored for s in result.scores]
         rows = [
-            {"prompt": _question(item), "answer": text, "words": len(text.split()), "reward": score}
+            {"prompt": question_text(item), "answer": text, "words": len(text.split()), "reward": score}
             for item, text, score in zip(self.items, texts, scores, strict=True)
         ]
         self.captures[label] = rows
@@ -86,7 +86,7 @@ def _mean(rows: list[dict[str, Any]], key: str) -> float:
     return sum(row[key] for row in rows) / len(rows)
 
 
-def _question(item: PromptItem) -> str:
+def question_text(item: PromptItem) -> str:
     """The prompt as the user wrote it (the last user message of a chat), not the templated text."""
     prompt = item.prompt
     if isinstance(prompt, str):

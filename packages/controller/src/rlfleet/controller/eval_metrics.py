@@ -1,0 +1,147 @@
+"""Evaluation metrics over answered prompts: length, share within a word limit, relevance, rewards, pass@k.
+
+One :class:`EvalRow` per generated answer (a prompt answered ``samples`` times has that many
+rows); :func:`summarize` turns the rows of one model into the flat summary that ``rlfleet eval``
+prints and both ``rlfleet eval`` and a run's ``eval.json`` write. Every number here is computed
+from the rows, so a reader of the JSON can recompute it (words are ``len(answer.split())``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+RELEVANCE = "relevance"
+"""Label of the built-in relevance component (MiniLM cosine of question and answer)."""
+CORRECT = "correct"
+"""Label of the built-in answer check (the ``numeric`` rule against the prompt's ``answer``)."""
+
+
+def count_words(text: str) -> int:
+    """Words of an answer: whitespace-separated tokens, as the sample table counts them."""
+    return len(text.split())
+
+
+@dataclass
+class EvalRow:
+    """One answer to one prompt, with what was measured of it (None: not measured)."""
+
+    index: int
+    """Row of the prompt in its file."""
+    prompt: str
+    """The question as the user wrote it (the last user message of a chat)."""
+    sample: int
+    answer: str
+    words: int
+    tokens: int
+    within_limit: bool
+    relevance: float | None = None
+    correct: bool | None = None
+    """Whether the final number equals the prompt's ``answer`` (answer-checked prompts only)."""
+    rewards: dict[str, float] = field(default_factory=dict)
+    """Reward spec -> this answer's total reward under it."""
+    components: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Reward spec -> component label -> this answer's score."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def make_row(index: int, prompt: str, sample: int, answer: str, tokens: int, limit_words: int) -> EvalRow:
+    """A row with its lengths measured (scores are added later)."""
+    words = count_words(answer)
+    return EvalRow(index, prompt, sample, answer, words, tokens, words <= limit_words)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of a prompt with ``c`` correct answers out of ``n`` (Chen et al., 2021)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def summarize(rows: Sequence[EvalRow], limit_words: int) -> dict[str, Any]:
+    """The means of one model's rows: words, tokens, share within ``limit_words``, relevance, each
+    reward and component, and pass@1 / pass@n over answer-checked prompts (n: samples per prompt)."""
+    summary: dict[str, Any] = {
+        "prompts": len({row.index for row in rows}),
+        "answers": len(rows),
+        "limit_words": limit_words,
+        "mean_words": _mean([row.words for row in rows]),
+        "mean_tokens": _mean([row.tokens for row in rows]),
+        "within_limit": _mean([float(row.within_limit) for row in rows]),
+        "relevance": _mean([row.relevance for row in rows if row.relevance is not None]),
+    }
+    specs = list(dict.fromkeys(spec for row in rows for spec in row.rewards))
+    summary["rewards"] = {
+        spec: _mean([row.rewards[spec] for row in rows if spec in row.rewards]) for spec in specs
+    }
+    summary["components"] = {
+        spec: {
+            name: _mean([row.components[spec][name] for row in rows if name in row.components.get(spec, {})])
+            for name in dict.fromkeys(n for row in rows for n in row.components.get(spec, {}))
+        }
+        for spec in specs
+    }
+    summary.update(_pass_at(rows))
+    return summary
+
+
+def _pass_at(rows: Sequence[EvalRow]) -> dict[str, float]:
+    """``pass@1`` and ``pass@n`` (the fewest samples any checked prompt has) over checked prompts."""
+    per_prompt: dict[int, list[bool]] = {}
+    for row in rows:
+        if row.correct is not None:
+            per_prompt.setdefault(row.index, []).append(row.correct)
+    if not per_prompt:
+        return {}
+    n = min(len(checks) for checks in per_prompt.values())
+    out = {}
+    for k in sorted({1, n}):
+        out[f"pass@{k}"] = statistics.fmean(pass_at_k(len(c), sum(c), k) for c in per_prompt.values())
+    return out
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """One line of the headline numbers: mean words, share within the limit, relevance, reward."""
+    parts = [
+        f"mean words {_fmt(summary.get('mean_words'), 1)}",
+        f"within {summary.get('limit_words')} words {_fmt(summary.get('within_limit'), 2)}",
+        f"relevance {_fmt(summary.get('relevance'), 3)}",
+    ]
+    parts += [f"reward {_fmt(value, 3)}" for value in summary.get("rewards", {}).values()]
+    parts += [f"{key} {_fmt(summary[key], 3)}" for key in summary if key.startswith("pass@")]
+    return ", ".join(parts)
+
+
+def _fmt(value: Any, digits: int) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def render_table(labels: Sequence[str], summaries: Sequence[dict[str, Any]]) -> str:
+    """A plain-text table, one row per model: words, tokens, within limit, relevance, rewards, pass@k."""
+    specs = list(dict.fromkeys(spec for s in summaries for spec in s.get("rewards", {})))
+    passes = list(dict.fromkeys(key for s in summaries for key in s if key.startswith("pass@")))
+    limit = summaries[0].get("limit_words") if summaries else "?"
+    header = ["MODEL", "ANSWERS", "WORDS", "TOKENS", f"<={limit}W", "RELEVANCE"]
+    header += [f"REWARD{i + 1 if len(specs) > 1 else ''}" for i in range(len(specs))] + passes
+    table = [header]
+    for label, s in zip(labels, summaries, strict=True):
+        cells = [label, str(s["answers"]), _fmt(s["mean_words"], 1), _fmt(s["mean_tokens"], 1),
+                 _fmt(s["within_limit"], 2), _fmt(s["relevance"], 3)]  # fmt: skip
+        cells += [_fmt(s.get("rewards", {}).get(spec), 3) for spec in specs]
+        cells += [_fmt(s.get(key), 3) for key in passes]
+        table.append(cells)
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in table]
+    lines += [f"REWARD{i + 1 if len(specs) > 1 else ''}: {spec}" for i, spec in enumerate(specs)]
+    return "\n".join(lines)
