@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlfleet.common.errors import ConfigError
+from rlfleet.common.remote_code import refused_remote_code, remote_code_reason
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -65,7 +66,12 @@ def load_run_tokenizer(
     in place of its own when set."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(os.fspath(model_dir), trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(os.fspath(model_dir), trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if refused_remote_code(exc):
+            raise ConfigError("trust_remote_code", False, remote_code_reason(model_dir)) from None
+        raise
     if chat_template is not None:
         override_chat_template(tokenizer, chat_template)
         logger.info("prompts use the chat template of chat_template, not the model's")

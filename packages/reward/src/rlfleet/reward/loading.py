@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from rlfleet.common.errors import HubModelNotFound
 from rlfleet.common.hub import resolve_hub_model, split_hub_id
+from rlfleet.common.remote_code import refused_remote_code, remote_code_reason
 from rlfleet.reward.errors import RewardModelError
 
 if TYPE_CHECKING:
@@ -144,6 +145,8 @@ def load_shared(
         try:
             model, tokenizer = loader(folder, torch_device, torch_dtype)
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            if refused_remote_code(exc):
+                raise RewardModelError(str(folder), remote_code_reason(folder)) from None
             raise RewardModelError(str(folder), f"{type(exc).__name__}: {exc}") from exc
         model.eval()
         loaded = LoadedModel(model=model, tokenizer=tokenizer, device=torch_device, path=folder)

@@ -43,7 +43,8 @@ from rlfleet.common.control.messages import (
 from rlfleet.common.control.reply_cache import ReplyCache
 from rlfleet.common.control.transport import subject
 from rlfleet.common.control.worker import Worker
-from rlfleet.common.errors import WrongMessageKind
+from rlfleet.common.errors import ConfigError, WrongMessageKind
+from rlfleet.common.remote_code import refused_remote_code, remote_code_reason
 from rlfleet.common.schema.batch import pack_texts, pad_left, pad_right
 from rlfleet.common.schema.rollout import RolloutWorkerConfig
 from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer, worker_client, worker_store
@@ -120,9 +121,14 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         cfg = self.config
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         name = resolve_engine_name(cfg.engine)
-        self.engine: Any = await asyncio.to_thread(
-            make_engine, name, cfg.model_path, **engine_kwargs(cfg, name, device)
-        )  # fmt: skip
+        try:
+            self.engine: Any = await asyncio.to_thread(
+                make_engine, name, cfg.model_path, **engine_kwargs(cfg, name, device)
+            )  # fmt: skip
+        except ValueError as exc:
+            if refused_remote_code(exc):
+                raise ConfigError("trust_remote_code", False, remote_code_reason(cfg.model_path)) from None
+            raise
         self.weight_version = self.engine.weight_version
         self.gpu_uuids: list[str] = list(getattr(self.engine, "gpu_uuids", []))
         capacity = int(cfg.results_store_mb * 2**20)

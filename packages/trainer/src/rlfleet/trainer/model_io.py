@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from rlfleet.common.remote_code import refused_remote_code, remote_code_reason
 from rlfleet.trainer.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def load_pretrained(
     ``trust_remote_code`` lets it run modeling code the folder ships (``ModelSettings``).
 
     Raises:
-        ModelLoadError: the directory does not exist or has no ``config.json``.
+        ModelLoadError: the directory does not exist or has no ``config.json``, or its code is refused.
     """
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -55,7 +56,12 @@ def load_pretrained(
     kwargs["trust_remote_code"] = trust_remote_code
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    return auto_class.from_pretrained(str(path), **kwargs)
+    try:
+        return auto_class.from_pretrained(str(path), **kwargs)
+    except ValueError as exc:
+        if refused_remote_code(exc):
+            raise ModelLoadError(str(path), remote_code_reason(path)) from None
+        raise
 
 
 def load_causal_lm(
