@@ -10,12 +10,14 @@ random-init model can learn the task in a few steps. The output is deterministic
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import random
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from jsonl_writer import run_script, write_jsonl  # noqa: E402, F401  (the module next to this one)
 
 DEFAULT_OUT = Path(__file__).with_name("tiny_digits.jsonl")
 PREFIXES = ("q:", "digits:", "n:", "in:")
@@ -38,19 +40,8 @@ def make_prompts(count: int = 200, seed: int = 0) -> list[dict[str, str]]:
     return [{"prompt": prompt, "digits": digits} for prompt, digits in itertools.islice(prompts, count)]
 
 
-def write_jsonl(rows: list[dict[str, str]], out: Path) -> None:
-    """One JSON object per line, keys in a fixed order, so reruns give identical bytes."""
-    out.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output JSONL file")
-    parser.add_argument("--count", type=int, default=200, help="number of prompts")
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
-    args = parser.parse_args()
-    write_jsonl(make_prompts(args.count, args.seed), args.out)
-    print(f"wrote {args.count} prompts to {args.out}")
+    run_script(__doc__, DEFAULT_OUT, 200, "prompts", make_prompts)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,14 @@ deterministic in ``--seed``.
 
 from __future__ import annotations
 
-import argparse
 import random
 import string
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from make_tiny_digits import digit_prompts, write_jsonl  # noqa: E402  (the script next to this one)
+from jsonl_writer import run_script, write_jsonl  # noqa: E402, F401  (modules next to this one)
+from make_tiny_digits import digit_prompts  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).with_name("tiny_prefs.jsonl")
 
@@ -36,13 +36,7 @@ def make_pairs(count: int = 256, seed: int = 0) -> list[dict[str, str]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output JSONL file")
-    parser.add_argument("--count", type=int, default=256, help="number of pairs")
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
-    args = parser.parse_args()
-    write_jsonl(make_pairs(args.count, args.seed), args.out)
-    print(f"wrote {args.count} pairs to {args.out}")
+    run_script(__doc__, DEFAULT_OUT, 256, "pairs", make_pairs)
 
 
 if __name__ == "__main__":

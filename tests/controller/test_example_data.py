@@ -1,9 +1,10 @@
-"""The example data files: questions.jsonl is usable as shipped, tiny_digits.jsonl matches its script."""
+"""The example data files: questions.jsonl is usable as shipped, each generated file matches its script."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -62,3 +63,51 @@ def test_tiny_prefs_file_matches_its_script(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert all(row["chosen"].isdigit() and row["rejected"].isalpha() for row in rows)
     assert all(len(row["chosen"]) == len(row["rejected"]) for row in rows)
+
+
+def _solve(question: str) -> int:
+    """The answer of a generated word problem, worked out from its wording alone."""
+    numbers = [int(n) for n in re.findall(r"\d+", question)]
+    if "packs of" in question:
+        have, packs, per, given = numbers
+        return have + packs * per - given
+    if "more." in question:
+        return numbers[0] + numbers[1]
+    if "gave" in question:
+        return numbers[0] - numbers[1]
+    if "in each bag" in question:
+        return numbers[0] * numbers[1]
+    assert "equally among" in question, question
+    total, people = numbers
+    assert total % people == 0, question
+    return total // people
+
+
+def test_arith_word_files_match_their_script(tmp_path: Path) -> None:
+    script = _load_script("make_arith_words")
+    train, test = script.make_splits(300, 60, 0)
+    script.write_jsonl(train, tmp_path / "train.jsonl")
+    script.write_jsonl(test, tmp_path / "test.jsonl")
+    assert (tmp_path / "train.jsonl").read_bytes() == (DATA / "arith_words.jsonl").read_bytes()
+    assert (tmp_path / "test.jsonl").read_bytes() == (DATA / "arith_words_test.jsonl").read_bytes()
+    assert script.make_splits(20, 5, 1) == script.make_splits(20, 5, 1) != script.make_splits(20, 5, 2)
+
+
+def test_arith_word_answers_are_right_and_the_held_out_split_is_new() -> None:
+    script = _load_script("make_arith_words")
+    train, test = script.make_splits(300, 60, 0)
+    assert len(train) == 300 and len(test) == 60
+    assert not {row["prompt"] for row in train} & {row["prompt"] for row in test}
+    kinds = set()
+    for row in train + test:
+        question = row["prompt"].removesuffix(" " + script.INSTRUCTION)
+        assert question != row["prompt"] and question.endswith("?")
+        assert isinstance(row["answer"], int) and row["answer"] == _solve(question) >= 0, row
+        *steps, final = row["solution"].splitlines()
+        assert final == f"#### {row['answer']}"
+        for step in steps:  # each worked step is right: "12 + 7 = 19"
+            left, right = step.split(" = ")
+            assert re.fullmatch(r"\d+( [-+*/] \d+)+", left), step  # nothing but arithmetic to eval
+            assert eval(left, {"__builtins__": {}}) == int(right), row
+        kinds.add(next(word for word in ("packs", "more.", "gave", "bag", "equally") if word in question))
+    assert len(kinds) == 5, kinds
