@@ -58,6 +58,17 @@ def _load_job(path: Path, overrides: Sequence[str]) -> JobConfig:
     data_path = Path(job.data.path)
     if not data_path.is_absolute() and not data_path.exists() and (path.parent / data_path).exists():
         job.data.path = str(path.parent / data_path)
+    held_out = Path(job.eval_data) if job.eval_data else None  # relative to the job file, as data.path
+    if (
+        held_out
+        and not held_out.is_absolute()
+        and not held_out.exists()
+        and (path.parent / held_out).exists()
+    ):
+        job.eval_data = str(path.parent / held_out)
+    here = str(path.parent.resolve())  # a reward / rollout_fn 'module:function' may live next to the job
+    if here not in job.python_path:
+        job.python_path = [*job.python_path, here]
     return job
 
 
@@ -93,7 +104,7 @@ def build_trainer(job: JobConfig) -> TrainerBase:
     if job.rollout_fn:
         from rlfleet.controller.routing import import_rollout_fn
 
-        trainer.set_rollout_fn(import_rollout_fn(job.rollout_fn))
+        trainer.set_rollout_fn(import_rollout_fn(job.rollout_fn, job.python_path))
     return trainer
 
 

@@ -33,6 +33,7 @@ from rlfleet.common.schema.connection import NatsConnection, Secret, mask_url
 from rlfleet.common.schema.rollout import RolloutSettings
 from rlfleet.common.schema.trainer import AlgorithmSettings, BatchSettings, ModelSettings, UpdateSettings
 from rlfleet.common.schema.worker import FleetAddress, Placement, TensorPlaneSettings
+from rlfleet.controller.eval_settings import EvalSettings
 from rlfleet.controller.fault_settings import FaultSettings
 from rlfleet.controller.launcher_settings import LauncherSettings
 
@@ -134,7 +135,7 @@ class RolloutPoolConfig(ConfigModel):
 
 class TrainerConfig(
     FleetAddress, Placement, TensorPlaneSettings, ModelSettings, KLControlFields, UpdateSettings,
-    BatchSettings, AlgorithmSettings, LauncherSettings,
+    BatchSettings, AlgorithmSettings, LauncherSettings, EvalSettings,
 ):  # fmt: skip
     """Hyperparameters and run settings shared by the GRPO/PPO/DPO trainers.
 
@@ -142,7 +143,8 @@ class TrainerConfig(
     sizes (``BatchSettings``), optimizer and loss settings (``UpdateSettings``), the KL
     controller (``KLControlFields``), how the trainer holds the model (``ModelSettings``), device
     and seed (``Placement``), the fleet to join (``FleetAddress``), where every TensorStore of the run
-    listens and its TLS files (``TensorPlaneSettings``), who starts the tiers (``LauncherSettings``).
+    listens and its TLS files (``TensorPlaneSettings``), who starts the tiers (``LauncherSettings``),
+    the held-out evaluation (``EvalSettings``).
     The rest are the controller's own.
     """
 

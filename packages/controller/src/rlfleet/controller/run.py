@@ -7,11 +7,11 @@ event loop (so users train with plain synchronous calls), logs metrics, saves an
 checkpoints, and stops exactly what it started::
 
     start():  launcher.spawn(worker specs) ─► connect ─► wait_ready ─► reward tier ─► trainer.configure
-              ─► resume_from? ─► "before" sample table
+              ─► resume_from? ─► "before" eval (run_eval.py)
     steps():  for each batch: program.step(batch) ─► metrics ─► sinks / [PROGRESS] ─► checkpoint?
               (a crashed worker: restarted, the step run again; the trainer: restored from the
               latest checkpoint, the steps after it run again; see supervision.py)
-    finish(): final HF export ─► "after" sample table;  close(): leave, stop every started process
+    finish(): final HF export ─► "after" eval, samples.md;  close(): leave, stop every started process
 
 A step program (:class:`StepProgram`: online RL or DPO) writes one step against the run's
 ``fleet``, ``store``, ``kl_controller`` and :meth:`FleetRun.publish`.
@@ -45,8 +45,8 @@ from rlfleet.controller.models import resolve_model
 from rlfleet.controller.own_store import OwnStore
 from rlfleet.controller.reward_control import RunReward, attach_reward
 from rlfleet.controller.rollout_scaling import scale_due
+from rlfleet.controller.run_eval import RunEval
 from rlfleet.controller.run_tokenizer import load_run_tokenizer
-from rlfleet.controller.samples import SampleTable
 from rlfleet.controller.step_program import KLController, StepProgram, StepResult
 from rlfleet.controller.supervision import GuardedLoop, SupervisedFleet, Supervisor
 from rlfleet.controller.watchdog import Watchdog
@@ -93,7 +93,7 @@ class FleetRun:
         """The dtype weights are published in, fixed by the engines' dtype when the run is made."""
         self.transport: Any = None
         self._fleet: Fleet | None = None
-        self._table: SampleTable | None = None
+        self.evals = RunEval(self) if self.online and (config.sample_table_size or config.eval_data) else None
 
     # --- what a trainer exposes ------------------------------------------------------------------
 
@@ -165,10 +165,8 @@ class FleetRun:
             self.loop.run(self._connect(url, auth, env))
             if self.resume_path is not None:
                 self.resume(self.resume_path)
-            if cfg.sample_table_size and self.online:
-                self._table = SampleTable(self.dataset.sample_items(cfg.sample_table_size), cfg)
-                before = self._table.capture("before", self.fleet, self.weight_version, self.store)
-                self.loop.run(before)
+            if self.evals is not None:  # the held-out eval (eval_data) and the before/after table
+                self.loop.run(self.evals.capture("before"))
         except BaseException:
             self.close()
             raise
@@ -307,13 +305,15 @@ class FleetRun:
                 yield epoch, batch
 
     def _record(self, epoch: int, metrics: dict[str, float]) -> bool:
-        """Log a step's metrics; save a checkpoint when it is due."""
+        """Log a step's metrics; save a checkpoint, run the held-out eval when due."""
         step = self.global_step
         metrics["epoch"] = float(epoch)
         reward = getattr(self._fleet, "reward", None)  # a RewardControl once an online fleet is up
         if reward is not None:
             metrics.update(reward.step_metrics(step))  # the reward version, and whether it changed
         self.metrics.log(step, epoch, metrics)
+        if self.evals is not None and self.evals.due(step):
+            self.loop.run(self.evals.capture(f"step-{step}"))
         if self.config.save_every and step % self.config.save_every == 0:
             self.save_checkpoint(self.output_dir / f"checkpoint-{step}")
         return True
@@ -368,11 +368,9 @@ class FleetRun:
     def finish(self) -> None:
         """Final checkpoint and the before/after table."""
         final = self.save(self.output_dir / "final")
-        if self._table is not None:
-            self.loop.run(self._table.capture("after", self.fleet, self.weight_version, self.store))
-            text = self._table.render()
-            (self.output_dir / "samples.md").write_text(text)
-            self.metrics.say(text)
+        if self.evals is not None:
+            self.loop.run(self.evals.capture("after"))
+            self.evals.write(self.metrics.say)
         self.metrics.say(f"final model saved to {final}")
 
     def close(self) -> None:

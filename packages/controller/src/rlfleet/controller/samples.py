@@ -6,6 +6,7 @@ never does.
 
 from __future__ import annotations
 
+import random
 import textwrap
 from typing import Any, Protocol
 
@@ -26,12 +27,16 @@ class RunStore(Protocol):
 
 
 class SampleTable:
-    """Greedy answers of the current policy to ``items``, captured under labels."""
+    """Greedy answers of the current policy to ``items``, captured under labels; the table shows
+    ``shown`` of them (picked by the seed alone; None: all)."""
 
-    def __init__(self, items: list[PromptItem], config: TrainerConfig) -> None:
+    def __init__(self, items: list[PromptItem], config: TrainerConfig, shown: int | None = None) -> None:
         self.items = items
         self.config = config
         self.captures: dict[str, list[dict[str, Any]]] = {}
+        count = len(items) if shown is None else min(shown, len(items))
+        self.shown = sorted(random.Random(f"rlfleet-samples:{config.seed}").sample(range(len(items)), count))
+        """Positions in ``items`` of the rows the table shows."""
 
     async def capture(
         self,
@@ -50,21 +55,31 @@ class SampleTable:
         results = await fleet.generate([it.token_ids for it in self.items], sampling, weight_version)
         scored = await fleet.score(results, chunk_metadata(self.items, results), cfg.reward_endpoint)
         texts: list[str] = []
+        tokens: list[int] = []
         for result in results:
-            got = await store.fetch(result.ref, names=["response_text", "response_text_offsets"])
+            got = await store.fetch(
+                result.ref, names=["response_text", "response_text_offsets", "response_mask"]
+            )
             texts.extend(unpack_texts(got["response_text"], got["response_text_offsets"]))
+            tokens.extend(int(n) for n in got["response_mask"].sum(dim=-1).tolist())
         await store.release(results)
         scores = [s for result in scored for s in result.scores]
-        rows = [
-            {"prompt": question_text(item), "answer": text, "words": len(text.split()), "reward": score}
-            for item, text, score in zip(self.items, texts, scores, strict=True)
+        components = [
+            {k: v[i] for k, v in result.components.items()}
+            for result in scored
+            for i in range(len(result.scores))
         ]
+        rows = [
+            {"prompt": question_text(item), "answer": text, "words": len(text.split()), "tokens": n,
+             "reward": score, "components": parts}
+            for item, text, n, score, parts in zip(self.items, texts, tokens, scores, components, strict=True)
+        ]  # fmt: skip
         self.captures[label] = rows
         return rows
 
     def render(self) -> str:
         """A Markdown table of before/after answers with word counts and rewards, plus the means."""
-        before, after = self.captures.get("before", []), self.captures.get("after", [])
+        before, after = self._shown("before"), self._shown("after")
         lines = ["## Sample answers, before and after training", "",
                  "| prompt | before | after |", "|---|---|---|"]  # fmt: skip
         for b, a in zip(before, after, strict=False):
@@ -76,6 +91,10 @@ class SampleTable:
                 f"mean reward: {_mean(before, 'reward'):.3f} -> {_mean(after, 'reward'):.3f}",
             ]
         return "\n".join(lines)
+
+    def _shown(self, label: str) -> list[dict[str, Any]]:
+        rows = self.captures.get(label, [])
+        return [rows[i] for i in self.shown if i < len(rows)]
 
 
 def _answer(row: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptDataset
 from rlfleet.controller.fleet import Fleet
+from rlfleet.controller.plots import write_run_plots
 from rlfleet.controller.run import FleetRun, StepProgram, StepResult
 
 T = TypeVar("T")
@@ -127,8 +128,9 @@ class TrainerBase:
         return self.fleet_run.save(path)
 
     def finish(self) -> None:
-        """Final checkpoint and the before/after table."""
+        """Final checkpoint, the before/after table and held-out eval, the run's plots (PNG)."""
         self.fleet_run.finish()
+        write_run_plots(self.output_dir, self.fleet_run.metrics.say)  # a failed plot only warns
 
     def close(self) -> None:
         """Stop the fleet this run started and release everything (idempotent)."""

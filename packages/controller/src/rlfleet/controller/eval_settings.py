@@ -1,0 +1,39 @@
+"""A run's held-out evaluation settings (issue 14): ``eval_data``, ``eval_every``, ``eval_limit_words``.
+
+With ``eval_data`` the run answers every prompt of that file greedily through its own rollout tier
+before the first step, every ``eval_every`` steps and at the end, measures the answers
+(:mod:`rlfleet.controller.run_eval`) and takes its before/after table from them.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from rlfleet.common.schema.config import ConfigModel
+
+
+class EvalSettings(ConfigModel):
+    """Held-out evaluation during training."""
+
+    eval_data: str | None = Field(
+        default=None,
+        description="held-out prompt file (JSONL/CSV/Parquet, like data.path) answered greedily before the "
+        "first step, every eval_every steps and at the end (eval.jsonl, eval.json); the before/after "
+        "table of samples.md comes from it. None: no held-out evaluation",
+    )
+    eval_every: int = Field(
+        default=0,
+        ge=0,
+        description="steps between held-out evaluations; 0: only before the first step and at the end",
+    )
+    eval_limit_words: int = Field(
+        default=50,
+        ge=1,
+        description="word limit of the held-out 'within limit' share (answers at or under it)",
+    )
+
+    @model_validator(mode="after")
+    def _every_needs_data(self) -> EvalSettings:
+        if self.eval_every and not self.eval_data:
+            raise ValueError(f"eval_every={self.eval_every} needs eval_data (a held-out prompt file); set it")
+        return self

@@ -1,0 +1,168 @@
+"""A run's held-out evaluation and its before/after table (``eval_data``, ``eval_every``).
+
+Before the first step, every ``eval_every`` steps and at the end the run answers its held-out
+prompts greedily through its own rollout tier and scores them on its reward tier
+(:class:`~rlfleet.controller.samples.SampleTable` does both); lengths are measured from the
+answers, and relevance (MiniLM cosine of question and answer) and, for prompts with an ``answer``,
+the ``numeric`` answer check come from an extra endpoint of the run's own reward worker
+(:data:`~rlfleet.controller.eval_scoring.BUILTIN_ENDPOINT`, created when first needed; a run
+scoring on a shared reward server measures no relevance). Each evaluation is a line of
+``eval.jsonl``; ``eval.json`` holds the first and the last summaries and every one between, and
+the end of the run prints the before/after summary. Without ``eval_data`` only the before/after
+table of a few training prompts is made, as before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from rlfleet.common.atomic_files import write_atomic
+from rlfleet.common.errors import RlfleetError
+from rlfleet.controller.dataset import PromptDataset
+from rlfleet.controller.eval_metrics import CORRECT, RELEVANCE, EvalRow, make_row, summarize, summary_line
+from rlfleet.controller.eval_scoring import BUILTIN_ENDPOINT, builtin_spec, checks_answers, score_answers
+from rlfleet.controller.samples import SampleTable
+
+if TYPE_CHECKING:
+    from rlfleet.controller.run import FleetRun
+
+logger = logging.getLogger(__name__)
+
+
+class RunEval:
+    """The held-out evaluations of ``run`` (or just its sample table, without ``eval_data``)."""
+
+    def __init__(self, run: FleetRun) -> None:
+        cfg = run.config
+        self.run = run
+        self.heldout = cfg.eval_data is not None
+        if cfg.eval_data is not None:
+            data = run.dataset
+            heldout = PromptDataset(
+                cfg.eval_data,
+                max_prompt_length=cfg.max_prompt_length,
+                prompt_key=data.prompt_key,
+                seed=cfg.seed,
+                shuffle=False,
+                overlong=data.overlong,
+                system_prompt=data.system_prompt,
+                tokenizer=run.tokenizer,
+            )
+            self.table = SampleTable(
+                [heldout[i] for i in range(len(heldout))], cfg, shown=cfg.sample_table_size
+            )
+        else:
+            self.table = SampleTable(run.dataset.sample_items(cfg.sample_table_size), cfg)
+        self.records: list[dict[str, Any]] = []
+        self.path = run.output_dir / "eval.jsonl"
+        self._builtin: Any = None  # a RewardControl on the built-in endpoint; False: none to be had
+
+    def due(self, step: int) -> bool:
+        every = self.run.config.eval_every
+        return self.heldout and every > 0 and step % every == 0
+
+    async def capture(self, label: str) -> None:
+        """Answer (and, with ``eval_data``, measure) the prompts at the run's current weights."""
+        run = self.run
+        last = self.records[-1] if self.records else None
+        if label == "after" and last is not None and last["weight_version"] == run.weight_version:
+            self.table.captures["after"] = self.table.captures[last["label"]]  # answered at these weights
+            self._record(label, [EvalRow(**row) for row in last["rows"]])
+            return
+        rows = await self.table.capture(label, run.fleet, run.weight_version, run.store)
+        if not self.heldout:
+            return
+        limit = run.config.eval_limit_words
+        evals = []
+        for item, row in zip(self.table.items, rows, strict=True):
+            got = make_row(item.index, row["prompt"], 0, row["answer"], row["tokens"], limit)
+            got.rewards, got.components = {"reward": row["reward"]}, {"reward": row["components"]}
+            evals.append(got)
+        await self._measure(evals)
+        self._record(label, evals)
+
+    def _record(self, label: str, rows: list[EvalRow]) -> None:
+        run = self.run
+        summary = summarize(rows, run.config.eval_limit_words)
+        record = {
+            "label": label,
+            "step": run.global_step,
+            "weight_version": run.weight_version,
+            "summary": summary,
+            "rows": [row.to_json() for row in rows],
+        }
+        with self.path.open("w" if not self.records else "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        self.records.append(record)
+        run.metrics.say(
+            f"held-out eval {label} (step {run.global_step}, {len(rows)} prompts): {summary_line(summary)}"
+        )
+
+    async def _measure(self, rows: list[EvalRow]) -> None:
+        """Relevance and the answer check of each row, from the built-in endpoint."""
+        control = await self._builtin_control()
+        if control is None:
+            return
+        items, run = self.table.items, self.run
+        answers = [[row.answer] for row in rows]
+        scored = await score_answers(
+            control, run.store, BUILTIN_ENDPOINT, items, [r.prompt for r in rows], answers, run.tokenizer
+        )
+        for i, row in enumerate(rows):
+            row.relevance = scored.components[RELEVANCE][i]
+            if CORRECT in scored.components:
+                row.correct = scored.components[CORRECT][i] >= 0.5
+
+    async def _builtin_control(self) -> Any:
+        """A reward control of its own (the run's step metrics stay the run's reward's) on the built-in
+        endpoint, created on the run's own reward worker the first time; None when there is none."""
+        if self._builtin is None:
+            self._builtin = False
+            from rlfleet.controller.reward_control import RewardControl
+
+            run_control = self.run.fleet.reward
+            if self.run.config.reward_url or not run_control.registry.workers("reward"):
+                logger.warning("held-out eval: no reward worker of the run's own; relevance is not measured")
+                return None
+            control = RewardControl(
+                run_control.transport,
+                run_control.cluster,
+                run_control.registry,
+                token=run_control.token,
+                faults=run_control.faults,
+            )
+            try:
+                await control.set_reward(
+                    {"spec": builtin_spec(checks_answers(self.table.items))}, BUILTIN_ENDPOINT
+                )
+            except RlfleetError as exc:
+                logger.warning("held-out eval: the reward worker could not serve relevance (%s)", exc)
+                return None
+            self._builtin = control
+        return self._builtin or None
+
+    def write(self, say: Callable[[str], None]) -> None:
+        """``samples.md`` (the table, and the held-out means before and after), ``eval.json``; print both."""
+        run = self.run
+        text = self.table.render()
+        if self.records:
+            first, last = self.records[0], self.records[-1]
+            text += (
+                f"\n\nheld-out eval ({run.config.eval_data}, {first['summary']['prompts']} prompts):\n"
+                f"- before: {summary_line(first['summary'])}\n- after:  {summary_line(last['summary'])}"
+            )
+            data = {
+                "eval_data": run.config.eval_data,
+                "limit_words": run.config.eval_limit_words,
+                "before": first["summary"],
+                "after": last["summary"],
+                "evals": [
+                    {k: r[k] for k in ("label", "step", "weight_version", "summary")} for r in self.records
+                ],
+            }
+            write_atomic(run.output_dir / "eval.json", json.dumps(data, indent=1))
+        (run.output_dir / "samples.md").write_text(text)
+        say(text)
