@@ -110,3 +110,12 @@ def test_worker_roles_publish_only_their_membership_and_answers() -> None:
         role_permissions("c", "tenant")
     with pytest.raises(ValueError):
         role_permissions("a.b", "rollout")
+
+
+def test_a_connection_travels_as_environment_variables_and_reads_back() -> None:
+    login = NatsConnection(user="rollout", password="pw", tls=True, tls_ca_file="/ca.pem")
+    env = login.env()
+    assert env == {"RLFLEET_NATS_USER": "rollout", "RLFLEET_NATS_PASSWORD": "pw", "RLFLEET_NATS_TLS": "true",
+                   "RLFLEET_NATS_TLS_CA_FILE": "/ca.pem"}  # fmt: skip
+    assert NatsConnection().resolved(env) == login and NatsConnection().env() == {}
+    assert RunCredentials.generate("c").env("trainer")["RLFLEET_NATS_INBOX_PREFIX"] == "_INBOX.trainer"

@@ -1,4 +1,5 @@
-"""The job's launcher settings: Ray's settings only with launcher=ray, and the run's own NATS."""
+"""The job's launcher settings: Ray's settings only with launcher=ray, and Ray's placements
+(an outside NATS for a Ray run: test_nats_worker_auth.py)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,6 @@ def test_ray_settings_need_launcher_ray_but_a_dumped_config_loads_again() -> Non
     assert TrainerConfig.model_validate(config.model_dump()).launcher == "embedded"  # defaults repeated
     ray = TrainerConfig(launcher="ray", ray_num_cpus=2, ray_resources={"rollout": {"num_gpus": 1}})
     assert TrainerConfig.model_validate(ray.model_dump()) == ray
-
-
-def test_launcher_ray_starts_its_own_nats() -> None:
-    with pytest.raises(ValidationError, match="launcher=ray starts the run's own nats-server"):
-        TrainerConfig(launcher="ray", nats_url="nats://elsewhere:4222")
 
 
 def test_placement_defaults_and_overrides() -> None:

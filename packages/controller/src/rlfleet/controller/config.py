@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.algorithms import ALGORITHMS
 from rlfleet.common.schema.carriers import CarrierSetting
 from rlfleet.common.schema.config import ConfigModel
@@ -35,7 +36,7 @@ from rlfleet.common.schema.trainer import AlgorithmSettings, BatchSettings, Mode
 from rlfleet.common.schema.worker import FleetAddress, Placement, TensorPlaneSettings
 from rlfleet.controller.eval_settings import EvalSettings
 from rlfleet.controller.fault_settings import FaultSettings
-from rlfleet.controller.launcher_settings import LauncherSettings
+from rlfleet.controller.launcher_settings import LauncherSettings, worker_logins
 
 POOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 RESERVED_ROUTES = ("any", "text")
@@ -221,12 +222,11 @@ class TrainerConfig(
     )
 
     @model_validator(mode="after")
-    def _launcher_starts_its_own_nats(self) -> TrainerConfig:
-        if self.launcher == "ray" and self.nats_url is not None:
-            raise ValueError(
-                "launcher=ray starts the run's own nats-server on this node; unset nats_url (a run that "
-                "joins a fleet by nats_url starts no tier)"
-            )
+    def _check_worker_logins(self) -> TrainerConfig:
+        try:
+            worker_logins(self, self.nats_auth)  # again when the run starts, with RLFLEET_NATS_* read
+        except ConfigError as exc:  # said as this model's other checks say it
+            raise ValueError(f"{exc.path}: {exc.reason}") from None
         return self
 
     @model_validator(mode="after")

@@ -13,7 +13,9 @@ rest of the run (NATS control plane, gRPC tensor plane, supervision, restarts) i
   GPU unless asked to (fractional ``num_gpus``).
 - **Addresses.** The run's nats-server listens on every interface of the controller's node and
   its URL names that node's IP (the one Ray reports); every worker's TensorStore listens on every
-  interface of its own node and advertises that node's IP. Nothing assumes loopback.
+  interface of its own node and advertises that node's IP. Nothing assumes loopback. A run given
+  ``nats_url`` starts no nats-server (:meth:`RayFleet.join_nats`): every worker gets that URL as
+  given and its tier's login (``nats_worker_auth``) in its environment.
 - **Supervision.** The launcher keeps the restart policy (``faults.restart_budget``), exactly as
   embedded: a worker process that exits is reported with its log tail (read through its actor,
   wherever it runs) and started again in a fresh actor, which Ray may place on another node.
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.common.errors import ConfigError
+from rlfleet.common.schema.connection import NatsConnection
 from rlfleet.controller.errors import TierDied
 from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec, find_script
 from rlfleet.controller.ray_worker_host import RemoteProcess as RemoteProcess  # re-exported
@@ -184,12 +187,22 @@ class RayFleet(EmbeddedFleet):
         self._restarted_class = host_actor_class(self.ray, max_restarts)  # RAY_RESTARTED_TIERS' workers
         self.max_restarts = max_restarts
         self._groups: dict[str, Any] = {}  # tier -> placement group of its ranks
+        self.outside_url: str | None = None
+        self.logins: dict[str, NatsConnection] = {}
+        """Each worker tier's login on the outside server (:meth:`join_nats`)."""
 
     nats_host = "0.0.0.0"
     """The run's nats-server listens on every interface of this node; :attr:`url` names its IP."""
 
+    def join_nats(self, url: str, logins: dict[str, NatsConnection]) -> None:
+        """Use the nats-server at ``url`` instead of starting one: each worker gets ``url`` as given
+        (it must be routable from every Ray node) and its tier's login in ``logins`` (none: open)."""
+        self.outside_url, self.logins = url, dict(logins)
+
     @property
     def url(self) -> str:
+        if self.outside_url is not None:
+            return self.outside_url
         assert self.nats is not None and self.nats.port is not None, "start_nats() first"
         return f"nats://{self.node_ip}:{self.nats.port}"
 
@@ -206,7 +219,10 @@ class RayFleet(EmbeddedFleet):
                 group, placement_group_bundle_index=int(rank)
             )
         program = list(spec.command) if spec.command else [find_script(spec.script)]
-        role = self.credentials.env(spec.tier) if self.credentials is not None else {}
+        if self.outside_url is not None:
+            role = self.logins[spec.tier].env() if spec.tier in self.logins else {}
+        else:
+            role = self.credentials.env(spec.tier) if self.credentials is not None else {}
         env = {"PYTHONUNBUFFERED": "1", **spec.env, **role}
         launch = {"command": program, "config": spec.config_data(self.url), "env": env, "restart": restart,
                   "work_dir": str(self.run_dir / "workers"), "name": spec.worker_id}  # fmt: skip

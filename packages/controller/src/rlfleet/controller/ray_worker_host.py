@@ -31,6 +31,7 @@ import yaml
 
 from rlfleet.common.atomic_files import write_atomic
 from rlfleet.common.control.procs import die_with_parent
+from rlfleet.common.schema.connection import ENV_PREFIX as NATS_ENV_PREFIX
 from rlfleet.controller.worker_process import tail_of
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,10 @@ class WorkerHost:
 
     def start(self, command: list[str], config: dict[str, Any], env: dict[str, str], work_dir: str,
               name: str, restart: int, by_ray: bool = False) -> dict[str, Any]:  # fmt: skip
-        """Write the config (this node's IP as the advertised host), start the process, say where."""
+        """Write the config (this node's IP as the advertised host), start the process, say where.
+
+        The process gets this node's environment without its ``RLFLEET_NATS_*``: its NATS login
+        is the one in ``env`` (none for an open server), as with the embedded launcher."""
         ip = self.node_ip()
         config = {**config, "bind_host": "0.0.0.0", "advertise_host": ip}
         directory = Path(work_dir)
@@ -70,6 +74,7 @@ class WorkerHost:
         config_path = directory / f"{name}.yaml"
         write_atomic(config_path, yaml.safe_dump(config, sort_keys=False))
         self.log_path = str(directory / f"{name}.log")
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith(NATS_ENV_PREFIX)}
         with open(self.log_path, "ab" if restart or by_ray else "wb") as log:
             if restart or by_ray:
                 what = "restarted by ray (its actor died)" if by_ray else f"restart {restart} of {name} (ray)"
@@ -77,7 +82,7 @@ class WorkerHost:
                 log.flush()
             self.process = subprocess.Popen(
                 [*command, "serve", "--config", str(config_path)], stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env={**os.environ, **env}, start_new_session=True,
+                stdin=subprocess.DEVNULL, env={**inherited, **env}, start_new_session=True,
                 preexec_fn=die_with_parent,  # SIGTERM when this actor's process dies
             )  # fmt: skip
         write_atomic(directory / f"{name}.pid", f"{self.process.pid} {config_path}\n")

@@ -1,10 +1,10 @@
 """``FleetRun``: one training run, everything the trainers share.
 
-It resolves the model, binds the dataset to its tokenizer, brings up the fleet (embedded: a
-private nats-server and each tier as a process; cluster: joins ``nats_url``), tells the trainer
-the run's fixed settings, drives a step program over the dataset's seeded epochs on its own
-event loop (so users train with plain synchronous calls), logs metrics, saves and resumes
-checkpoints, and stops exactly what it started::
+It resolves the model, binds the dataset to its tokenizer, brings up the fleet (its own
+nats-server or ``nats_url``'s; each tier a local process, Ray-placed with ``launcher: ray``, or,
+with ``nats_url`` alone, started elsewhere), tells the trainer the run's fixed settings, drives a
+step program over the dataset's seeded epochs on its own event loop (so users train with plain
+synchronous calls), logs metrics, saves and resumes checkpoints, and stops exactly what it started::
 
     start():  launcher.spawn(worker specs) ─► connect ─► wait_ready ─► reward tier ─► trainer.configure
               ─► resume_from? ─► "before" eval (run_eval.py)
@@ -154,12 +154,13 @@ class FleetRun:
         write_atomic(self.output_dir / "config.yaml", self.resolved_config_yaml())
         try:
             url, auth, env = cfg.nats_url, cfg.nats_auth, None
-            if url is None:
+            if url is None or cfg.launcher == "ray":  # ray with nats_url: tiers placed, on that server
                 self.launcher = build_launcher(cfg, self.output_dir / "fleet")  # embedded or ray
                 self.supervisor.attach(self.launcher)
-                url = self.launcher.start_nats(self.cluster)
-                auth, env = self.launcher.connection("controller"), {}  # not the shell's RLFLEET_NATS_*
-                self._write_join_config(url)
+                if url is None:
+                    url = self.launcher.start_nats(self.cluster)
+                    auth, env = self.launcher.connection("controller"), {}  # not the shell's RLFLEET_NATS_*
+                    self._write_join_config(url)
                 for spec in self.worker_specs():
                     self.launcher.spawn(spec)
             self.loop.run(self._connect(url, auth, env))
@@ -180,7 +181,7 @@ class FleetRun:
 
     def _write_join_config(self, url: str) -> None:
         """``join-rollout.yaml`` (the rollout role's login) and ``status.yaml`` (the observer's, for
-        ``rlfleet status --run OUTPUT_DIR``), each readable by this user only."""
+        ``rlfleet status --run OUTPUT_DIR``) of the run's own server, readable by this user only."""
         assert self.launcher is not None
         self.join_config.parent.mkdir(parents=True, exist_ok=True)
         status = self.join_config.parent / "status.yaml"
@@ -214,7 +215,7 @@ class FleetRun:
         if self.online:
             await attach_reward(fleet, cfg, url)  # the run's own reward tier, or reward_url's
         await fleet.configure_trainer(self.trainer_configure())
-        if self.launcher is not None:
+        if cfg.nats_url is None:
             logger.info("fleet ready: %s; rollout workers join with: rlfleet-rollout serve --config %s "
                         "--model PATH --pool NAME", counts, self.join_config)  # fmt: skip
         else:

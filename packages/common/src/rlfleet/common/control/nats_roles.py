@@ -106,8 +106,7 @@ class RunCredentials:
 
     def env(self, role: str) -> dict[str, str]:
         """The same, as the ``RLFLEET_NATS_*`` variables a worker reads (not argv: ``ps`` shows argv)."""
-        return {"RLFLEET_NATS_USER": role, "RLFLEET_NATS_PASSWORD": self.passwords[role],
-                "RLFLEET_NATS_INBOX_PREFIX": inbox(role)}  # fmt: skip
+        return self.connection(role).env()
 
 
 def server_config(credentials: RunCredentials, reply_window_s: float = REPLY_WINDOW_S) -> str:

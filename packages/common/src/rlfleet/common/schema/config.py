@@ -184,13 +184,18 @@ SECRET_FIELDS = frozenset({"password", "token", "reward_token"})
 """Settings whose values an error message never shows."""
 
 
+_URL_LOGIN = re.compile(r"(?<=://)[^/@\s]+@")
+"""The user info of a URL (``nats://user:pass@host``), which a dumped error never shows."""
+
+
 def _redact(loc: tuple[int | str, ...], value: Any) -> Any:
-    """``value`` with credentials replaced by ``'***'``: a secret field's value, or such keys of a table."""
+    """``value`` with credentials replaced by ``'***'``: a secret field's value, or such keys of a
+    table, and the login in any URL."""
     if loc and loc[-1] in SECRET_FIELDS:
         return "***"
     if isinstance(value, dict):
         return {k: "***" if k in SECRET_FIELDS else _redact((), v) for k, v in value.items()}
-    return value
+    return _URL_LOGIN.sub("***@", value) if isinstance(value, str) else value
 
 
 def _dotted(loc: tuple[int | str, ...]) -> str:

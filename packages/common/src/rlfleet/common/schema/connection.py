@@ -107,6 +107,17 @@ class NatsConnection(ConfigModel):
         except ValueError as exc:
             raise ConfigError(f"{prefix}*", "(environment)", _first_message(exc)) from None
 
+    def env(self, prefix: str = ENV_PREFIX) -> dict[str, str]:
+        """The set fields as the ``<prefix><FIELD>`` variables :meth:`resolved` reads back: how a
+        launcher hands a worker its login (secrets in clear: a child's environment, never a file)."""
+        out: dict[str, str] = {}
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            value = value.get_secret_value() if isinstance(value, SecretStr) else value
+            if value:
+                out[prefix + name.upper()] = "true" if value is True else str(value)
+        return out
+
     @property
     def has_credentials(self) -> bool:
         """Whether a way to authenticate is set."""
