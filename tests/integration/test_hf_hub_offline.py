@@ -61,11 +61,11 @@ def test_an_uncached_hub_id_offline_says_so(offline_cache) -> None:
 
 def _train(venv_script, env: dict[str, str], *overrides: str) -> subprocess.CompletedProcess[str]:
     command = [venv_script("rlfleet"), "train", str(EXAMPLE), *overrides]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=220)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=360)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(400)
 def test_rlfleet_train_takes_a_hub_id_from_the_offline_cache(
     offline_cache, venv_script, cli_env, tmp_path: Path, procs
 ) -> None:

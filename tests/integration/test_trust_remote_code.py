@@ -157,11 +157,11 @@ def test_reward_model(remote_model: Path) -> None:
 
 def _train(venv_script, env: dict[str, str], *overrides: str) -> subprocess.CompletedProcess[str]:
     command = [venv_script("rlfleet"), "train", str(EXAMPLE), *overrides]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=220)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=360)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_rlfleet_train_runs_a_remote_code_model_only_when_trusted(
     remote_model: Path, venv_script, cli_env, tmp_path: Path, procs
 ) -> None:
