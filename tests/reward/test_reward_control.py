@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.controller.errors import RewardFnNotPortable
+from rlfleet.controller.python_reward import PythonReward
 from rlfleet.controller.reward_control import RewardControl, describe_reward_fn, model_swap, revision_of
 from rlfleet.reward import RewardScaler, build_reward
 from rlfleet.reward.answers import extract_number
@@ -37,22 +38,28 @@ def test_built_rewards_and_scalers_describe_themselves() -> None:
         assert build_reward(wire["spec"]).version == reward.version
 
 
-def test_importable_functions_travel_by_name() -> None:
-    wire = describe_reward_fn(extract_number)
-    assert wire == {"spec": "rlfleet.reward.answers:extract_number"}
-    assert import_function(wire["spec"]) is extract_number
+def test_function_names_travel_and_callables_stay_in_the_controller() -> None:
+    """A 'module:function' name goes to the reward worker, which imports it; a callable object (an
+    importable function, a lambda, a closure, a scaler of a plain callable's compute_reward) is a
+    Python reward the controller calls itself: nothing of it is sent."""
+    assert describe_reward_fn("rlfleet.reward.answers:extract_number") == {
+        "spec": "rlfleet.reward.answers:extract_number"
+    }
+    assert import_function("rlfleet.reward.answers:extract_number") is extract_number
 
-
-def test_live_code_that_cannot_be_imported_is_refused() -> None:
     def local(prompt: str, response: str) -> float:
         return 0.0
 
-    with pytest.raises(RewardFnNotPortable, match="not a top-level function"):
-        describe_reward_fn(local)
-    with pytest.raises(RewardFnNotPortable, match="not a top-level function"):
-        describe_reward_fn(lambda p, r: 0.0)
+    scaler = RewardScaler(fn=lambda prompts, responses: [0.0])
+    for fn in (extract_number, local, lambda text: 0.0, scaler.compute_reward):
+        wire = describe_reward_fn(fn)
+        assert set(wire) == {"python"} and isinstance(wire["python"], PythonReward)
+        assert wire["python"].fn is fn
+
+
+def test_what_is_neither_a_spec_nor_callable_is_refused() -> None:
     with pytest.raises(RewardFnNotPortable, match="plain callable"):
-        describe_reward_fn(RewardScaler(fn=lambda prompts, responses: [0.0]).compute_reward)
+        describe_reward_fn(RewardScaler(fn=lambda prompts, responses: [0.0]))  # the scaler, not its method
     with pytest.raises(RewardFnNotPortable, match="neither a spec nor a function"):
         describe_reward_fn(3)
 

@@ -203,6 +203,12 @@ class TrainerConfig(
         description="NATS credentials and TLS for reward_url when it is not the run's own server "
         "(unset fields from RLFLEET_REWARD_NATS_*)",
     )
+    python_path: list[str] = Field(
+        default_factory=list,
+        description="folders holding the run's own Python modules (a reward or rollout_fn "
+        "'module:function'): on the import path of the controller and of every worker the run starts, "
+        "after the working directory, which always is; rlfleet train adds the job file's folder",
+    )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout tier settings")
     rollout_pools: dict[str, RolloutPoolConfig] = Field(
         default_factory=dict,

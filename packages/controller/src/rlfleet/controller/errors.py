@@ -149,9 +149,19 @@ class RewardFnNotPortable(UserError, ValueError):
         self.reason = reason
         super().__init__(
             f"cannot send {fn!r} to the reward tier: {reason}. Pass a reward spec (str or dict), a "
-            "'package.module:function' name, a top-level function of an importable module, or a "
-            "CompositeReward / RewardScaler built from a spec (or its compute_reward)"
+            "'package.module:function' name, a CompositeReward / RewardScaler built from a spec (or its "
+            "compute_reward), or, for the run's own reward tier, any Python callable"
         )
+
+
+class RewardFnFailed(UserError, RuntimeError):
+    """A Python reward function (run in the controller) raised, returned something that is not a
+    finite number per response, or took longer than its deadline."""
+
+    def __init__(self, name: str, problem: str) -> None:
+        self.name = name
+        self.problem = problem
+        super().__init__(f"reward function {name} {problem}")
 
 
 class WorkerGone(Failure, ConnectionError):

@@ -7,6 +7,7 @@ those, since only the trainer's advantages differ.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +22,17 @@ __all__ = ["GRPOTrainer", "StepResult"]
 class GRPOTrainer(OnlineTrainer):
     """Group Relative Policy Optimization (and RLOO, REINFORCE++) over the rlfleet tiers.
 
-    ``reward`` is a reward spec string of rlfleet-reward (``"concise:max_words=50 + 0.5*relevance"``)
-    or its dict form. ``dataset`` is a :class:`PromptDataset` or a path to one.
+    ``reward`` is a reward spec string of rlfleet-reward (``"concise:max_words=50 + 0.5*relevance"``,
+    ``"my_rewards:score"``) or its dict form, which the run's reward worker serves, or a Python
+    callable (``lambda text: ...``, ``fn(prompt, response, **metadata)``, TRL's
+    ``fn(prompts, completions, **kw)``), which the controller calls itself
+    (:mod:`rlfleet.controller.python_reward`). ``dataset`` is a :class:`PromptDataset` or a path to one.
     """
 
     def __init__(
         self,
         actor_model_name: str,
-        reward: str | dict[str, Any],
+        reward: str | dict[str, Any] | Callable[..., Any],
         dataset: PromptDataset | str | Path,
         config: TrainerConfig | None = None,
     ) -> None:

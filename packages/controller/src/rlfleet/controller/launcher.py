@@ -36,7 +36,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -56,6 +56,7 @@ from rlfleet.controller.errors import TierDied, TierNotRestarted, TierRefused
 from rlfleet.controller.fleet_nats import BENCHMARK_NATS_ENV as BENCHMARK_NATS_ENV  # re-exported
 from rlfleet.controller.fleet_nats import NATS_ID, NatsSecurity, nats_died, restart_nats, start_run_nats
 from rlfleet.controller.gpu_assignment import GPU_ENV, GpuAssignment
+from rlfleet.controller.user_code import code_dirs, worker_pythonpath
 from rlfleet.controller.worker_process import WorkerProcess, WorkerSpec, find_script
 from rlfleet.controller.worker_process import last_error_line as last_error_line  # re-exported
 
@@ -83,6 +84,8 @@ class EmbeddedFleet:
     of each crashed worker over the run (0: any crash raises, as before supervision). ``gpus``:
     each worker's ``CUDA_VISIBLE_DEVICES`` (:func:`~rlfleet.controller.gpu_assignment.assignment_for`;
     None, as on a CPU-only machine: the controller's environment is passed on unchanged).
+    ``python_path``: folders of the user's code, on every worker's ``PYTHONPATH`` after the
+    working directory (:mod:`rlfleet.controller.user_code`).
     """
 
     nats_host = "127.0.0.1"
@@ -90,9 +93,11 @@ class EmbeddedFleet:
 
     def __init__(
         self, run_dir: Path, *, jetstream: bool = False, security: NatsSecurity | None = None,
-        restart_budget: int = 0, gpus: GpuAssignment | None = None,
+        restart_budget: int = 0, gpus: GpuAssignment | None = None, python_path: Sequence[str] = (),
     ) -> None:  # fmt: skip
         self.run_dir = Path(run_dir)
+        self.code_dirs = code_dirs(python_path)
+        """Put first on every worker's ``PYTHONPATH``: a reward spec's ``module:function`` imports there."""
         self.jetstream = jetstream
         self.security = security if security is not None else NatsSecurity.from_env(os.environ)
         if self.security != NatsSecurity():
@@ -156,6 +161,7 @@ class EmbeddedFleet:
         if self.security.tls_cert:
             role[f"{NATS_ENV_PREFIX}TLS_CA_FILE"] = self.security.tls_cert
         env = {**inherited, "PYTHONUNBUFFERED": "1", **spec.env, **role}
+        env["PYTHONPATH"] = worker_pythonpath(self.code_dirs, env.get("PYTHONPATH"))
         if self.gpus is not None:
             live = {w.spec.worker_id for w in self.workers}
             env.update(self.gpus.env_for(spec.tier, spec.worker_id, spec.config, spec.env, live))

@@ -110,7 +110,7 @@ class LauncherSettings(ConfigModel):
 
 def build_launcher(config: Any, run_dir: Any) -> Any:
     """The fleet that starts ``config``'s tiers under ``run_dir``: an ``EmbeddedFleet`` or a ``RayFleet``."""
-    budget = config.faults.restart_budget
+    budget, code = config.faults.restart_budget, config.python_path  # code: on every worker's PYTHONPATH
     if config.launcher == "ray":
         from rlfleet.controller.ray_launcher import RayFleet, placement_for
 
@@ -118,14 +118,14 @@ def build_launcher(config: Any, run_dir: Any) -> Any:
         logins = worker_logins(config, config.nats_auth.resolved()) if outside is not None else {}
         fleet = RayFleet(run_dir, address=config.ray_address, num_cpus=config.ray_num_cpus,
                          placement=placement_for(config), restart_budget=budget,
-                         max_restarts=config.ray_max_restarts)  # fmt: skip
+                         max_restarts=config.ray_max_restarts, python_path=code)  # fmt: skip
         if outside is not None:
             fleet.join_nats(outside, logins)
         return fleet
     from rlfleet.controller.gpu_assignment import assignment_for
     from rlfleet.controller.launcher import EmbeddedFleet
 
-    return EmbeddedFleet(run_dir, restart_budget=budget, gpus=assignment_for(config))
+    return EmbeddedFleet(run_dir, restart_budget=budget, gpus=assignment_for(config), python_path=code)
 
 
 def worker_logins(config: Any, controller: NatsConnection) -> dict[str, NatsConnection]:

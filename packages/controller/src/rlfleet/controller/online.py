@@ -319,7 +319,7 @@ class OnlineTrainer(TrainerBase):
     switched between steps and its prompts routed to rollout pools."""
 
     def __init__(
-        self, actor_model_name: str, reward: str | dict[str, Any], dataset: PromptDataset | str | Path,
+        self, actor_model_name: str, reward: Any, dataset: PromptDataset | str | Path,
         config: TrainerConfig, critic_model_name: str | None = None,
     ) -> None:  # fmt: skip
         if isinstance(dataset, (str, Path)):
@@ -342,7 +342,7 @@ class OnlineTrainer(TrainerBase):
 
     @property
     def reward_spec(self) -> str | dict[str, Any] | None:
-        """The reward spec in force (``set_reward_fn`` switches it)."""
+        """The reward spec in force (``set_reward_fn`` switches it; a Python reward: its name)."""
         assert self.fleet_run.reward is not None
         return self.fleet_run.reward.spec
 
@@ -366,11 +366,10 @@ class OnlineTrainer(TrainerBase):
     def set_reward_fn(self, fn: Any) -> str:
         """Switch the reward for the next steps (progressive rewards); returns the new reward version.
 
-        ``fn``: a spec (str or dict), a ``package.module:function`` name or an importable top-level
-        function, or a ``CompositeReward`` / ``RewardScaler`` built from a spec (or its
-        ``compute_reward``); see :func:`rlfleet.controller.reward_control.describe_reward_fn`. Works
-        with the run's own reward worker and with a shared server (``reward_url``).
-        """
+        ``fn``: a spec (str or dict), a ``package.module:function`` name, a ``CompositeReward`` /
+        ``RewardScaler`` built from a spec (or its ``compute_reward``): served by the reward workers;
+        any Python callable (``lambda text: ...``, ``fn(prompt, response, **metadata)``, TRL's batched
+        form): called by the controller itself (python_reward.py), never on a shared server (reward_url)."""
         return self._switch(describe_reward_fn(fn))
 
     def update_reward_model(self, new_rm: Any, *, component: str | None = None, wait: bool = True) -> Any:

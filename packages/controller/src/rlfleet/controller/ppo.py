@@ -20,6 +20,7 @@ field) names another model; only the actor's weights are published to the rollou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +29,9 @@ from rlfleet.controller.dataset import PromptDataset
 from rlfleet.controller.online import OnlineTrainer
 
 
-def reward_model_spec(
-    reward_model_name: str | None, reward: str | dict[str, Any] | None
-) -> str | dict[str, Any]:
-    """The reward spec of a PPO run: ``reward`` as given, or an ``rm`` component for a model path.
+def reward_model_spec(reward_model_name: str | None, reward: Any) -> Any:
+    """The reward of a PPO run: ``reward`` as given (a spec or a Python callable, as GRPOTrainer
+    takes), or an ``rm`` component for a model path.
 
     Exactly one of the two must be given. A path that exists here is made absolute (the reward
     worker may run in another directory); any other is passed on for the reward tier to resolve.
@@ -70,7 +70,7 @@ class PPOTrainer(OnlineTrainer):
         dataset: PromptDataset | str | None = None,
         config: TrainerConfig | None = None,
         *,
-        reward: str | dict[str, Any] | None = None,
+        reward: str | dict[str, Any] | Callable[..., Any] | None = None,
         critic_model_name: str | None = None,
     ) -> None:
         if dataset is None:

@@ -46,6 +46,7 @@ from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec, find_script
 from rlfleet.controller.ray_worker_host import RemoteProcess as RemoteProcess  # re-exported
 from rlfleet.controller.ray_worker_host import WorkerHost as WorkerHost  # re-exported
 from rlfleet.controller.ray_worker_host import host_actor_class
+from rlfleet.controller.user_code import worker_pythonpath
 from rlfleet.controller.worker_process import WorkerProcess, tail_of
 
 logger = logging.getLogger(__name__)
@@ -224,6 +225,7 @@ class RayFleet(EmbeddedFleet):
         else:
             role = self.credentials.env(spec.tier) if self.credentials is not None else {}
         env = {"PYTHONUNBUFFERED": "1", **spec.env, **role}
+        env["PYTHONPATH"] = worker_pythonpath(self.code_dirs, spec.env.get("PYTHONPATH"))  # then the node's
         launch = {"command": program, "config": spec.config_data(self.url), "env": env, "restart": restart,
                   "work_dir": str(self.run_dir / "workers"), "name": spec.worker_id}  # fmt: skip
         host = self._restarted_class if spec.tier in RAY_RESTARTED_TIERS else self._host_class

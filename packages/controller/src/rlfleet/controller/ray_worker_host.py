@@ -32,9 +32,19 @@ import yaml
 from rlfleet.common.atomic_files import write_atomic
 from rlfleet.common.control.procs import die_with_parent
 from rlfleet.common.schema.connection import ENV_PREFIX as NATS_ENV_PREFIX
+from rlfleet.controller.user_code import worker_pythonpath
 from rlfleet.controller.worker_process import tail_of
 
 logger = logging.getLogger(__name__)
+
+
+def with_pythonpath(node: dict[str, str], env: dict[str, str]) -> dict[str, str]:
+    """``node``'s environment updated with ``env``, whose ``PYTHONPATH`` (the run's code folders,
+    :mod:`rlfleet.controller.user_code`) goes ahead of the node's own instead of replacing it."""
+    merged = {**node, **env}
+    if "PYTHONPATH" in env:
+        merged["PYTHONPATH"] = worker_pythonpath(env["PYTHONPATH"].split(os.pathsep), node.get("PYTHONPATH"))
+    return merged
 
 
 class WorkerHost:
@@ -82,7 +92,7 @@ class WorkerHost:
                 log.flush()
             self.process = subprocess.Popen(
                 [*command, "serve", "--config", str(config_path)], stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env={**inherited, **env}, start_new_session=True,
+                stdin=subprocess.DEVNULL, env=with_pythonpath(inherited, env), start_new_session=True,
                 preexec_fn=die_with_parent,  # SIGTERM when this actor's process dies
             )  # fmt: skip
         write_atomic(directory / f"{name}.pid", f"{self.process.pid} {config_path}\n")

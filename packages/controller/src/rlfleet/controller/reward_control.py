@@ -12,11 +12,15 @@ after ``faults.outage_grace_s`` fails the score with a named
 ::
 
     fleet.score ──► RewardControl.score ──(ScoreRequest, token header)──► reward.score queue group
+                                        └── a Python reward in force: PythonScorer, in this process
     set_reward_fn / update_reward_model ──(SetRewardSpec)──► every reward worker's own subject
 
-:class:`RunReward` is the run's reward as it changes (hot swaps, what a checkpoint keeps of it).
+:class:`~rlfleet.controller.run_reward.RunReward` is the run's reward as it changes (hot swaps,
+what a checkpoint keeps of it).
 
-Reward functions travel as specs, never as code (:func:`describe_reward_fn`). Every score carries
+Reward functions travel as specs, never as code (:func:`describe_reward_fn`); a Python callable
+does not travel at all: the run's own reward tier scores with it in the controller
+(:mod:`rlfleet.controller.python_scorer`), and a shared server is never sent one. Every score carries
 the version of the endpoint that produced it; :meth:`RewardControl.step_metrics` turns the
 versions a step saw into metrics (``reward/spec_revision``, ``reward/spec_version_changed``) and
 logs the step where the version changed.
@@ -25,7 +29,6 @@ logs the step where the version changed.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -43,48 +46,41 @@ from rlfleet.common.control.messages import (
 )
 from rlfleet.common.control.transport import TOKEN_HEADER, Transport, subject
 from rlfleet.common.schema.connection import mask_url
-from rlfleet.controller.checkpoints import reward_to_restore
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.deadlines import Deadlines
-from rlfleet.controller.errors import RewardFnNotPortable, TierNotReady
+from rlfleet.controller.errors import RewardFnNotPortable
 from rlfleet.controller.fault_settings import FaultSettings
+from rlfleet.controller.python_reward import PythonReward
+from rlfleet.controller.python_scorer import PythonScorer
 from rlfleet.controller.retry import with_retries
 
 logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "RLFLEET_REWARD_TOKEN"
 WIRE_KEYS = frozenset({"spec", "scaler", "scaler_state"})
-
-
-def importable_name(fn: Any) -> str:
-    """``package.module:function`` of a top-level function that importing gives back, or an error."""
-    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
-    if not module or not qualname:
-        raise RewardFnNotPortable(fn, "it has no __module__ / __qualname__")
-    if module == "__main__":
-        raise RewardFnNotPortable(fn, "it is defined in __main__, which a reward worker cannot import")
-    if not qualname.isidentifier():
-        raise RewardFnNotPortable(fn, f"{qualname!r} is not a top-level function of {module}")
-    try:
-        found = getattr(importlib.import_module(module), qualname, None)
-    except ImportError as exc:
-        raise RewardFnNotPortable(fn, f"its module {module!r} does not import: {exc}") from exc
-    if found is not fn:
-        raise RewardFnNotPortable(fn, f"{module}:{qualname} does not name this function")
-    return f"{module}:{qualname}"
+SHARED_SERVER_RUNS_NO_CODE = (
+    "the run scores on a shared reward server (reward_url), which never runs code sent to it; name a "
+    "reward the server serves (a spec, or a 'package.module:function' its allowed_modules permit), or "
+    "drop reward_url to score with this function in the controller"
+)
 
 
 def describe_reward_fn(fn: Any) -> dict[str, Any]:
-    """What ``set_reward_fn(fn)`` sends: ``{"spec": ..., "scaler": ..., "scaler_state": ...}``.
+    """What ``set_reward_fn(fn)`` sends: ``{"spec": ..., "scaler": ..., "scaler_state": ...}``, or
+    ``{"python": PythonReward}`` for a callable scored in this process (sent nowhere).
 
-    - a str is a spec (``"numeric + 0.1*concise"``, ``"mypkg.rewards:score"``);
+    - a str is a spec (``"numeric + 0.1*concise"``); ``"package.module:function"`` names a function
+      the reward worker imports (from the run's working directory, the job file's folder and
+      ``python_path`` too: :mod:`rlfleet.controller.user_code`);
     - a dict is a spec's dict form, or already ``{"spec", "scaler", "scaler_state"}``;
     - an object with ``__rlfleet_reward__`` (a ``CompositeReward``, a ``RewardScaler``), or a bound
-      method of one (``scaler.compute_reward``), describes itself, scaler statistics included;
-    - a top-level function of an importable module (``fn(prompt, response, **metadata) -> float``)
-      is sent by name; the reward worker imports it, so it must be installed there too.
+      method of one (``scaler.compute_reward``), describes itself, scaler statistics included; a
+      bound method whose object cannot (a ``RewardScaler`` of a plain callable) is a Python reward;
+    - any other callable (function, lambda, closure, ``functools.partial``, callable object) is a
+      Python reward: the run's own reward tier calls it in the controller, as TRL does; the
+      signatures it may have are :mod:`rlfleet.controller.python_reward`'s.
 
-    Anything else (a lambda, a closure, a function of ``__main__``) raises :class:`RewardFnNotPortable`.
+    Anything else raises :class:`RewardFnNotPortable`.
     """
     if isinstance(fn, str):
         if not fn.strip():
@@ -103,9 +99,11 @@ def describe_reward_fn(fn: Any) -> dict[str, Any]:
             try:
                 return dict(describe())
             except ValueError as exc:  # the reward package's NotPortable
-                raise RewardFnNotPortable(fn, str(exc)) from exc
+                if candidate is fn:
+                    raise RewardFnNotPortable(fn, str(exc)) from exc
+                return {"python": PythonReward(fn)}  # e.g. compute_reward of a plain callable's scaler
     if callable(fn):
-        return {"spec": importable_name(fn)}
+        return {"python": PythonReward(fn)}
     raise RewardFnNotPortable(fn, f"a {type(fn).__name__} is neither a spec nor a function")
 
 
@@ -134,6 +132,10 @@ class RewardControl:
         self._step_versions: list[str] = []
         self._raw: list[float] = []
         self.remote = remote
+        self.python: PythonScorer | None = None  # the Python reward in force, scored in this process
+        self.store: Any = None  # where it reads texts: the run's OwnStore (attach_reward)
+        self.start_worker: Any = None  # async fn(spec): start the run's own reward worker (none yet)
+        self._revision = -1  # the highest reward revision seen; a Python reward takes the next
 
     @classmethod
     async def connect(
@@ -190,19 +192,23 @@ class RewardControl:
         job_ids: Sequence[str],
     ) -> list[ScoreResult]:  # fmt: skip
         """Score each rollout chunk; ``metadata[i]`` is chunk i's per-prompt metadata."""
-        verb = subject(self.cluster, "reward", "score")
-        requests = [
-            ScoreRequest(job_id=job, endpoint=endpoint, rollout=r.ref, metadata=list(meta))
-            for r, meta, job in zip(results, metadata, job_ids, strict=True)
-        ]
-        timeouts = [self.deadlines.score(r) for r in results]
-        scoring = (self._score_one(verb, req, t) for req, t in zip(requests, timeouts, strict=True))
-        replies = await asyncio.gather(*scoring)
+        if self.python is not None:
+            replies: Sequence[Any] = await self.python.score(results, metadata, job_ids)
+        else:
+            verb = subject(self.cluster, "reward", "score")
+            requests = [
+                ScoreRequest(job_id=job, endpoint=endpoint, rollout=r.ref, metadata=list(meta))
+                for r, meta, job in zip(results, metadata, job_ids, strict=True)
+            ]
+            timeouts = [self.deadlines.score(r) for r in results]
+            scoring = (self._score_one(verb, req, t) for req, t in zip(requests, timeouts, strict=True))
+            replies = await asyncio.gather(*scoring)
         scored: list[ScoreResult] = []
         for reply in replies:
             assert isinstance(reply, ScoreResult), reply
             scored.append(reply)
             self._step_versions.append(reply.spec_version)
+            self._revision = max(self._revision, revision_of(reply.spec_version))
             self._raw.extend(reply.raw_scores)
         return scored
 
@@ -246,7 +252,15 @@ class RewardControl:
         return subjects
 
     async def set_reward(self, wire: Mapping[str, Any], endpoint: str) -> RewardSpecSet:
-        """Send a hot swap to every reward worker; returns the last reply (all switch to one version)."""
+        """Send a hot swap to every reward worker; returns the last reply (all switch to one version).
+
+        ``{"python": PythonReward}`` is not sent: scores come from this process from now on
+        (:meth:`use_python`). A run without a reward worker yet (it began with a Python reward)
+        starts its own first (:attr:`start_worker`)."""
+        if "python" in wire:
+            return self.use_python(wire["python"], endpoint)
+        if self.start_worker is not None and "spec" in wire and not self.registry.workers("reward"):
+            await self.start_worker(wire["spec"])
         message = SetRewardSpec(endpoint=endpoint, **dict(wire))
         replies = await asyncio.gather(
             *(self.transport.request(s, message, timeout=self.deadlines.reward_swap(), tier="reward",
@@ -257,29 +271,35 @@ class RewardControl:
             assert isinstance(reply, RewardSpecSet), reply
         last = replies[-1]
         assert isinstance(last, RewardSpecSet)
+        self._revision = max(self._revision, revision_of(last.spec_version))
+        if "spec" in wire:
+            self.python = None  # the workers' spec is in force again
         logger.info("reward endpoint %s now at version %s (%s)", endpoint, last.spec_version, last.spec)
         return last
 
+    def use_python(self, reward: PythonReward, endpoint: str) -> RewardSpecSet:
+        """Score with ``reward`` in this process from the next score on (its version: the next
+        revision); refused on a shared reward server, which never runs code sent to it."""
+        if self.remote:
+            raise RewardFnNotPortable(reward.fn, SHARED_SERVER_RUNS_NO_CODE)
+        previous = self.python.version if self.python is not None else self._last_version
+        self._revision += 1
+        version = f"{reward.description}-r{self._revision}"
+        self.python = PythonScorer(reward, endpoint, version, self.store, self.deadlines)
+        logger.info("reward endpoint %s now at version %s (scored in the controller)", endpoint, version)
+        return RewardSpecSet(endpoint=endpoint, spec_version=version, spec=reward.description,
+                             previous_version=previous)  # fmt: skip
+
     async def stats(self, endpoint: str = "") -> RewardStats:
-        """Statistics of this run's token on one reward worker."""
+        """Statistics of this run's token on one reward worker (of the Python reward in force, here)."""
+        if self.python is not None:
+            name = endpoint or self.python.endpoint
+            return RewardStats(worker_id="controller", endpoints={name: self.python.stats()})
         message = RewardStatsRequest(endpoint=endpoint)
         reply = await self.transport.request(self._subjects()[0], message, timeout=self.deadlines.control(),
                                              tier="reward", headers=self.headers)  # fmt: skip
         assert isinstance(reply, RewardStats), reply
         return reply
-
-
-async def attach_reward(fleet: Any, config: TrainerConfig, url: str) -> RewardControl:
-    """Give ``fleet`` (a :class:`~rlfleet.controller.fleet.Fleet`) its reward tier; wait for a shared one."""
-    control = await RewardControl.connect(config, fleet.transport, fleet.cluster, fleet.registry, url)
-    fleet.reward = control
-    if control.remote:
-        try:
-            await control.wait_ready(config.startup_timeout_s)
-        except TimeoutError as exc:
-            detail = f"the shared reward server at {mask_url(config.reward_url or '')} did not answer: {exc}"
-            raise TierNotReady(config.startup_timeout_s, [], detail) from None
-    return control
 
 
 def model_swap(new_rm: Any, component: str | None) -> dict[str, Any]:
@@ -290,58 +310,3 @@ def model_swap(new_rm: Any, component: str | None) -> dict[str, Any]:
     if component is not None:
         raise RewardFnNotPortable(new_rm, "component= only applies when new_rm is a model directory")
     return describe_reward_fn(new_rm)
-
-
-class RunReward:
-    """The reward a run scores with, as it changes: the spec in force and the one it started with,
-    hot swaps, statistics, and what a checkpoint keeps of it. Each call takes the run's
-    :class:`RewardControl` (the reward tier it is connected to)."""
-
-    def __init__(self, spec: str | dict[str, Any] | None, endpoint: str) -> None:
-        self.spec = spec
-        self.initial_spec = spec  # spec follows set_reward_fn; a resume compares the two
-        self.endpoint = endpoint
-        self.model: dict[str, Any] | None = None  # the last update_reward_model(dir) on top of spec
-
-    async def switch(self, control: RewardControl, wire: Mapping[str, Any]) -> RewardSpecSet:
-        """Send ``wire`` (from :func:`describe_reward_fn` or :func:`model_swap`) to every reward worker."""
-        done = await control.set_reward(wire, self.endpoint)
-        if "spec" in wire:
-            self.spec, self.model = wire["spec"], None  # a new spec replaces any swapped model
-        if wire.get("model_path") is not None:
-            self.model = {"model_path": wire["model_path"], "component": wire.get("component")}
-        return done
-
-    async def stats(self, control: RewardControl) -> RewardStats:
-        """This run's view of its reward endpoint (version, counts, scaler state)."""
-        return await control.stats(self.endpoint)
-
-    async def checkpoint_state(self, control: RewardControl) -> dict[str, Any]:
-        """What a checkpoint keeps: the spec in force, the starting one, the reward model swapped
-        in on top of it (``update_reward_model(dir)``), and the endpoint's ``RewardScaler`` options
-        and running statistics when one is set."""
-        stats = (await self.stats(control)).endpoints.get(self.endpoint)
-        scaler = None
-        if stats is not None and stats.scaler is not None:
-            scaler = {"scaler": stats.scaler, "scaler_state": stats.scaler_state}
-        return {"reward_spec": self.spec, "initial_reward_spec": self.initial_spec,
-                "reward_model": self.model, "reward_scaler": scaler}  # fmt: skip
-
-    async def restore(self, control: RewardControl, state: dict[str, Any]) -> None:
-        """Re-apply the checkpoint's reward where the resumed run should continue with it: a spec
-        switched mid-run (:func:`~rlfleet.controller.checkpoints.reward_to_restore`), a reward model
-        swapped in, and a ``RewardScaler``'s options and running statistics. A run resumed with a
-        reward of its own (neither the checkpoint's starting one nor the one in force) keeps it."""
-        restore = reward_to_restore(state, self.spec)
-        scaler = state.get("reward_scaler")
-        in_force = state.get("reward_spec")
-        model = state.get("reward_model")
-        if restore is None and ((scaler is None and model is None) or self.spec != in_force):
-            return
-        logger.info("re-applying the checkpoint's reward %r%s%s", in_force,
-                    " with its scaler" if scaler else "",
-                    f", reward model {model['model_path']}" if model else "")  # fmt: skip
-        await self.switch(control, {"spec": in_force, **(scaler or {})})
-        if model is not None:  # on top of the spec; scaler None keeps the statistics just restored
-            swap = {"model_path": model["model_path"], "component": model.get("component")}
-            await self.switch(control, swap)

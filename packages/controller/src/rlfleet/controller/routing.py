@@ -57,29 +57,15 @@ class Response:
     texts: str | Sequence[str]
 
 
-def import_rollout_fn(name: str) -> RolloutFn:
+def import_rollout_fn(name: str, python_path: Sequence[str] = ()) -> RolloutFn:
     """The function ``package.module:function`` names (a job file's ``rollout_fn``), or a ConfigError.
 
-    The working directory is searched too, as ``python -m`` would.
+    The working directory and ``python_path`` (the job file's folder, with ``rlfleet train``) are
+    searched too (:mod:`rlfleet.controller.user_code`).
     """
-    import importlib
-    import os
-    import sys
+    from rlfleet.controller.user_code import import_user_function
 
-    from rlfleet.common.errors import ConfigError
-
-    module, _, attr = name.partition(":")
-    if not module or not attr:
-        raise ConfigError("rollout_fn", name, "expected 'package.module:function'")
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError("rollout_fn", name, f"cannot import it ({exc})") from None
-    if not callable(fn):
-        raise ConfigError("rollout_fn", name, f"{type(fn).__name__} is not callable")
-    return fn
+    return import_user_function(name, "rollout_fn", python_path)
 
 
 @dataclass

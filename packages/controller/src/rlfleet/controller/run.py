@@ -43,9 +43,9 @@ from rlfleet.controller.launcher_settings import build_launcher
 from rlfleet.controller.loggers import RunMetrics
 from rlfleet.controller.models import resolve_model
 from rlfleet.controller.own_store import OwnStore
-from rlfleet.controller.reward_control import RunReward, attach_reward
 from rlfleet.controller.rollout_scaling import scale_due
 from rlfleet.controller.run_eval import RunEval
+from rlfleet.controller.run_reward import RunReward, attach_reward
 from rlfleet.controller.run_tokenizer import load_run_tokenizer
 from rlfleet.controller.step_program import KLController, StepProgram, StepResult
 from rlfleet.controller.supervision import GuardedLoop, SupervisedFleet, Supervisor
@@ -60,7 +60,7 @@ class FleetRun:
 
     def __init__(
         self, model_name: str, dataset: PromptDataset, config: TrainerConfig, *, kl_controller: KLController,
-        reward: str | dict[str, Any] | None = None, critic_model_name: str | None = None,
+        reward: Any = None, critic_model_name: str | None = None,
     ) -> None:  # fmt: skip
         self.config = config
         self.output_dir = Path(config.output_dir)
@@ -72,7 +72,7 @@ class FleetRun:
         """Whether the run generates and scores (rollout and reward tiers); False for DPO."""
         self.kl_controller = kl_controller
         """The KL coefficient of each step (built from the config's KL fields by the trainer)."""
-        self.reward = RunReward(reward, config.reward_endpoint) if spec.online else None
+        self.reward = RunReward.of(reward, config) if spec.online else None
         self.global_step = 0
         self.weight_version = 0
         self.epoch = 0
@@ -133,7 +133,7 @@ class FleetRun:
 
     def worker_specs(self) -> list[WorkerSpec]:
         """The processes an embedded run starts, each with its validated worker config."""
-        spec = self.reward.spec if self.reward is not None else None
+        spec = self.reward.worker_spec if self.reward is not None else None
         critic = self.critic_path if ALGORITHMS[self.config.algorithm].needs_critic else None
         return worker_specs(self.config, self.model_path, self.cluster, online=self.online, reward_spec=spec,
                             critic_path=critic)  # fmt: skip
@@ -207,13 +207,13 @@ class FleetRun:
         self.watchdog.attach(fleet.registry)
         await fleet.start()
         self._fleet = fleet
-        counts = tier_counts(cfg, self.online)
+        counts = tier_counts(cfg, self.online, self.reward is not None and self.reward.python is None)
         try:
             await fleet.wait_ready(counts, cfg.startup_timeout_s)
         except TimeoutError as exc:
             raise self.not_ready(fleet, str(exc)) from None
         if self.online:
-            await attach_reward(fleet, cfg, url)  # the run's own reward tier, or reward_url's
+            await attach_reward(fleet, cfg, url, self)  # the run's own reward tier, or reward_url's
         await fleet.configure_trainer(self.trainer_configure())
         if cfg.nats_url is None:
             logger.info("fleet ready: %s; rollout workers join with: rlfleet-rollout serve --config %s "

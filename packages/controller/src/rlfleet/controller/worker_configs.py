@@ -9,6 +9,7 @@ run refuses to start. The reward worker's config is the endpoint table of its ow
 
 from __future__ import annotations
 
+import logging
 import uuid
 from pathlib import Path
 from typing import Any
@@ -19,16 +20,19 @@ from rlfleet.common.schema.worker import Placement, TensorPlaneSettings
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.launcher import WorkerSpec, trainer_rank_specs
 
+logger = logging.getLogger(__name__)
+
 TRAINER_ID = "trainer-0"
 REWARD_ID = "reward-0"
 
 
-def tier_counts(config: TrainerConfig, online: bool) -> dict[str, int]:
+def tier_counts(config: TrainerConfig, online: bool, reward_worker: bool = True) -> dict[str, int]:
     """Workers each tier must announce before the run starts (a shared reward server is waited for
-    on its own; an offline run has only a trainer)."""
+    on its own; a run whose reward is a Python callable needs no reward worker, ``reward_worker``
+    False; an offline run has only a trainer)."""
     if not online:
         return {"trainer": 1}
-    reward = 0 if config.reward_url else 1
+    reward = 0 if config.reward_url or not reward_worker else 1
     return {"rollout": sum(config.pool_sizes().values()), "reward": reward, "trainer": 1}
 
 
@@ -95,14 +99,28 @@ def worker_specs(
     critic_path: Path | None = None,
 ) -> list[WorkerSpec]:  # fmt: skip
     """Every process an embedded run starts: the trainer ranks, then (online runs) the reward worker,
-    unless scores go to a shared server (``reward_url``), and the rollout workers."""
+    unless scores go to a shared server (``reward_url``) or the controller scores them (no
+    ``reward_spec``: a Python reward), and the rollout workers."""
     trainer = trainer_worker_config(config, model_path, cluster, critic_path)
     specs = trainer_rank_specs(trainer, config.num_train_workers, TRAINER_ID)
     if not online:
         return specs
-    if not config.reward_url:
+    if not config.reward_url and reward_spec is not None:
         specs.append(WorkerSpec("reward", REWARD_ID, reward_worker_config(config, cluster, reward_spec)))
     specs += [
         WorkerSpec("rollout", w.worker_id, w) for w in rollout_worker_configs(config, model_path, cluster)
     ]
     return specs
+
+
+async def start_reward_worker(run: Any, spec: Any) -> None:
+    """Start the reward worker of ``run`` (a :class:`~rlfleet.controller.run.FleetRun` that began
+    with a Python reward, so has none) serving ``spec``, and wait until it announces."""
+    config = run.config
+    worker = WorkerSpec("reward", REWARD_ID, reward_worker_config(config, run.cluster, spec))
+    run.launcher.spawn(worker)
+    logger.info("started the run's reward worker for %r", spec)
+    try:
+        await run.fleet.registry.wait_for("reward", 1, config.startup_timeout_s)
+    except TimeoutError as exc:
+        raise run.not_ready(run.fleet, str(exc)) from None
