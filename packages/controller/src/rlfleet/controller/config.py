@@ -315,7 +315,11 @@ class TrainerConfig(
 class DataConfig(ConfigModel):
     """Where prompts come from (their length limit is the run's ``max_prompt_length``)."""
 
-    path: str = Field(description="JSONL, CSV or Parquet file of prompts")
+    path: str = Field(
+        description="JSONL, CSV or Parquet file of prompts, or a Hugging Face datasets source "
+        "'hf:NAME?split=...&subset=...' (a Hub dataset, a save_to_disk folder, a data file or folder; needs "
+        "rlfleet-controller[datasets]; see rlfleet.controller.hf_datasets)"
+    )
     prompt_key: str = Field(default="prompt", description="column holding the prompt (text or chat messages)")
     chosen_key: str = Field(default="chosen", description="DPO: column holding the preferred response")
     rejected_key: str = Field(default="rejected", description="DPO: column holding the dispreferred response")

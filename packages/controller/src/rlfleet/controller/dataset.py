@@ -1,4 +1,5 @@
-"""Prompt datasets for RL: read a JSONL/CSV/Parquet file, render and tokenize prompts, serve seeded batches.
+"""Prompt datasets for RL: read a JSONL/CSV/Parquet file (or an ``hf:`` dataset), render and tokenize
+prompts, serve seeded batches.
 
 The user builds a ``PromptDataset`` before the model is known; the trainer then binds the actor's
 tokenizer (``bind_tokenizer``), which renders each prompt (chat template when the tokenizer has
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from rlfleet.controller.dataset_files import Message, Prompt, read_records
 from rlfleet.controller.errors import DatasetError
+from rlfleet.controller.hf_datasets import is_hf_source, read_hf_records
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -111,7 +113,9 @@ class PromptDataset:
     # --- reading ------------------------------------------------------------------------------
 
     def _load_rows(self) -> list[_Row]:
-        records = read_records(self.data_path, self.prompt_key)
+        source = str(self.data_path)  # hf: paths go through Hugging Face datasets (hf_datasets.py)
+        records = read_hf_records(source, self.prompt_key) if is_hf_source(source) else read_records(
+            self.data_path, self.prompt_key)  # fmt: skip
         if not records:
             raise DatasetError(self.data_path, "holds no rows")
         rows = []
