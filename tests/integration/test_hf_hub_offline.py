@@ -1,7 +1,7 @@
 """Hugging Face Hub model ids, offline: a model placed in a temporary Hugging Face cache (the real
 ``models--org--name/snapshots/<commit>`` layout, checked by ``huggingface_hub.scan_cache_dir``)
-resolves to its snapshot and trains by its id through ``rlfleet train``; an id the cache lacks
-is a one-line error (exit 2) while ``HF_HUB_OFFLINE`` is set."""
+resolves to its snapshot, trains by its id through ``rlfleet train`` and scores as a reward model
+named by its id; an id the cache lacks is a one-line error (exit 2) while ``HF_HUB_OFFLINE`` is set."""
 
 from __future__ import annotations
 
@@ -57,6 +57,20 @@ def test_an_uncached_hub_id_offline_says_so(offline_cache) -> None:
         assert str(cache.root) in message
     with pytest.raises(ModelNotFound, match="no such directory"):
         resolve_model("./not/a/dir")  # a path, never looked up as a Hub id
+
+
+@pytest.mark.timeout(120)
+def test_a_reward_model_named_by_hub_id_loads_from_the_cache(offline_cache) -> None:
+    from rlfleet.reward import build_reward
+    from rlfleet.reward.errors import RewardModelError
+
+    reward = build_reward(f"rm:path={REPO_ID},device=cpu,input=pair,label=1")  # the tiny LM + a score head
+    scores = reward.score(["1+1?", "2+2?"], ["2", "4"]).total
+    assert len(scores) == 2 and all(isinstance(score, float) for score in scores)
+    with pytest.raises(
+        RewardModelError, match="not in the local Hugging Face cache .* HF_HUB_OFFLINE is set"
+    ):
+        build_reward("rm:path=rlfleet-test/absent-rm,device=cpu")
 
 
 def _train(venv_script, env: dict[str, str], *overrides: str) -> subprocess.CompletedProcess[str]:

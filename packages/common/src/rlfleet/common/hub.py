@@ -113,5 +113,5 @@ def _download(repo_id: str, revision: str | None, cache: Path) -> Path:
         raise HubModelNotFound(
             where,
             f"it is not in the local Hugging Face cache ({cache}) and downloading it failed: "
-            f"{type(exc).__name__}: {exc}",
+            f"{type(exc).__name__}: {' '.join(str(exc).split())}",  # one line
         ) from exc

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from rlfleet.controller.dataset_files import Message, Prompt, read_records
 from rlfleet.controller.errors import DatasetError
 from rlfleet.controller.hf_datasets import is_hf_source, read_hf_records
+from rlfleet.controller.run_tokenizer import load_run_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -157,10 +158,8 @@ class PromptDataset:
 
         Applies the overlong policy; ``len()`` may shrink. Binding again re-renders from the rows.
         """
-        if isinstance(tokenizer, str | os.PathLike):
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(os.fspath(tokenizer))
+        if isinstance(tokenizer, str | os.PathLike):  # as a run loads it (its code not trusted)
+            tokenizer = load_run_tokenizer(tokenizer)
         use_template = self.apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
         chunks = _split(self._rows, max(1, self.num_workers) * 4)
         if self.num_workers <= 1:

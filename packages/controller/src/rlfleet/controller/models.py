@@ -88,7 +88,7 @@ def resolve_model(
         try:
             return resolve_hub_model(text)
         except HubModelNotFound as exc:
-            raise ModelNotFound(text, f"no such local directory; as a Hub id: {exc.reason}") from exc
+            raise ModelNotFound(text, f"no such directory; as a Hub id: {exc.reason}") from exc
     raise ModelNotFound(text, f"no such directory {path.resolve()} and not a built-in model name")
 
 
