@@ -1,0 +1,88 @@
+"""The example jobs beyond GRPO, each run as ``rlfleet train examples/<job>.yaml`` through real processes.
+
+Each CLI runs as a subprocess from the repository root (as the jobs' comments say) and starts a
+private nats-server plus trainer, reward and rollout workers. ``tiny_rloo`` and
+``tiny_reinforce_pp``: the reward rises over a dozen steps (the policy learns to answer with
+digits) and each algorithm's KL lands where it belongs (RLOO's example runs without one;
+REINFORCE++ puts k1 into the token rewards). ``tiny_ppo_rm``: the reward is the committed tiny
+reward model's score (``reward/rm``, a model endpoint on the reward tier), the critic trains and
+the model's reward rises. ``gsm8k_numeric``: both components of its spec score every rollout,
+``numeric`` reading each generated problem's ``answer``. Every process a run started is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _train(
+    job: str, out: Path, steps: int, venv_script: Any, cli_env: dict[str, str], procs: Any
+) -> list[dict]:
+    """Run ``examples/<job>.yaml`` for ``steps`` steps, check that it ended well; its metrics rows."""
+    overrides = [f"max_steps={steps}", f"output_dir={out}", "log_every=4", "sample_table_size=0"]
+    command = [venv_script("rlfleet"), "train", str(REPO / "examples" / f"{job}.yaml"), *overrides]
+    run = subprocess.run(command, cwd=REPO, env=cli_env, capture_output=True, text=True, timeout=450)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "[PROGRESS]" in run.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    assert [row["weight_version"] for row in rows] == list(range(1, steps + 1)), "one publish per step"
+    assert (out / "final" / "config.json").is_file()
+    workers = procs.launched(out)
+    assert {"trainer-0", "reward-0", "rollout-0"} <= workers.keys()
+    assert procs.survivors(workers) == []
+    return rows
+
+
+def _assert_reward_rises(rows: list[dict]) -> None:
+    rewards = [row["reward/mean"] for row in rows]
+    assert statistics.fmean(rewards[-3:]) > statistics.fmean(rewards[:3]) + 0.1, f"no rise: {rewards}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("algorithm", ["rloo", "reinforce_pp"])
+def test_tiny_example_raises_the_reward(
+    algorithm: str, tmp_path: Path, venv_script, cli_env, tiny_model_dir, procs
+) -> None:
+    rows = _train(f"tiny_{algorithm}", tmp_path / algorithm, 12, venv_script, cli_env, procs)
+    _assert_reward_rises(rows)
+    assert rows[-1]["reward/charset"] == pytest.approx(rows[-1]["reward/mean"])
+    if algorithm == "rloo":  # kl_coef 0: no reference, no KL anywhere
+        assert "kl" not in rows[-1] and "kl_reward" not in rows[-1]
+    else:
+        assert rows[-1]["kl"] > 0 and "kl_reward" in rows[-1] and "kl_loss" not in rows[-1]
+    assert "critic/vf_loss" not in rows[-1]  # neither trains a critic
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_tiny_ppo_with_a_reward_model_trains(
+    tmp_path: Path, venv_script, cli_env, tiny_model_dir, procs
+) -> None:
+    rows = _train("tiny_ppo_rm", tmp_path / "ppo_rm", 12, venv_script, cli_env, procs)
+    assert all(row["reward/rm"] == pytest.approx(row["reward/mean"]) for row in rows)
+    assert all(-0.5 < row["reward/mean"] < 1.5 for row in rows)  # the model's scores lie near [0, 1]
+    for key in ("critic/vf_loss", "critic/explained_variance", "kl_reward", "clip_frac"):
+        assert all(key in row for row in rows), key
+    _assert_reward_rises(rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_gsm8k_numeric_example_scores_its_answers(
+    tmp_path: Path, venv_script, cli_env, tiny_model_dir, procs
+) -> None:
+    for row in _train("gsm8k_numeric", tmp_path / "gsm8k", 2, venv_script, cli_env, procs):
+        numeric, regex = row["reward/numeric"], row["reward/regex"]
+        assert 0.0 <= numeric <= 1.0 and 0.0 <= regex <= 1.0, row
+        assert row["reward/mean"] == pytest.approx(numeric + 0.1 * regex)
+        assert row["rollout/samples"] == 32  # 8 problems x 4 samples, all scored
