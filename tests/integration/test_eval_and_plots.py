@@ -1,9 +1,10 @@
 """``rlfleet eval``, ``rlfleet plot`` and a tiny GRPO run's held-out eval, through the console script.
 
-One tiny GRPO run (examples/tiny_grpo.yaml, 4 steps, a checkpoint every 2, a held-out eval every 2)
-is shared by the tests of this module: its eval files and plots, ``rlfleet eval`` on it and on
-``tiny:digits``, and ``rlfleet plot`` on it and overlaid with a second run. Every number checked
-is recomputed from the answers the JSON holds. Bad input exits with code 2 and one line naming it.
+One tiny GRPO run (examples/tiny_grpo.yaml, 4 steps, a checkpoint every 2, a held-out eval every 2
+answering up to eval_max_tokens=20 new tokens while training responses stop at 12) is shared by the
+tests of this module: its eval files and plots, ``rlfleet eval`` on it and on ``tiny:digits``, and
+``rlfleet plot`` on it and overlaid with a second run. Every number checked is recomputed from the
+answers the JSON holds. Bad input exits with code 2 and one line naming it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny_grpo.yaml"
+REWARD = "charset:allowed=0123456789"
+"""The example's reward spec: eval.jsonl names the run's reward by it."""
+RESPONSE_TOKENS, EVAL_TOKENS = 12, 20
+"""The example's max_response_length, and the run's eval_max_tokens (held-out answers only)."""
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -46,6 +51,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory, rlfleet_cache: Path, venv
         "save_every=2",
         "eval_every=2",
         f"eval_data={held}",
+        f"eval_max_tokens={EVAL_TOKENS}",
+        f"max_response_length={RESPONSE_TOKENS}",
         f"output_dir={out}",
         "log_every=1",
     ]
@@ -89,7 +96,10 @@ def test_a_run_evaluates_held_out_prompts_and_draws_plots(tiny_run: dict[str, An
         assert len(record["rows"]) == 8
         _check_summary(record["summary"], record["rows"], 50)
         charset = [_digit_share(r["answer"]) for r in record["rows"]]
-        assert record["summary"]["rewards"]["reward"] == pytest.approx(statistics.fmean(charset))
+        assert record["summary"]["rewards"] == {REWARD: pytest.approx(statistics.fmean(charset))}
+        assert all(r["tokens"] <= EVAL_TOKENS and r["prompt_tokens"] > 0 for r in record["rows"])
+    # held-out answers run past the training responses' length (the random-init model rarely stops)
+    assert max(r["tokens"] for r in records[0]["rows"]) > RESPONSE_TOKENS
     saved = json.loads((out / "eval.json").read_text())
     assert saved["before"] == records[0]["summary"] and saved["after"] == records[-1]["summary"]
     assert "held-out eval before" in tiny_run["stdout"] and "- after:" in tiny_run["stdout"]
@@ -119,9 +129,9 @@ def test_rlfleet_eval_on_a_tiny_model_and_a_run_dir(
         "--data",
         str(tiny_run["held"]),
         "--reward",
-        "charset:allowed=0123456789",
+        REWARD,
         "--max-new-tokens",
-        "12",
+        str(EVAL_TOKENS),
         "--limit-words",
         "1",
         "--out",
@@ -135,7 +145,7 @@ def test_rlfleet_eval_on_a_tiny_model_and_a_run_dir(
     assert table[0].split()[:6] == ["MODEL", "ANSWERS", "WORDS", "TOKENS", "<=1W", "RELEVANCE"]
     for model in data["models"]:
         rows, summary = model["rows"], model["summary"]
-        assert len(rows) == 8 and all(r["tokens"] <= 12 for r in rows)
+        assert len(rows) == 8 and all(r["tokens"] <= EVAL_TOKENS for r in rows)
         _check_summary(summary, rows, 1)
         line = next(line for line in table if line.split()[0] == model["model"])
         assert (

@@ -237,17 +237,18 @@ class TrainerConfig(
 
     @model_validator(mode="after")
     def _check_lengths(self) -> TrainerConfig:
-        longest = self.max_prompt_length + self.max_response_length
+        answers = {"max_response_length": self.max_response_length}
+        if self.eval_data is not None:  # held-out answers run to eval_max_tokens on the same pools
+            answers["eval_max_tokens"] = self.eval_max_tokens
         for name, (_, settings) in self.pools().items():
-            if longest > settings.max_cache_len:
-                where = (
-                    f"rollout_pools.{name}.max_cache_len" if self.rollout_pools else "rollout.max_cache_len"
-                )
-                raise ValueError(
-                    f"max_prompt_length ({self.max_prompt_length}) + max_response_length "
-                    f"({self.max_response_length}) exceeds {where} ({settings.max_cache_len}); raise "
-                    "it or shorten prompts/responses (longer requests are refused)"
-                )
+            where = f"rollout_pools.{name}.max_cache_len" if self.rollout_pools else "rollout.max_cache_len"
+            for field, tokens in answers.items():
+                if self.max_prompt_length + tokens > settings.max_cache_len:
+                    raise ValueError(
+                        f"max_prompt_length ({self.max_prompt_length}) + {field} ({tokens}) exceeds {where} "
+                        f"({settings.max_cache_len}); raise it or lower max_prompt_length or {field} "
+                        "(longer requests are refused)"
+                    )
         return self
 
     @model_validator(mode="after")

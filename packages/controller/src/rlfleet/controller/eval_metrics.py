@@ -38,6 +38,8 @@ class EvalRow:
     words: int
     tokens: int
     within_limit: bool
+    prompt_tokens: int | None = None
+    """Tokens of the prompt the model saw (chat template and system prompt included)."""
     relevance: float | None = None
     correct: bool | None = None
     """Whether the final number equals the prompt's ``answer`` (answer-checked prompts only)."""

@@ -1,7 +1,9 @@
-"""A run's held-out evaluation settings (issue 14): ``eval_data``, ``eval_every``, ``eval_limit_words``.
+"""A run's held-out evaluation settings (issue 14): ``eval_data``, ``eval_every``, ``eval_limit_words``,
+``eval_max_tokens``.
 
-With ``eval_data`` the run answers every prompt of that file greedily through its own rollout tier
-before the first step, every ``eval_every`` steps and at the end, measures the answers
+With ``eval_data`` the run answers every prompt of that file greedily (up to ``eval_max_tokens`` new
+tokens, however long the run's training responses are) through its own rollout tier before the
+first step, every ``eval_every`` steps and at the end, measures the answers
 (:mod:`rlfleet.controller.run_eval`) and takes its before/after table from them.
 """
 
@@ -30,6 +32,13 @@ class EvalSettings(ConfigModel):
         default=50,
         ge=1,
         description="word limit of the held-out 'within limit' share (answers at or under it)",
+    )
+    eval_max_tokens: int = Field(
+        default=128,
+        ge=1,
+        description="longest held-out answer in new tokens (the held-out answers and the before/after table "
+        "drawn from them; training responses keep max_response_length); max_prompt_length plus this must "
+        "fit every rollout pool's max_cache_len",
     )
 
     @model_validator(mode="after")

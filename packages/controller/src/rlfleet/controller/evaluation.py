@@ -2,13 +2,18 @@
 
 ::
 
-    rlfleet eval MODEL [MODEL ...] --data FILE [--reward SPEC ...] [--max-new-tokens 128]
+    rlfleet eval MODEL [MODEL ...] --data FILE [--split NAME] [--reward SPEC ...] [--max-new-tokens 128]
                  [--greedy | --temperature T --samples K] [--limit-words 50] [--out results.json]
+                 [--chat-template TEXT_OR_FILE] [--trust-remote-code]
 
 A MODEL is a model folder, a built-in name (``smollm2``, ``tiny:<name>``) or anything else
 :func:`~rlfleet.controller.models.resolve_model` takes, or a run's ``output_dir`` (each
 ``checkpoint-<step>/hf`` in step order, then ``final``). Prompts are read and rendered (chat
-template, system prompt) by :class:`~rlfleet.controller.dataset.PromptDataset`, as a run reads them.
+template, system prompt) by :class:`~rlfleet.controller.dataset.PromptDataset`, as a run reads them;
+``--split`` reads ``--data`` through Hugging Face ``datasets`` (an ``hf:`` data path, see
+:mod:`~rlfleet.controller.hf_datasets`; a local file or folder of split files becomes one). Each
+model's tokenizer is loaded as a run loads it (:func:`~rlfleet.controller.run_tokenizer.load_run_tokenizer`:
+``--chat-template`` replaces its template, ``--trust-remote-code`` lets a folder's own code run).
 
 Design: generation runs here, in-process, with Hugging Face transformers (prompts batched with left
 padding; greedy unless ``--temperature``/``--samples``); lengths are measured here; everything that
@@ -32,8 +37,11 @@ from typing import TYPE_CHECKING, Any
 
 from rlfleet.common.atomic_files import write_atomic
 from rlfleet.common.errors import ConfigError
+from rlfleet.common.remote_code import refused_remote_code, remote_code_reason
 from rlfleet.controller.dataset import PromptDataset, PromptItem
 from rlfleet.controller.eval_metrics import CORRECT, RELEVANCE, EvalRow, make_row, render_table, summarize
+from rlfleet.controller.hf_datasets import HF_PREFIX, is_hf_source
+from rlfleet.controller.run_tokenizer import load_run_tokenizer
 
 if TYPE_CHECKING:
     from rlfleet.controller.eval_scoring import EvalRewardTier
@@ -48,7 +56,8 @@ class EvalOptions:
     """What ``rlfleet eval`` was asked (its flags)."""
 
     models: list[str]
-    data: Path
+    data: str | Path
+    """A prompt file or an ``hf:`` data path."""
     rewards: list[str] = field(default_factory=list)
     split: str | None = None
     max_new_tokens: int = 128
@@ -60,6 +69,9 @@ class EvalOptions:
     prompt_key: str = "prompt"
     system_prompt: str | None = None
     seed: int = 0
+    chat_template: str | None = None
+    """A Jinja template, or the path of a .jinja file, replacing each model's own."""
+    trust_remote_code: bool = False
 
     def check(self) -> None:
         """Raise ConfigError naming the flag that is out of range."""
@@ -97,12 +109,52 @@ def model_targets(spec: str) -> list[tuple[str, str]]:
     return found or [(spec, spec)]  # not a run either: resolve_model names the problem
 
 
+def prompt_source(options: EvalOptions) -> str:
+    """The data path to read: ``--data`` as given, or with ``--split`` one read through ``datasets``
+    (an ``hf:`` path takes the split as its option; a local file or folder becomes ``hf:PATH?split=``)."""
+    data = str(options.data)
+    if options.split is None:
+        return data
+    if not is_hf_source(data):
+        return f"{HF_PREFIX}{data}?split={options.split}"
+    query = data.partition("?")[2]
+    if any(pair.partition("=")[0] == "split" for pair in query.split("&")):
+        raise ConfigError("--split", options.split, f"{data} names its split already; give only one of them")
+    return f"{data}{'' if data.endswith(('?', '&')) else '&' if '?' in data else '?'}split={options.split}"
+
+
 def load_prompts(options: EvalOptions) -> PromptDataset:
-    """The prompt file, read as a run reads it (not shuffled; rendered once a tokenizer is bound)."""
-    if options.split is not None:
-        raise ConfigError("--split", options.split, "prompt files have no splits; give the split's own file")
-    return PromptDataset(options.data, max_prompt_length=1 << 20, prompt_key=options.prompt_key,
+    """The prompts, read as a run reads them (not shuffled; rendered once a tokenizer is bound)."""
+    return PromptDataset(prompt_source(options), max_prompt_length=1 << 20, prompt_key=options.prompt_key,
                          seed=options.seed, shuffle=False, system_prompt=options.system_prompt)  # fmt: skip
+
+
+def _as_flag(exc: ConfigError) -> ConfigError:
+    """A run setting's error (``chat_template``, ``trust_remote_code``) named by its ``rlfleet eval`` flag."""
+    return ConfigError(f"--{exc.path.replace('_', '-')}", exc.value, exc.reason)
+
+
+def load_model(model_dir: Path, options: EvalOptions) -> tuple[Any, Any]:
+    """(tokenizer, model) of ``model_dir``, loaded as a run loads them (with the two flags above)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    trust = options.trust_remote_code
+    try:
+        tokenizer = load_run_tokenizer(
+            model_dir, trust_remote_code=trust, chat_template=options.chat_template
+        )
+    except ConfigError as exc:
+        raise _as_flag(exc) from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32, trust_remote_code=trust
+        )
+    except ValueError as exc:
+        if refused_remote_code(exc):
+            raise ConfigError("--trust-remote-code", False, remote_code_reason(model_dir)) from None
+        raise
+    return tokenizer, model.eval()
 
 
 def generate(
@@ -111,14 +163,12 @@ def generate(
     """Greedy (or sampled) answers of the model in ``model_dir``: per prompt, ``samples`` (text,
     generated tokens before EOS). Prompts go in batches of ``batch_size``, left-padded."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlfleet.common.schema.batch import pad_left
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer, model = load_model(model_dir, options)
     dataset.bind_tokenizer(tokenizer)
     items = [dataset[i] for i in range(len(dataset))][: options.max_prompts]
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
     sampled = options.temperature > 0
@@ -208,13 +258,16 @@ async def evaluate(options: EvalOptions) -> dict[str, Any]:
             rows = [make_row(item.index, question_text(item), s, text, tokens, options.limit_words)
                     for item, group in zip(got.items, got.answers, strict=True)
                     for s, (text, tokens) in enumerate(group)]  # fmt: skip
+            prompt_tokens = {item.index: len(item.token_ids or []) for item in got.items}
+            for row in rows:
+                row.prompt_tokens = prompt_tokens[row.index]
             texts = [[text for text, _ in group] for group in got.answers]
             await score_rows(tier, options.rewards, got.items, texts, rows, got.tokenizer)
             summary = summarize(rows, options.limit_words)
             results.append({"model": got.label, "path": str(got.path), "summary": summary,
                             "rows": [r.to_json() for r in rows]})  # fmt: skip
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(options).items() if k != "models"}
-    return {"data": str(options.data), "settings": settings, "models": results}
+    return {"data": dataset.data_path.as_posix(), "settings": settings, "models": results}
 
 
 def add_eval_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -228,9 +281,20 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="model folder, 'smollm2', 'tiny:<name>' or a run's output_dir",
     )
     p.add_argument(
-        "--data", type=Path, required=True, help="prompt file (JSONL/CSV/Parquet with a prompt column)"
+        "--data",
+        required=True,
+        help="prompt file (JSONL/CSV/Parquet with a prompt column), a folder of split files or an hf: path",
     )
-    p.add_argument("--split", default=None, help="dataset split (for dataset sources that have splits)")
+    p.add_argument(
+        "--split", default=None, help="split to read through Hugging Face datasets (e.g. test, train[:10%%])"
+    )
+    p.add_argument(
+        "--chat-template", default=None, metavar="TEXT_OR_FILE",
+        help="Jinja chat template (text or a .jinja file) replacing each model's own",
+    )  # fmt: skip
+    p.add_argument(
+        "--trust-remote-code", action="store_true", help="let model folders run their own code (auto_map)"
+    )
     p.add_argument(
         "--reward", action="append", default=[], metavar="SPEC", help="reward spec to score with (repeatable)"
     )
@@ -259,6 +323,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, samples=args.samples,
         limit_words=args.limit_words, max_prompts=args.max_prompts, batch_size=args.batch_size,
         prompt_key=args.prompt_key, system_prompt=args.system_prompt, seed=args.seed,
+        chat_template=args.chat_template, trust_remote_code=args.trust_remote_code,
     )  # fmt: skip
     result = asyncio.run(evaluate(options))
     labels = [m["model"] for m in result["models"]]

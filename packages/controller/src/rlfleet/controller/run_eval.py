@@ -1,7 +1,8 @@
 """A run's held-out evaluation and its before/after table (``eval_data``, ``eval_every``).
 
 Before the first step, every ``eval_every`` steps and at the end the run answers its held-out
-prompts greedily through its own rollout tier and scores them on its reward tier
+prompts greedily (up to ``eval_max_tokens`` new tokens) through its own rollout tier and scores
+them on its reward tier, under the reward's spec text
 (:class:`~rlfleet.controller.samples.SampleTable` does both); lengths are measured from the
 answers, and relevance (MiniLM cosine of question and answer) and, for prompts with an ``answer``,
 the ``numeric`` answer check come from an extra endpoint of the run's own reward worker
@@ -32,6 +33,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def reward_name(spec: Any) -> str:
+    """How eval.jsonl and eval.json name the run's reward: its spec text (a dict spec as JSON, a
+    Python reward by its name); ``reward`` when the run has none."""
+    if spec is None:
+        return "reward"
+    return spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True, default=str)
+
+
 class RunEval:
     """The held-out evaluations of ``run`` (or just its sample table, without ``eval_data``)."""
 
@@ -52,7 +61,10 @@ class RunEval:
                 tokenizer=run.tokenizer,
             )
             self.table = SampleTable(
-                [heldout[i] for i in range(len(heldout))], cfg, shown=cfg.sample_table_size
+                [heldout[i] for i in range(len(heldout))],
+                cfg,
+                shown=cfg.sample_table_size,
+                max_tokens=cfg.eval_max_tokens,
             )
         else:
             self.table = SampleTable(run.dataset.sample_items(cfg.sample_table_size), cfg)
@@ -75,11 +87,12 @@ class RunEval:
         rows = await self.table.capture(label, run.fleet, run.weight_version, run.store)
         if not self.heldout:
             return
-        limit = run.config.eval_limit_words
+        limit, name = run.config.eval_limit_words, reward_name(run.reward.spec if run.reward else None)
         evals = []
         for item, row in zip(self.table.items, rows, strict=True):
             got = make_row(item.index, row["prompt"], 0, row["answer"], row["tokens"], limit)
-            got.rewards, got.components = {"reward": row["reward"]}, {"reward": row["components"]}
+            got.rewards, got.components = {name: row["reward"]}, {name: row["components"]}
+            got.prompt_tokens = len(item.token_ids or [])
             evals.append(got)
         await self._measure(evals)
         self._record(label, evals)

@@ -27,12 +27,20 @@ class RunStore(Protocol):
 
 
 class SampleTable:
-    """Greedy answers of the current policy to ``items``, captured under labels; the table shows
-    ``shown`` of them (picked by the seed alone; None: all)."""
+    """Greedy answers of the current policy to ``items`` (at most ``max_tokens`` new tokens each;
+    None: the run's ``max_response_length``), captured under labels; the table shows ``shown`` of
+    them (picked by the seed alone; None: all)."""
 
-    def __init__(self, items: list[PromptItem], config: TrainerConfig, shown: int | None = None) -> None:
+    def __init__(
+        self,
+        items: list[PromptItem],
+        config: TrainerConfig,
+        shown: int | None = None,
+        max_tokens: int | None = None,
+    ) -> None:
         self.items = items
         self.config = config
+        self.max_tokens = config.max_response_length if max_tokens is None else max_tokens
         self.captures: dict[str, list[dict[str, Any]]] = {}
         count = len(items) if shown is None else min(shown, len(items))
         self.shown = sorted(random.Random(f"rlfleet-samples:{config.seed}").sample(range(len(items)), count))
@@ -51,7 +59,7 @@ class SampleTable:
         what it holds of them.
         """
         cfg = self.config
-        sampling = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.max_response_length, seed=cfg.seed)
+        sampling = SamplingParams(n=1, temperature=0.0, max_tokens=self.max_tokens, seed=cfg.seed)
         results = await fleet.generate([it.token_ids for it in self.items], sampling, weight_version)
         scored = await fleet.score(results, chunk_metadata(self.items, results), cfg.reward_endpoint)
         texts: list[str] = []
