@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlfleet.common.atomic_files import write_atomic
 from rlfleet.common.errors import RlfleetError
@@ -26,9 +26,6 @@ from rlfleet.controller.dataset import PromptDataset
 from rlfleet.controller.eval_metrics import CORRECT, RELEVANCE, EvalRow, make_row, summarize, summary_line
 from rlfleet.controller.eval_scoring import BUILTIN_ENDPOINT, builtin_spec, checks_answers, score_answers
 from rlfleet.controller.samples import SampleTable
-
-if TYPE_CHECKING:
-    from rlfleet.controller.run import FleetRun
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +41,7 @@ def reward_name(spec: Any) -> str:
 class RunEval:
     """The held-out evaluations of ``run`` (or just its sample table, without ``eval_data``)."""
 
-    def __init__(self, run: FleetRun) -> None:
+    def __init__(self, run: Any) -> None:  # a FleetRun (run.py imports this module: no import back)
         cfg = run.config
         self.run = run
         self.heldout = cfg.eval_data is not None
