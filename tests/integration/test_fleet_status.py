@@ -9,6 +9,7 @@ and the weight version; /healthz answers 200 while a worker serves and 503 while
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import os
 import re
@@ -25,7 +26,7 @@ import pytest
 
 from rlfleet.common.control.embedded_nats import EmbeddedNats
 from rlfleet.common.control.membership import WorkerRegistry
-from rlfleet.common.control.messages import Ack, AnyMessage, GenerateRequest, Message
+from rlfleet.common.control.messages import PROTOCOL, Ack, AnyMessage, GenerateRequest, Message
 from rlfleet.common.control.nats_transport import NatsTransport
 from rlfleet.common.control.worker import Worker
 from rlfleet.common.errors import RemoteError
@@ -97,12 +98,13 @@ async def test_status_lists_the_running_fleet(fleet) -> None:  # noqa: ANN001
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == f"fleet {CLUSTER}: rollout 1, reward 1, trainer 0", done.stdout
-    assert lines[1].split() == "TIER WORKER POOL HOST PID VERSION BUSY HEALTH ACTIVITY".split()
+    assert lines[1].split() == "TIER WORKER POOL HOST PID VERSION BUSY HEALTH RELEASE WIRE ACTIVITY".split()
     by_id = {line.split()[1]: line.split() for line in lines[2:]}
     assert by_id["rollout-0"][:4] == ["rollout", "rollout-0", "fast", socket.gethostname()]
-    assert by_id["rollout-0"][4:] == [str(os.getpid()), "3", "0", "ok", "idle"]
+    release = importlib.metadata.version("rlfleet-rollout")  # announces carry package and wire versions
+    assert by_id["rollout-0"][4:] == [str(os.getpid()), "3", "0", "ok", release, PROTOCOL, "idle"]
     assert by_id["reward-0"][0] == "reward" and by_id["reward-0"][4] == str(reward.pid)
-    assert by_id["reward-0"][7] == "ok"
+    assert by_id["reward-0"][7:10] == ["ok", importlib.metadata.version("rlfleet-reward"), PROTOCOL]
 
 
 @pytest.mark.timeout(60)

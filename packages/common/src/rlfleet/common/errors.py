@@ -92,6 +92,7 @@ class ProtocolMismatch(UserError, ValueError):
     def __init__(self, ours: str, theirs: str) -> None:
         self.ours = ours
         self.theirs = theirs
+        self.sender: dict[str, str] = {}  # who sent it, as far as the refused message says (codec.decode)
         super().__init__(
             f"wire protocol mismatch: this process speaks {ours}, the message is {theirs} "
             "(MAJOR versions must match; upgrade the older side)"

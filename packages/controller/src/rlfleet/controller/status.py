@@ -9,7 +9,9 @@ It joins the fleet's membership subjects as an observer (the same registry the c
 asks every worker to announce itself, and after ``--wait`` seconds prints the trainer's current
 step and weight version, then one row per worker: tier, id, pool, host (its hostname, and its
 TensorStore host after a slash when that differs), pid, weight version, requests in progress, health
-(``ok`` while heartbeats arrive, ``silent Ns`` once they stop) and what it is doing. With
+(``ok`` while heartbeats arrive, ``silent Ns`` once they stop), its release (the version of its
+package, ``rlfleet-<tier>``; ``-`` for a worker older than wire 2.4), the wire protocol version it
+speaks, and what it is doing. With
 ``--watch`` the table is redrawn every ``--interval`` seconds until Ctrl-C. Credentials come from
 the ``--nats-*`` flags or ``RLFLEET_NATS_*`` (on a permissioned server, a user that may subscribe
 to the membership subjects and publish the controller's ping, such as the controller's); with
@@ -34,7 +36,8 @@ from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.connection import NatsConnection
 from rlfleet.controller.watchdog import SILENT_AFTER_S  # unheard this long: "silent", as the watchdog says
 
-COLUMNS = ("TIER", "WORKER", "POOL", "HOST", "PID", "VERSION", "BUSY", "HEALTH", "ACTIVITY")
+COLUMNS = ("TIER", "WORKER", "POOL", "HOST", "PID", "VERSION", "BUSY", "HEALTH", "RELEASE", "WIRE",
+           "ACTIVITY")  # fmt: skip
 
 
 def add_status_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -63,6 +66,15 @@ def host_of(worker: WorkerInfo) -> str:
     return name or store or "-"
 
 
+def release_of(worker: WorkerInfo) -> str:
+    """A worker's release: its package's version (``name==version`` for a package other than its
+    tier's own), ``-`` when its announce does not say (wire 2.3 and older)."""
+    package, version = worker.announce.package, worker.announce.package_version
+    if not version:
+        return "-"
+    return version if package in ("", f"rlfleet-{worker.tier}") else f"{package}=={version}"
+
+
 def rows(workers: Sequence[WorkerInfo], now: float) -> list[tuple[str, ...]]:
     """One row per worker (tiers in fleet order, then by id)."""
     out = []
@@ -73,7 +85,8 @@ def rows(workers: Sequence[WorkerInfo], now: float) -> list[tuple[str, ...]]:
         activity = f"{w.activity} ({w.activity_s + heard:.0f}s)" if w.activity else "idle"
         version = str(w.weight_version) if w.weight_version >= 0 else "-"
         pid = str(w.announce.pid) if w.announce.pid else "-"
-        out.append((w.tier, w.worker_id, w.pool, host_of(w), pid, version, str(w.busy), health, activity))
+        out.append((w.tier, w.worker_id, w.pool, host_of(w), pid, version, str(w.busy), health,
+                    release_of(w), w.announce.protocol, activity))  # fmt: skip
     return out
 
 

@@ -84,8 +84,9 @@ def reward_worker_config(config: TrainerConfig, cluster: str, reward_spec: Any) 
     worker the launcher restarts serves the swapped reward model and its scaler's statistics."""
     launch = f"{REWARD_ID}-{uuid.uuid4().hex[:8]}"
     state = Path(config.output_dir).resolve() / "fleet" / "reward-state" / launch
+    loading = {"trust_remote_code": True} if config.trust_remote_code else {}  # unwritten at its default
     return {"cluster": cluster, "endpoints": {config.reward_endpoint: reward_spec}, "state_dir": str(state),
-            "trust_remote_code": config.trust_remote_code, **tensor_plane(config)}  # fmt: skip
+            **loading, **tensor_plane(config)}  # fmt: skip
 
 
 def tensor_plane(config: TrainerConfig) -> dict[str, Any]:

@@ -50,9 +50,15 @@ class WorkerSpec:
         return f"rlfleet-{self.tier}"
 
     def config_data(self, nats_url: str) -> dict[str, Any]:
-        """What the worker's config file holds: its config, joining ``nats_url`` as ``worker_id``."""
+        """What the worker's config file holds: its config, joining ``nats_url`` as ``worker_id``.
+
+        Only the settings that differ from their defaults are written, so a worker of an older
+        release, which refuses settings it does not know, still reads a newer controller's file
+        while the newer settings keep their defaults (tests/compat)."""
         config = (
-            self.config.model_dump(mode="json") if isinstance(self.config, BaseModel) else dict(self.config)
+            self.config.model_dump(mode="json", exclude_defaults=True)
+            if isinstance(self.config, BaseModel)
+            else dict(self.config)
         )
         config.pop("nats_auth", None)  # credentials travel in the environment, never in a file
         return {**config, "nats_url": nats_url, "worker_id": self.worker_id}
@@ -122,8 +128,24 @@ def _shorten(text: str) -> str:
     return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
 
 
+def script_variable(name: str) -> str:
+    """The environment variable that points the launcher at another program for the console script
+    ``name``: ``rlfleet-rollout`` -> ``RLFLEET_ROLLOUT_SCRIPT``."""
+    return name.upper().replace("-", "_") + "_SCRIPT"
+
+
 def find_script(name: str) -> str:
-    """A console script of this environment: next to the running interpreter first, then PATH."""
+    """A console script of this environment: next to the running interpreter first, then PATH.
+
+    ``RLFLEET_<TIER>_SCRIPT`` (:func:`script_variable`), when set, names the program to run instead,
+    e.g. a tier installed in another environment (the wire compatibility tests run an older
+    release's ``rlfleet-rollout`` this way); it must be an executable file.
+    """
+    chosen = os.environ.get(script_variable(name), "")
+    if chosen:
+        if not (os.path.isfile(chosen) and os.access(chosen, os.X_OK)):
+            raise FileNotFoundError(f"{script_variable(name)}={chosen!r} is not an executable file")
+        return chosen
     here = Path(sys.executable).parent / name
     if here.exists():
         return str(here)

@@ -34,17 +34,29 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 
 from rlfleet.common.control.heartbeat import Heartbeater, WorkerStatus
-from rlfleet.common.control.messages import AnyMessage, Heartbeat, Message, Ping, WorkerAnnounce, WorkerLeave
+from rlfleet.common.control.messages import (
+    PROTOCOL,
+    AnyMessage,
+    Heartbeat,
+    Message,
+    Ping,
+    WorkerAnnounce,
+    WorkerLeave,
+)
 from rlfleet.common.control.transport import (
     WORKER_TIERS,
+    RefusingHandler,
     Subscription,
     Transport,
     membership_subject,
     ping_subject,
     worker_subject,
 )
+from rlfleet.common.control.wire_skew import WireRefusal, WorkerWireRefused, tell_refused
+from rlfleet.common.errors import ProtocolMismatch
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +129,7 @@ class WorkerRegistry:
         self.on_join, self.on_leave, self.on_dead = on_join, on_leave, on_dead
         self.clock = clock
         self._workers: dict[tuple[str, str], WorkerInfo] = {}
+        self._refused: dict[tuple[str, str], WireRefusal] = {}  # workers of another MAJOR wire version
         self._changed = asyncio.Event()
         self._subs: list[Subscription] = []
         self._reaper: asyncio.Task[None] | None = None
@@ -157,6 +170,11 @@ class WorkerRegistry:
         found = [w for (t, _), w in self._workers.items() if t == tier and (pool is None or w.pool == pool)]
         return sorted(found, key=lambda w: w.worker_id)
 
+    def refused(self, tier: str, pool: str | None = None) -> list[WireRefusal]:
+        """Workers of ``tier`` (in ``pool`` if given) refused for another MAJOR wire version, by id."""
+        found = [r for (t, _), r in self._refused.items() if t == tier and (pool is None or r.pool == pool)]
+        return sorted(found, key=lambda r: r.worker_id)
+
     def get(self, tier: str, worker_id: str) -> WorkerInfo | None:
         """One live worker, or None."""
         return self._workers.get((tier, worker_id))
@@ -175,10 +193,14 @@ class WorkerRegistry:
     ) -> list[WorkerInfo]:
         """Wait until ``count`` workers of ``tier`` are live and return all live ones.
 
-        Raises ``TimeoutError`` naming the tier, the count asked for and the workers that came.
+        Raises ``TimeoutError`` naming the tier, the count asked for and the workers that came, and
+        :class:`WorkerWireRefused` at once when one of the tier's workers speaks another MAJOR
+        wire version (it can never join).
         """
         deadline = asyncio.get_running_loop().time() + timeout
         while len(found := self.workers(tier, pool)) < count:
+            if refused := self.refused(tier, pool):
+                raise WorkerWireRefused(refused[0], PROTOCOL)
             self._changed.clear()
             left = deadline - asyncio.get_running_loop().time()
             try:
@@ -196,8 +218,9 @@ class WorkerRegistry:
                 ) from None
         return found
 
-    def _listener(self, tier: str) -> Callable[[AnyMessage], Awaitable[Message | None]]:
-        """The handler of ``tier``'s membership subject: messages about another tier are refused."""
+    def _listener(self, tier: str) -> RefusingHandler:
+        """The handler of ``tier``'s membership subject: messages about another tier are refused,
+        and so are those of another MAJOR wire version (:meth:`_on_refused`)."""
 
         async def on_message(message: AnyMessage) -> Message | None:
             claimed = getattr(message, "tier", None)
@@ -215,7 +238,17 @@ class WorkerRegistry:
                 message = message.model_copy(update={"subject": own})  # requests go there, never elsewhere
             return await self._on_message(message)
 
-        return on_message
+        return RefusingHandler(on_message, partial(self._on_refused, tier))
+
+    async def _on_refused(self, tier: str, exc: ProtocolMismatch) -> None:
+        """A membership message of another MAJOR wire version: note its worker (once), tell it."""
+        refusal = WireRefusal.of(tier, exc)
+        if refusal is None or (tier, refusal.worker_id) in self._refused:
+            return
+        self._refused[(tier, refusal.worker_id)] = refusal
+        logger.error("%s", WorkerWireRefused(refusal, PROTOCOL))
+        self._changed.set()
+        await tell_refused(self.transport, self.cluster, refusal, PROTOCOL)
 
     async def _on_message(self, message: AnyMessage) -> Message | None:
         now = self.clock()
@@ -240,13 +273,16 @@ class WorkerRegistry:
 
     async def _on_announce(self, message: WorkerAnnounce, now: float) -> None:
         key = (message.tier, message.worker_id)
+        self._refused.pop(key, None)  # restarted with a release of our MAJOR version
         info = self._workers.get(key)
         if info is not None:
             info.announce, info.last_seen, info.weight_version = message, now, message.weight_version
             return
         info = WorkerInfo(announce=message, last_seen=now, weight_version=message.weight_version)
         self._workers[key] = info
-        logger.info("%s worker %s joined (pool %s)", info.tier, info.worker_id, info.pool)
+        release = " ".join(p for p in (message.package, message.package_version) if p)
+        logger.info("%s worker %s joined (pool %s, %s, wire %s)", info.tier, info.worker_id, info.pool,
+                    release or "release not announced", message.protocol)  # fmt: skip
         self._changed.set()
         await self._call(self.on_join, info)
 

@@ -43,6 +43,19 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[AnyMessage], Awaitable[Message | None]]
 """What a subscription runs on each message; a returned message is the reply to a request."""
 
+
+class RefusingHandler:
+    """A handler that also hears of each message its subscription refused for speaking another MAJOR
+    wire version (``on_refused``, given the :class:`ProtocolMismatch` with its ``sender``); the
+    membership registry names such workers this way (:mod:`rlfleet.common.control.wire_skew`)."""
+
+    def __init__(self, handle: Handler, on_refused: Callable[[ProtocolMismatch], Awaitable[None]]) -> None:
+        self.handle, self.on_refused = handle, on_refused
+
+    async def __call__(self, message: AnyMessage) -> Message | None:
+        return await self.handle(message)
+
+
 ReplyFn = Callable[[bytes], Awaitable[None]]
 """Sends encoded reply bytes back to whoever made the request."""
 
@@ -297,6 +310,8 @@ class Dispatcher:
             message = decode(data)
         except (MessageDecodeError, ProtocolMismatch) as exc:
             logger.warning("%s: refused a message: %s", self.subject, exc)
+            if isinstance(exc, ProtocolMismatch) and isinstance(self.handler, RefusingHandler):
+                await self.handler.on_refused(exc)
             return error_reply(exc, self.tier)
         try:
             return await self.handler(message)

@@ -33,12 +33,14 @@ from typing import ClassVar, Generic, TypeVar
 from rlfleet.common.control.activity import InFlight
 from rlfleet.common.control.membership import Heartbeater, WorkerStatus
 from rlfleet.common.control.messages import (
+    PROTOCOL,
     Ack,
     AnyMessage,
     Shutdown,
     WorkerAnnounce,
 )
 from rlfleet.common.control.transport import Handler, Subscription, Transport, worker_subject
+from rlfleet.common.control.wire_skew import release_of
 from rlfleet.common.control.worker_metrics import Health, MetricsServer, WorkerMetrics, serve_metrics
 from rlfleet.common.errors import Failure, WrongMessageKind
 from rlfleet.common.schema.connection import NatsConnection
@@ -123,6 +125,7 @@ class Worker(Generic[C]):
             pid=os.getpid(),
             host=socket.gethostname()[:255],
             incarnation=self.incarnation,
+            **release_of(self.tier),
             **self.announce_fields(),  # type: ignore[arg-type]
         )
 
@@ -136,7 +139,8 @@ class Worker(Generic[C]):
             status=self.status,
         )  # fmt: skip
         await self._membership.start()
-        logger.info("%s worker %s is up on cluster %s", self.tier, self.worker_id, self.config.cluster)
+        logger.info("%s worker %s is up on cluster %s (%s, wire %s)", self.tier, self.worker_id,
+                    self.config.cluster, " ".join(release_of(self.tier).values()), PROTOCOL)  # fmt: skip
 
     def _start_metrics(self) -> None:
         if self.metrics_server is None:

@@ -2,16 +2,29 @@
 
 Messages carry the wire schema version in ``protocol`` ("MAJOR.MINOR"): another MAJOR is refused
 (``codec.check_protocol``), a MINOR skew is accepted and unknown fields are ignored (``extra="ignore"``).
+A config model carried in a message (a run's :class:`~rlfleet.common.schema.trainer.ModelSettings`)
+refuses settings it does not know, so it travels as :data:`SETTINGS_SET`: only the settings that
+differ from their defaults, which an older reader takes as long as newer settings keep their
+defaults (and refuses by name once one is used). tests/compat runs older releases against this code.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 
-PROTOCOL = "2.3"
+PROTOCOL = "2.4"
 """The wire schema version this code speaks: bump MINOR for additive changes, MAJOR otherwise."""
+
+
+def _settings_set(settings: BaseModel) -> dict[str, Any]:
+    return settings.model_dump(mode="json", exclude_defaults=True)
+
+
+SETTINGS_SET = PlainSerializer(_settings_set, return_type=dict)
+"""``Annotated[SomeConfigModel, SETTINGS_SET]``: the field is written with only its settings that
+differ from their defaults (wire 2.4; the reader fills in the rest)."""
 
 Tier = Literal["controller", "rollout", "reward", "trainer"]
 

@@ -76,7 +76,8 @@ def decode(data: bytes | str) -> AnyMessage:
     Raises :class:`MessageDecodeError` for anything that is not a message of a known kind (including
     bytes that are not UTF-8, ``NaN``/``Infinity``, integers over Python's 4300-digit limit and
     nesting too deep to parse) and :class:`ProtocolMismatch` for a message of another MAJOR
-    version; nothing else.
+    version (its ``sender``: the message's kind, tier, worker id, pool, package and host, as
+    text); nothing else.
     """
     try:
         if isinstance(data, str):
@@ -88,11 +89,24 @@ def decode(data: bytes | str) -> AnyMessage:
         raise MessageDecodeError("a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), not Unicode text")
     if not isinstance(raw, dict):
         raise MessageDecodeError(f"expected a JSON object, got {type(raw).__name__}")
-    check_protocol(raw.get("protocol"))
+    try:
+        check_protocol(raw.get("protocol"))
+    except ProtocolMismatch as exc:
+        exc.sender = _sender(raw)
+        raise
     try:
         return MESSAGES.validate_python(raw)
     except (ValidationError, RecursionError) as exc:
         raise MessageDecodeError(_summarize(exc)) from None
+
+
+_SENDER_FIELDS = ("kind", "tier", "worker_id", "pool", "package", "package_version", "host")
+
+
+def _sender(raw: dict[str, Any]) -> dict[str, str]:
+    """Who sent a refused message, as its own top-level fields say (short printable text only)."""
+    found = {key: raw[key][:128] for key in _SENDER_FIELDS if isinstance(raw.get(key), str)}
+    return {key: "".join(c if c.isprintable() else "?" for c in value) for key, value in found.items()}
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")

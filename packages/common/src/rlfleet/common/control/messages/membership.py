@@ -27,6 +27,14 @@ class WorkerAnnounce(Message):
     pool: str = "default"
     pid: int = 0
     host: str = Field(default="", max_length=255, description="the worker's hostname (wire 2.3; '': unknown)")
+    package: str = Field(
+        default="",
+        max_length=128,
+        description="the worker's package, e.g. rlfleet-rollout (wire 2.4; '': unknown)",
+    )
+    package_version: str = Field(
+        default="", max_length=64, description="the installed version of that package (wire 2.4; '': unknown)"
+    )
     gpu_uuids: list[str] = Field(
         default_factory=list, max_length=64, description="GPUs the worker's model lives on (empty: CPU)"
     )

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field
 
-from rlfleet.common.control.messages.base import Message
+from rlfleet.common.control.messages.base import SETTINGS_SET, Message
 from rlfleet.common.schema.carriers import IpcBucket, WeightCarrier
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.trainer import ModelSettings, StepSettings
@@ -26,7 +26,7 @@ class TrainerConfigure(Message):
     """
 
     kind: Literal["trainer.configure"] = "trainer.configure"
-    model: ModelSettings
+    model: Annotated[ModelSettings, SETTINGS_SET]
     device: Device
     critic: bool = Field(description="the run's algorithm trains a critic (the worker must hold one)")
     model_fingerprint: str = Field(
@@ -54,7 +54,10 @@ class TrainStepRequest(Message):
     step: int = Field(ge=0)
     rollouts: list[TensorRef] = Field(max_length=4096, description="the batch's chunks, one per rollout job")
     scores: list[FiniteScore] = Field(max_length=1 << 20, description="one finite score per rollout sample")
-    settings: StepSettings = Field(default_factory=StepSettings, description="how this step updates")
+    settings: Annotated[StepSettings, SETTINGS_SET] = Field(
+        default_factory=StepSettings,
+        description="how this step updates (only its non-default settings travel)",
+    )
     job_id: str = Field(
         default="", max_length=128, description="idempotency key: a retry with this id gets the first answer"
     )
