@@ -1,0 +1,369 @@
+"""Side by side with TRL: rlfleet's GRPO and TRL's GRPOTrainer on the same job, on one machine.
+
+    uv run --extra cpu --group bench python benchmarks/vs_trl.py               # 10 steps each
+    uv run --extra cpu --group bench python benchmarks/vs_trl.py --steps 1 --only trl   # a smoke run
+
+Both sides train SmolLM2-135M-Instruct (the local folder rlfleet's ``smollm2`` alias resolves to)
+with the main job's settings (examples/smollm2_concise.yaml: reward spec, learning rate, KL
+coefficient, temperature, clip range, weight decay, gradient clipping, micro-batch, bf16 autocast
+with fp32 weights), changed only where the comparison says so: every parameter trains
+(``trainable_layers`` unset), 8 prompts x 4 samples a step, at most 96 response tokens, no
+held-out evaluation, no sample table. The prompts are the first ``8 * steps`` of
+examples/data/questions.jsonl; TRL gets them in the order rlfleet's seeded shuffle visits them
+(``PromptDataset.batches``), unshuffled, so step k sees the same 8 prompts on both sides. TRL's
+reward function calls the job's rlfleet reward in-process on what rlfleet's reward tier is handed
+(the chat-rendered prompt decoded without special tokens, the answer text), so both optimize the
+same function. TRL: no vLLM (CPU), AdamW with rlfleet's betas and epsilon, constant learning rate,
+``loss_type='dapo'`` (token mean over the batch, as rlfleet's ``loss_agg=token-mean``),
+``scale_rewards='group'`` (GRPO's group std), activation checkpointing off.
+
+Each side runs as its own subprocess, one after the other: rlfleet as the real CLI (``rlfleet
+train``, which starts nats-server and its worker processes), TRL as this script with
+``--trl-child``. Measured: s/step = (end of the last step - end of the first) / (steps - 1), so
+start-up and the first step (warm-up) are left out (with ``--steps 1`` only the first step's time
+is there); peak memory = the largest sum of RSS over the side's whole process tree, sampled every
+``--sample-s`` (a page shared by several processes counts in each), and of PSS (shared pages split
+between the processes that map them), sampled every ``--pss-every`` s as it is costly; reward and
+response length (tokens) of the last step; the load average and the machine. Results:
+``benchmarks/results/vs_trl.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).parent / "results" / "vs_trl.json"
+BIN = Path(sys.executable).parent
+MAIN_JOB = REPO / "examples" / "smollm2_concise.yaml"
+PROMPTS = REPO / "examples" / "data" / "questions.jsonl"
+PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, RESPONSE_TOKENS = 8, 4, 96
+GIB = 1024**3
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=10, help="training steps of each side")
+    p.add_argument("--only", choices=("rlfleet", "trl"), help="run one side only")
+    p.add_argument("--out", type=Path, default=RESULTS, help="result JSON")
+    p.add_argument("--job", type=Path, default=MAIN_JOB, help="the rlfleet job whose settings both use")
+    p.add_argument("--sample-s", type=float, default=0.5, help="seconds between RSS samples")
+    p.add_argument("--pss-every", type=float, default=10.0, help="seconds between PSS samples (0: none)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds one side may take")
+    p.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)  # internal: run TRL's side
+    args = p.parse_args()
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
+    return args
+
+
+def bench_overrides(steps: int, data: Path, out: Path) -> list[str]:
+    """``key=value`` overrides that turn the main job into the benchmark's rlfleet side."""
+    from rlfleet.controller.config import JobConfig
+
+    overrides = [
+        f"max_steps={steps}", "num_epochs=1", f"data.path={data}", f"output_dir={out}",
+        f"rollout_batch_size={PROMPTS_PER_STEP}", f"train_batch_size={PROMPTS_PER_STEP}",
+        f"group_size={SAMPLES_PER_PROMPT}", f"max_response_length={RESPONSE_TOKENS}",
+        "trainable_layers=null", "loggers=[jsonl]", "sample_table_size=0", "save_every=0",
+    ]  # fmt: skip
+    if "eval_data" in JobConfig.model_fields:  # no held-out evaluation in the timed run
+        overrides.append("eval_data=null")
+    return overrides
+
+
+def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """The shared setup (written to ``workdir/setup.json`` for the TRL child): settings, prompts, order."""
+    from rlfleet.common.schema.config import load_config
+    from rlfleet.controller.config import JobConfig
+    from rlfleet.controller.dataset import PromptDataset
+    from rlfleet.controller.models import resolve_model
+
+    lines = PROMPTS.read_text(encoding="utf-8").splitlines()[: PROMPTS_PER_STEP * args.steps]
+    if len(lines) < PROMPTS_PER_STEP * args.steps:
+        raise SystemExit(f"{PROMPTS} has {len(lines)} prompts, fewer than {PROMPTS_PER_STEP} x {args.steps}")
+    data = workdir / "prompts.jsonl"
+    data.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    overrides = bench_overrides(args.steps, data, workdir / "rlfleet")
+    job = load_config(JobConfig, args.job, overrides)
+    model_dir = resolve_model(job.model, seed=job.seed)
+    dataset = PromptDataset(data, max_prompt_length=job.max_prompt_length, seed=job.seed,
+                            system_prompt=job.data.system_prompt, overlong=job.data.overlong,
+                            tokenizer=model_dir)  # fmt: skip
+    order = [item.index for batch in dataset.batches(PROMPTS_PER_STEP) for item in batch]
+    if len(order) < PROMPTS_PER_STEP * args.steps:
+        raise SystemExit(f"only {len(order)} prompts fit max_prompt_length={job.max_prompt_length}")
+    setup = {
+        "steps": args.steps, "model_dir": str(model_dir), "job_file": str(args.job), "overrides": overrides,
+        "rows": [json.loads(lines[i]) for i in order], "order": order,
+        "settings": job.trainer_config().model_dump(mode="json"), "reward": job.reward,
+        "prompt_key": job.data.prompt_key, "system_prompt": job.data.system_prompt, "seed": job.seed,
+    }  # fmt: skip
+    (workdir / "setup.json").write_text(json.dumps(setup, indent=2) + "\n")
+    return setup
+
+
+class TreeMemory:
+    """Samples the summed RSS of a process and all its descendants until stopped, and now and then PSS.
+
+    RSS (``/proc/<pid>/statm``) is cheap and read every ``interval`` s. PSS needs the kernel to walk
+    every page table (about 80 ms of CPU for a vLLM process here), so it is read every ``pss_every``
+    s only (0: never): its peak is a lower bound, and the sampling costs the measured run little.
+    """
+
+    def __init__(self, pid: int, interval: float, pss_every: float) -> None:
+        self.pid, self.interval, self.pss_every = pid, interval, pss_every
+        self.peak_rss = self.peak_pss = self.peak_procs = 0
+        self.peak_load = 0.0
+        self._last_pss = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> TreeMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return
+        with_pss = self.pss_every > 0 and time.monotonic() - self._last_pss >= self.pss_every
+        rss = pss = 0
+        for proc in procs:
+            try:
+                info = proc.memory_full_info() if with_pss else proc.memory_info()
+            except psutil.Error:  # gone between listing and reading
+                continue
+            rss, pss = rss + info.rss, pss + getattr(info, "pss", 0)
+        if with_pss:
+            self._last_pss, self.peak_pss = time.monotonic(), max(self.peak_pss, pss)
+        self.peak_rss, self.peak_procs = max(self.peak_rss, rss), max(self.peak_procs, len(procs))
+        self.peak_load = max(self.peak_load, os.getloadavg()[0])
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval)
+
+    def report(self) -> dict[str, Any]:
+        return {"peak_rss_gib": round(self.peak_rss / GIB, 3),
+                "peak_pss_gib_sampled": round(self.peak_pss / GIB, 3) if self.pss_every > 0 else None,
+                "peak_processes": self.peak_procs, "load_avg_1m_max": round(self.peak_load, 2)}  # fmt: skip
+
+
+def run_side(name: str, command: list[str], workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Run one side's command to the end under :class:`TreeMemory`; its wall time and memory."""
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    log = workdir / f"{name}.log"
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    start = time.time()
+    with log.open("w") as sink:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        with TreeMemory(proc.pid, args.sample_s, args.pss_every) as memory:
+            try:
+                rc = proc.wait(timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = proc.wait()
+    if rc != 0:
+        raise RuntimeError(f"{name} failed (rc {rc}); the end of {log}:\n{log.read_text()[-3000:]}")
+    return {"wall_s": round(time.time() - start, 1), "load_avg_before": load_before,
+            "load_avg_after": [round(x, 2) for x in os.getloadavg()], **memory.report()}  # fmt: skip
+
+
+def step_figures(ends: list[float], first_step_s: float, rewards: list[float], lengths: list[float]) -> dict:
+    """s/step from the steps' end times (first step excluded), and the last step's reward and length."""
+    n = len(ends)
+    return {
+        "steps": n, "s_per_step": round((ends[-1] - ends[0]) / (n - 1), 2) if n > 1 else None,
+        "first_step_s": round(first_step_s, 2), "reward_last": round(rewards[-1], 4),
+        "reward_mean": round(statistics.fmean(rewards), 4), "length_tokens_last": round(lengths[-1], 1),
+        "rewards": [round(r, 4) for r in rewards],
+    }  # fmt: skip
+
+
+def run_rlfleet(setup: dict[str, Any], workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    command = [str(BIN / "rlfleet"), "train", setup["job_file"], *setup["overrides"]]
+    measured = run_side("rlfleet", command, workdir, args)
+    rows = [json.loads(line) for line in (workdir / "rlfleet" / "metrics.jsonl").read_text().splitlines()]
+    rewards, lengths = [r["reward/mean"] for r in rows], [r["response_length"] for r in rows]
+    figures = step_figures([r["time"] for r in rows], rows[0]["time/step_s"], rewards, lengths)
+    return {**figures, **measured, "command": " ".join(command)}
+
+
+def run_trl(setup: dict[str, Any], workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    command = [sys.executable, str(Path(__file__).resolve()), "--trl-child", str(workdir)]
+    measured = run_side("trl", command, workdir, args)
+    steps = json.loads((workdir / "trl_steps.json").read_text())
+    ends = [s["time"] for s in steps["steps"]]
+    figures = step_figures(ends, ends[0] - steps["train_begin"], [s["reward"] for s in steps["steps"]],
+                           [s["length"] for s in steps["steps"]])  # fmt: skip
+    return {**figures, **measured, "grpo_config": steps["grpo_config"]}
+
+
+def trl_reward_fn(setup: dict[str, Any], tokenizer: Any) -> Any:
+    """The job's rlfleet reward as a TRL reward function, on the texts rlfleet's reward tier sees."""
+    from rlfleet.reward.registry import build_reward
+
+    reward, rendered = build_reward(setup["reward"]), {}
+    meta_keys = [k for k in setup["rows"][0] if k != setup["prompt_key"]]
+
+    def as_reward_tier_sees(messages: list[dict[str, str]]) -> str:
+        key = json.dumps(messages)
+        if key not in rendered:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            rendered[key] = tokenizer.decode(ids, skip_special_tokens=True)
+        return rendered[key]
+
+    def rlfleet_reward(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        metadata = [{k: kwargs[k][i] for k in meta_keys} for i in range(len(texts))]
+        return list(reward.score([as_reward_tier_sees(p) for p in prompts], texts, metadata).total)
+
+    return rlfleet_reward
+
+
+def trl_config(setup: dict[str, Any], workdir: Path) -> Any:
+    """TRL's GRPOConfig matching the rlfleet side's settings."""
+    from trl import GRPOConfig
+
+    from rlfleet.trainer.loop import BETAS, EPS
+
+    s, samples = setup["settings"], PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
+    micro = min(s["micro_batch_size"], samples)
+    return GRPOConfig(
+        output_dir=str(workdir / "trl"), max_steps=setup["steps"], per_device_train_batch_size=micro,
+        gradient_accumulation_steps=samples // micro, num_generations=SAMPLES_PER_PROMPT,
+        max_completion_length=RESPONSE_TOKENS, temperature=s["temperature"], top_p=1.0, top_k=0,
+        beta=s["kl_coef"], epsilon=s["clip_eps"], num_iterations=s["ppo_epochs"], loss_type="dapo",
+        scale_rewards="group", learning_rate=s["learning_rate"], lr_scheduler_type="constant", warmup_steps=0,
+        optim="adamw_torch", adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
+        weight_decay=s["weight_decay"], max_grad_norm=s["max_grad_norm"], bf16=s["mixed_precision"] == "bf16",
+        gradient_checkpointing=False, use_cpu=True, use_vllm=False, logging_steps=1, report_to="none",
+        save_strategy="no", shuffle_dataset=False, seed=setup["seed"],
+        dataloader_num_workers=0, model_init_kwargs={"dtype": "float32"}, disable_dropout=True,
+        log_completions=False,
+    )  # fmt: skip
+
+
+def trl_child(workdir: Path) -> int:
+    """TRL's side (a subprocess of the driver): train, writing each step's end time, reward, length."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOTrainer
+
+    setup = json.loads((workdir / "setup.json").read_text())
+    system = [{"role": "system", "content": setup["system_prompt"]}] if setup["system_prompt"] else []
+    key = setup["prompt_key"]
+    rows = [{**r, key: [*system, {"role": "user", "content": r[key]}]} for r in setup["rows"]]
+    tokenizer = AutoTokenizer.from_pretrained(setup["model_dir"])
+    record: dict[str, Any] = {"steps": []}
+
+    class StepClock(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            record["train_begin"] = time.time()
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            if logs and "reward" in logs:  # logging_steps=1: one log per step, at its end
+                length = logs.get("completions/mean_length", float("nan"))
+                record["steps"].append({"step": state.global_step, "time": time.time(),
+                                        "reward": logs["reward"], "length": length})  # fmt: skip
+
+    config = trl_config(setup, workdir)
+    trainer = GRPOTrainer(model=setup["model_dir"], reward_funcs=trl_reward_fn(setup, tokenizer), args=config,
+                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                          callbacks=[StepClock()])  # fmt: skip
+    trainer.train()
+    record["grpo_config"] = {
+        k: v for k, v in config.to_dict().items() if isinstance(v, int | float | str | bool)
+    }
+    (workdir / "trl_steps.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return 0
+
+
+def machine() -> dict[str, Any]:
+    import psutil
+    import torch
+    import transformers
+    import trl
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())  # fmt: skip
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    memory = round(psutil.virtual_memory().total / GIB, 1)
+    return {"cpu_count": os.cpu_count(), "cpu": cpu, "memory_gib": memory, "python": sys.version.split()[0],
+            "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
+            "git_commit": commit.strip()}  # fmt: skip
+
+
+def print_table(report: dict[str, Any]) -> None:
+    sides = report["sides"]
+    rows = [("s/step (steps 2..N)", "s_per_step"), ("first step s", "first_step_s"), ("wall s", "wall_s"),
+            ("peak RSS GiB (tree sum)", "peak_rss_gib"), ("peak PSS GiB (sampled)", "peak_pss_gib_sampled"),
+            ("processes", "peak_processes"), ("reward, last step", "reward_last"),
+            ("length tokens, last step", "length_tokens_last"),
+            ("load avg 1m max", "load_avg_1m_max")]  # fmt: skip
+    print("| | " + " | ".join(sides) + " |")
+    print("| --- |" + " --- |" * len(sides))
+    for label, key in rows:
+        print(f"| {label} | " + " | ".join(str(side.get(key)) for side in sides.values()) + " |")
+    m = report["machine"]
+    print(f"speed ratio (TRL s/step / rlfleet s/step): {report.get('speed_ratio')}; "
+          f"machine: {m['cpu_count']} cores, {m['cpu']}, {m['memory_gib']} GiB")  # fmt: skip
+
+
+def main() -> int:
+    args = parse_args()
+    if args.trl_child is not None:
+        return trl_child(args.trl_child)
+    report: dict[str, Any] = {
+        "command": " ".join(["python", *sys.argv]),
+        "steps": args.steps,
+        "machine": machine(),
+        "load_avg_start": [round(x, 2) for x in os.getloadavg()],
+    }
+    with tempfile.TemporaryDirectory(prefix="vs-trl-", ignore_cleanup_errors=True) as tmp:
+        workdir = Path(tmp)
+        setup = prepare(args, workdir)
+        report["setup"] = {
+            k: setup[k] for k in ("model_dir", "job_file", "overrides", "order", "reward", "settings")
+        }
+        runners = {"rlfleet": run_rlfleet, "trl": run_trl}
+        report["sides"] = {}
+        for name in (args.only,) if args.only else tuple(runners):
+            print(f"running {name} for {args.steps} steps ...", flush=True)
+            report["sides"][name] = runners[name](setup, workdir, args)
+    report["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+    sides = report["sides"]
+    if len(sides) == 2 and sides["rlfleet"]["s_per_step"] and sides["trl"]["s_per_step"]:
+        report["speed_ratio"] = round(sides["trl"]["s_per_step"] / sides["rlfleet"]["s_per_step"], 2)
+        report["memory_ratio_rss"] = round(sides["trl"]["peak_rss_gib"] / sides["rlfleet"]["peak_rss_gib"], 2)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print_table(report)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
