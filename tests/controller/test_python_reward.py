@@ -61,13 +61,7 @@ def test_batched_signatures_trl_and_positional() -> None:
     assert positional.style == "batch" and positional(PROMPTS, RESPONSES, ROWS) == [1.0, 5.0]
 
 
-def test_scaler_compute_reward_of_a_plain_callable_is_called_here() -> None:
-    from rlfleet.reward import RewardScaler
-
-    scaler = RewardScaler(fn=lambda prompts, responses: [float(len(r)) for r in responses], temperature=0.5)
-    reward = PythonReward(scaler.compute_reward)
-    assert reward.style == "batch" and reward(PROMPTS, RESPONSES, ROWS) == [2.0, 10.0]
-    assert is_python_reward(scaler.compute_reward) is False, "it describes itself first (a spec if it can)"
+def test_callables_are_python_rewards_and_specs_are_not() -> None:
     assert is_python_reward(lambda t: 0.0) and not is_python_reward("concise") and not is_python_reward({})
 
 

@@ -9,7 +9,6 @@ import pytest
 from rlfleet.common.schema.rollout import RolloutWorkerConfig
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.worker_configs import rollout_worker_configs
-from rlfleet.rollout.service import engine_kwargs
 
 
 def test_cache_policy_and_vllm_settings_reach_the_worker() -> None:
@@ -19,10 +18,9 @@ def test_cache_policy_and_vllm_settings_reach_the_worker() -> None:
     cfg = TrainerConfig(rollout=rollout, seed=0)
     (worker,) = rollout_worker_configs(cfg, Path("/m"), "c")
     assert isinstance(worker, RolloutWorkerConfig)
-    assert engine_kwargs(worker, "vllm", "cuda") == {
-        "dtype": "float32", "device": "cuda", "seed": 0, "max_batch_size": 64, "tensor_parallel_size": 2,
-        "gpu_memory_utilization": 0.5, "enforce_eager": True, "enable_prefix_caching": False,
-        "max_model_len": 1024, "colocate": True, "sleep_level": 2,
+    # what the engine makes of these: engine_kwargs, tests/rollout/test_vllm_registry.py
+    assert worker.model_dump(include={*rollout, "seed", "dtype", "max_batch_size", "model_path"}) == {
+        **rollout, "seed": 0, "dtype": "float32", "max_batch_size": 64, "model_path": "/m",
     }  # fmt: skip
 
 

@@ -4,20 +4,51 @@
 ``<output_dir>/fleet/processes.json``) and whether any is still alive; ``venv_script`` finds a
 console script of this environment (next to the interpreter: no ``uv run`` inside tests);
 ``tiny_model_dir`` is a tiny random-init model built once per session.
+
+The tests here that join two tiers (a controller against a real reward or trainer worker, the
+trainer's buckets loaded by the rollout engine) use the fixtures of those tiers' own suites,
+loaded from their conftest files (``make_tiny_rm``, ``reward_server``, ``rollout_store``,
+``spawn``; ``make_vllm_checkpoint``; the trainer's tiny Llama as ``trainer_model_dir`` and
+``make_batch``): each ``tests/<package>`` needs only its own package (``scripts/isolated_tests.py``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _suite(name: str) -> ModuleType:
+    """``tests/<name>/conftest.py`` as a module of its own (its fixtures, for the tests that join tiers)."""
+    spec = importlib.util.spec_from_file_location(
+        f"rlfleet_{name}_suite_fixtures", REPO / "tests" / name / "conftest.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# (loading the trainer's also puts tests/trainer on sys.path: test_fleet_trainer_retries imports test_worker)
+_reward, _rollout, _trainer = _suite("reward"), _suite("rollout"), _suite("trainer")
+make_tiny_rm, reward_server, rollout_store, spawn = (
+    _reward.make_tiny_rm,
+    _reward.reward_server,
+    _reward.rollout_store,
+    _reward.spawn,
+)
+make_vllm_checkpoint = _rollout.make_vllm_checkpoint
+trainer_model_dir, make_batch = _trainer.tiny_model_dir, _trainer.make_batch
 
 
 class ProcessProbe:

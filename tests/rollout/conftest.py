@@ -1,8 +1,12 @@
-"""Fixtures for rollout tests: a char-level tokenizer and tiny Llama checkpoints built on the fly."""
+"""Fixtures for rollout tests: a char-level tokenizer and tiny Llama checkpoints built on the fly.
+
+This folder is on ``sys.path``: ``weight_buckets.py`` cuts a model's weights as a trainer publishes them.
+"""
 
 from __future__ import annotations
 
 import string
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,6 +14,8 @@ import pytest
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+sys.path.insert(0, str(Path(__file__).parent))  # this folder's helper modules (weight_buckets.py)
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 CHARS = list(string.ascii_lowercase + string.ascii_uppercase + string.digits + " .,!?")

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from weight_buckets import weight_buckets  # (this folder's helper module)
 
 from rlfleet.common.control.messages import SamplingParams
 from rlfleet.rollout.engines import HFEngine
 from rlfleet.rollout.errors import WeightsDiscarded
-from rlfleet.trainer.weights import iter_weight_buckets
 
 pytest.importorskip("vllm", reason="vLLM is not installed (uv sync --extra gpu)")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -28,7 +28,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 def _publish(engine: VLLMEngine, path: Path, version: int) -> None:
     model = AutoModelForCausalLM.from_pretrained(path)
-    for bucket in iter_weight_buckets(model, bucket_bytes=20_000):
+    for bucket in weight_buckets(model, 20_000):
         engine.load_weights(bucket)
     engine.set_weight_version(version)
 

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from weight_buckets import weight_buckets  # (this folder's helper module)
 
 from rlfleet.common.control.messages import SamplingParams
 from rlfleet.rollout.engines import HFEngine
-from rlfleet.trainer.weights import iter_weight_buckets
 
 pytest.importorskip("vllm", reason="vLLM is not installed (uv sync --extra cpu)")
 
@@ -61,7 +61,7 @@ def test_publish_parity_tied_and_untied(setting: tuple[dict, VLLMEngine], make_v
     model = AutoModelForCausalLM.from_pretrained(target).eval()
     if not spec["tie"]:
         assert "lm_head.weight" in dict(model.named_parameters())  # a head of its own travels too
-    for bucket in iter_weight_buckets(model, bucket_bytes=30_000):
+    for bucket in weight_buckets(model, 30_000):
         engine.load_weights(bucket)
     engine.set_weight_version(1)
     prompts = [LONG[0], [30, 11, 8]]

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 from transformers import AutoModelForCausalLM
+from weight_buckets import weight_buckets  # (this folder's helper module)
 
 from rlfleet.common.control.messages import SamplingParams
 from rlfleet.rollout.engines import HFEngine
-from rlfleet.trainer.weights import iter_weight_buckets
 
 vllm_envs = pytest.importorskip("vllm.envs", reason="vLLM is not installed (uv sync --extra cpu)")
 
@@ -32,7 +32,7 @@ def test_buckets_cross_into_a_separate_engine_process(
     try:
         assert not engine._in_process
         target = make_vllm_checkpoint(seed=1, tie=True)
-        for bucket in iter_weight_buckets(AutoModelForCausalLM.from_pretrained(target), bucket_bytes=20_000):
+        for bucket in weight_buckets(AutoModelForCausalLM.from_pretrained(target), 20_000):
             engine.load_weights(bucket)
         engine.set_weight_version(1)
         ours, theirs = engine.generate(PROMPTS, GREEDY), HFEngine(target).generate(PROMPTS, GREEDY)

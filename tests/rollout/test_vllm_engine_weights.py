@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from weight_buckets import weight_buckets  # (this folder's helper module)
 
 from rlfleet.common.control.messages import SamplingParams
 from rlfleet.rollout.engines import HFEngine
 from rlfleet.rollout.errors import IncompleteWeights, UnknownWeight, WeightShapeMismatch
-from rlfleet.trainer.weights import iter_weight_buckets
 
 pytest.importorskip("vllm", reason="vLLM is not installed (uv sync --extra cpu)")
 
@@ -35,7 +35,7 @@ def _model(path: Path) -> torch.nn.Module:
 
 def _publish(engine: VLLMEngine, model: torch.nn.Module, version: int, bucket_bytes: int = 20_000) -> int:
     """Load ``model`` the way a trainer publishes: small buckets (cut inside blocks), then the version."""
-    buckets = list(iter_weight_buckets(model, bucket_bytes=bucket_bytes))
+    buckets = list(weight_buckets(model, bucket_bytes))
     for bucket in buckets:
         engine.load_weights(bucket)
     engine.set_weight_version(version)

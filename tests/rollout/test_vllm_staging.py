@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from weight_buckets import weight_buckets  # (this folder's helper module)
 
 from rlfleet.rollout.engines.checkpoint import read_checkpoint
 from rlfleet.rollout.engines.vllm.weights import (
@@ -16,7 +17,6 @@ from rlfleet.rollout.engines.vllm.weights import (
     group_of,
     resolve_tied,
 )
-from rlfleet.trainer.weights import iter_weight_buckets
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -48,7 +48,7 @@ def test_stager_releases_whole_blocks_from_trainer_buckets(make_vllm_checkpoint)
     names = [n for n in model.state_dict() if n != HEAD]
     stager = WeightStager(names)
     released: list[str] = []
-    buckets = list(iter_weight_buckets(model, bucket_bytes=20_000))  # small: boundaries fall inside blocks
+    buckets = list(weight_buckets(model, 20_000))  # small: boundaries fall inside blocks
     assert len(buckets) > 4
     for bucket in buckets:
         ready, groups = stager.add(bucket.items())

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.controller.errors import RewardFnNotPortable
-from rlfleet.controller.python_reward import PythonReward
+from rlfleet.controller.python_reward import PythonReward, is_python_reward
 from rlfleet.controller.reward_control import RewardControl, describe_reward_fn, model_swap, revision_of
 from rlfleet.reward import RewardScaler, build_reward
 from rlfleet.reward.answers import extract_number
@@ -55,6 +55,13 @@ def test_function_names_travel_and_callables_stay_in_the_controller() -> None:
         wire = describe_reward_fn(fn)
         assert set(wire) == {"python"} and isinstance(wire["python"], PythonReward)
         assert wire["python"].fn is fn
+
+
+def test_scaler_compute_reward_of_a_plain_callable_is_called_here() -> None:
+    scaler = RewardScaler(fn=lambda prompts, responses: [float(len(r)) for r in responses], temperature=0.5)
+    reward = PythonReward(scaler.compute_reward)
+    assert reward.style == "batch" and reward(["2+2?", "3+4?"], ["4", "seven"], [{}, {}]) == [2.0, 10.0]
+    assert is_python_reward(scaler.compute_reward) is False, "it describes itself first (a spec if it can)"
 
 
 def test_what_is_neither_a_spec_nor_callable_is_refused() -> None:

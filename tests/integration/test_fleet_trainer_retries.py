@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
-from test_worker import SCORES, Trainer, _rollouts, trainer  # noqa: F401  (the fixture)
+from test_worker import SCORES, Trainer, _rollouts, trainer  # noqa: F401  (the fixture; tests/trainer)
 
 from rlfleet.common.control.embedded_nats import EmbeddedNats
 from rlfleet.common.control.messages import TrainerConfigure
@@ -28,6 +29,12 @@ SETTINGS = StepSettings(learning_rate=1e-2, micro_batch_size=2, kl_coef=0.0)
 CONFIGURE = TrainerConfigure(model=ModelSettings(sharding="full", mixed_precision="none"), device="cpu",
                              critic=False)  # fmt: skip
 FAST = FaultSettings(retry_attempts=8, retry_backoff_s=0.1, retry_backoff_max_s=0.4)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(trainer_model_dir: Path) -> Path:
+    """The trainer suite's tiny Llama: test_worker's ``trainer`` fixture asks for it by this name."""
+    return trainer_model_dir
 
 
 def _fleet(trainer: Trainer, faults: FaultSettings = FAST) -> Fleet:

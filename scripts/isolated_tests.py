@@ -1,0 +1,247 @@
+"""Run each package's tests with only that package (and its declared dependencies) installed.
+
+For every package asked for (default: all five), this builds the workspace's wheels with
+``uv build --package``, creates a fresh Python 3.11 venv in a temporary folder, installs the
+package's wheel and the wheels of the rlfleet packages it declares (``rlfleet-common``) plus the
+test tools (pytest, pytest-timeout, pytest-asyncio, hypothesis) and nothing of the workspace, and
+runs ``pytest tests/<package>`` with that venv's Python.
+
+Versions: every install is constrained to ``uv.lock`` (``uv export``), so the venv gets the
+lock's torch, transformers, ... and never something newer; what the lock does not pin (a
+dependency the workspace overrides away) resolves freely, and the wheel's own metadata decides
+what is pulled in. Nothing is compiled: only the packages the lock itself installs from a source
+distribution may be built, so a dependency that needs a compiler fails the install at once.
+
+Before the tests run, the venv must import its own package and must NOT find any rlfleet
+package outside the declared ones (``import rlfleet.controller`` fails in the rollout venv).
+The tests run from the repository root (they read ``examples/``, ``deploy/``), with the root's
+pytest settings, without ``.pytest_cache`` and without ``PYTHONPATH``. A package fails when its
+install fails, its tests fail, or pytest collects nothing (exit code 5).
+
+    uv run python scripts/isolated_tests.py                 # all five, every test
+    uv run python scripts/isolated_tests.py common rollout  # some of them
+    uv run python scripts/isolated_tests.py --fast          # -m "not slow"
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("common", "rollout", "reward", "trainer", "controller")
+TEST_TOOLS = ("pytest", "pytest-timeout", "pytest-asyncio", "hypothesis")
+PYTHON = "3.11"
+
+
+class IsolatedTestError(RuntimeError):
+    """A step of the isolated run (build, venv, install, import check) failed."""
+
+
+@dataclass
+class Outcome:
+    """What happened to one package: seconds per phase, pytest's exit code, the failure if any."""
+
+    package: str
+    seconds: dict[str, float] = field(default_factory=dict)
+    pytest_rc: int | None = None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and self.pytest_rc == 0
+
+
+def dist_name(package: str) -> str:
+    return f"rlfleet-{package}"
+
+
+def _requirement_name(requirement: str) -> str:
+    """The distribution name a PEP 508 requirement starts with (``rlfleet-common>=0.1`` -> rlfleet-common)."""
+    name = requirement.strip()
+    for stop in "[<>=!~; (@":
+        name = name.split(stop, 1)[0]
+    return name.strip().lower().replace("_", "-")
+
+
+def declared_rlfleet_dependencies(package: str) -> list[str]:
+    """The rlfleet packages (short names) ``packages/<package>/pyproject.toml`` depends on, transitively."""
+    found: list[str] = []
+    todo = [package]
+    while todo:
+        data = tomllib.loads((ROOT / "packages" / todo.pop() / "pyproject.toml").read_text())
+        for requirement in data["project"].get("dependencies", []):
+            name = _requirement_name(requirement)
+            short = name.removeprefix("rlfleet-")
+            if name.startswith("rlfleet-") and short in PACKAGES and short not in found and short != package:
+                found.append(short)
+                todo.append(short)
+    return found
+
+
+def run(command: list[str], *, cwd: Path = ROOT, env: dict[str, str] | None = None) -> None:
+    """Run ``command``; a non-zero exit is an :class:`IsolatedTestError` carrying its output's tail."""
+    print("$", " ".join(command), flush=True)
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stdout + done.stderr)[-4000:]
+        raise IsolatedTestError(f"{command[0]} {command[1]} exited {done.returncode}:\n{tail}")
+
+
+def build_wheels(packages: list[str], out: Path) -> dict[str, Path]:
+    """``uv build --package rlfleet-<p> --wheel`` for each; ``{short name: wheel path}``."""
+    wheels: dict[str, Path] = {}
+    for package in packages:
+        target = out / package
+        run(["uv", "build", "--package", dist_name(package), "--wheel", "--out-dir", str(target), "--quiet"])
+        (wheel,) = target.glob("*.whl")
+        wheels[package] = wheel
+    return wheels
+
+
+def lock_constraints(out: Path) -> tuple[Path, list[str]]:
+    """Write the lock's pins (all groups, the cpu extra, no workspace members) to ``out``; also return
+    the packages the lock installs from a source distribution only (those alone may be built)."""
+    path = out / "constraints.txt"
+    run(["uv", "export", "--frozen", "--no-hashes", "--no-emit-workspace", "--no-header", "--extra", "cpu",
+         "--all-groups", "--output-file", str(path), "--quiet"])  # fmt: skip
+    pinned = {
+        _requirement_name(line): line
+        for line in path.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    }
+    lock = tomllib.loads((ROOT / "uv.lock").read_text())
+    source_only = sorted(
+        p["name"]
+        for p in lock["package"]
+        if "wheels" not in p and "sdist" in p and "never" not in pinned.get(p["name"], "never")
+    )
+    return path, source_only
+
+
+def make_venv(where: Path) -> Path:
+    """A fresh venv (no seed packages) at ``where``; returns its python."""
+    run(["uv", "venv", "--quiet", "--no-config", "--python", PYTHON, str(where)], cwd=where.parent)
+    return where / "bin" / "python"
+
+
+def install(python: Path, wheels: list[Path], constraints: Path, source_only: list[str]) -> None:
+    """The wheels and the test tools, constrained to the lock; no source builds but ``source_only``."""
+    no_binary = [arg for name in source_only for arg in ("--no-binary", name)]
+    run(["uv", "pip", "install", "--quiet", "--no-config", "--python", str(python), "--constraints",
+         str(constraints), "--only-binary", ":all:", *no_binary, *map(str, wheels), *TEST_TOOLS],
+        cwd=python.parent)  # fmt: skip
+
+
+def test_env(venv: Path) -> dict[str, str]:
+    """The environment the venv's tests run in: its bin first on PATH, no PYTHONPATH, no workspace venv."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env["VIRTUAL_ENV"] = str(venv)
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def check_alone(python: Path, package: str, allowed: list[str], env: dict[str, str]) -> None:
+    """The venv imports ``rlfleet.<package>`` from its own site-packages and finds no rlfleet package
+    it does not declare."""
+    absent = [p for p in PACKAGES if p not in allowed and p != package]
+    probe = (
+        "import importlib, importlib.util, sys\n"
+        f"module = importlib.import_module('rlfleet.{package}')\n"
+        "assert sys.prefix in module.__file__, f'rlfleet.{package} comes from {module.__file__}'\n"
+        f"found = [p for p in {absent!r} if importlib.util.find_spec('rlfleet.' + p) is not None]\n"
+        "assert not found, f'installed although not declared: {found}'\n"
+    )
+    run([str(python), "-c", probe], env=env)
+
+
+def run_tests(python: Path, package: str, env: dict[str, str], pytest_args: list[str]) -> int:
+    """``pytest tests/<package>`` with the venv's Python from the repository root; pytest's exit code."""
+    command = [str(python), "-m", "pytest", f"tests/{package}", "-p", "no:cacheprovider", *pytest_args]
+    print("$", " ".join(command), flush=True)
+    return subprocess.run(command, cwd=ROOT, env=env).returncode
+
+
+def isolated(package: str, wheels: dict[str, Path], constraints: Path, source_only: list[str],
+             workdir: Path, pytest_args: list[str]) -> Outcome:  # fmt: skip
+    """Venv, install, import check and tests of one package."""
+    outcome = Outcome(package)
+    deps = declared_rlfleet_dependencies(package)
+    began = time.monotonic()
+    try:
+        python = make_venv(workdir / f"venv-{package}")
+        install(python, [wheels[p] for p in (package, *deps)], constraints, source_only)
+        env = test_env(python.parent.parent)
+        check_alone(python, package, deps, env)
+    except IsolatedTestError as failed:
+        outcome.error = str(failed)
+        return outcome
+    finally:
+        outcome.seconds["install"] = time.monotonic() - began
+    began = time.monotonic()
+    outcome.pytest_rc = run_tests(python, package, env, pytest_args)
+    outcome.seconds["tests"] = time.monotonic() - began
+    if outcome.pytest_rc == 5:
+        outcome.error = f"pytest collected no tests in tests/{package}"
+    elif outcome.pytest_rc != 0:
+        outcome.error = f"pytest exited {outcome.pytest_rc}"
+    return outcome
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "packages", nargs="*", metavar="PACKAGE", help=f"of {', '.join(PACKAGES)}; default: all"
+    )
+    parser.add_argument("--fast", action="store_true", help='only tests not marked slow (-m "not slow")')
+    parser.add_argument("--keep", action="store_true", help="keep the temporary folder (wheels, venvs)")
+    parser.add_argument("--pytest-args", default="-q", help="extra pytest arguments, one string (default -q)")
+    args = parser.parse_args(argv)
+    unknown = [p for p in args.packages if p not in PACKAGES]
+    if unknown:
+        parser.error(f"unknown package(s) {unknown}: name some of {', '.join(PACKAGES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    packages = list(args.packages) or list(PACKAGES)
+    pytest_args = args.pytest_args.split() + (["-m", "not slow"] if args.fast else [])
+    workdir = Path(tempfile.mkdtemp(prefix="rlfleet-isolated-"))
+    outcomes: list[Outcome] = []
+    began = time.monotonic()
+    try:
+        needed = sorted({p for p in packages for p in (p, *declared_rlfleet_dependencies(p))})
+        wheels = build_wheels(needed, workdir / "wheels")
+        constraints, source_only = lock_constraints(workdir)
+        for package in packages:
+            outcomes.append(isolated(package, wheels, constraints, source_only, workdir, pytest_args))
+            if not args.keep:  # a venv is GBs of links: free it before the next
+                shutil.rmtree(workdir / f"venv-{package}", ignore_errors=True)
+    except IsolatedTestError as failed:
+        print(f"isolated tests: {failed}", file=sys.stderr)
+        return 1
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(f"\nisolated tests ({time.monotonic() - began:.0f} s in all):")
+    for o in outcomes:
+        times = ", ".join(f"{k} {v:.0f} s" for k, v in o.seconds.items())
+        print(
+            f"  {dist_name(o.package):20} {'ok' if o.ok else 'FAILED':7} ({times}) {o.error.splitlines()[0] if o.error else ''}"
+        )  # noqa: E501
+        if o.error and o.pytest_rc is None:
+            print("    " + o.error.replace("\n", "\n    "))
+    return 0 if outcomes and all(o.ok for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
