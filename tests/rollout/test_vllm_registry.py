@@ -40,7 +40,8 @@ def test_auto_picks_vllm_exactly_when_it_is_installed() -> None:
 def test_worker_settings_map_to_engine_arguments() -> None:
     cfg = RolloutWorkerConfig(model_path="/m", cluster="c", seed=3, cache_policy="none", max_cache_len=512,
                                tensor_parallel_size=2, colocate=True, sleep_level=2)  # fmt: skip
-    common = {"dtype": "float32", "device": "cuda", "seed": 3, "max_batch_size": 64}
+    common = {"dtype": "float32", "device": "cuda", "seed": 3, "max_batch_size": 64,
+              "trust_remote_code": False}  # fmt: skip
     assert engine_kwargs(cfg, "hf", "cuda") == common
     assert engine_kwargs(cfg, "vllm", "cuda") == {
         **common, "tensor_parallel_size": 2, "gpu_memory_utilization": 0.85, "enforce_eager": False,
