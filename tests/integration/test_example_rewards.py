@@ -1,7 +1,8 @@
 """The rewards of the example jobs on their own data: the committed tiny reward model
 (examples/data/tiny_digits_rm, examples/tiny_ppo_rm.yaml) scores like the rule it was trained to
 imitate, its script builds such a model, and ``numeric`` reads the generated word problems' answers
-(examples/gsm8k_numeric.yaml)."""
+(examples/gsm8k_numeric.yaml). An integration test: the script builds its model with the
+controller's character tokenizer (``rlfleet.controller.tokenizers``), the reward tier scores it."""
 
 from __future__ import annotations
 
