@@ -1,0 +1,33 @@
+"""``mixed_precision: auto`` on a CPU: bf16 only where the CPU computes it natively."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlfleet.common.schema import trainer
+from rlfleet.common.schema.trainer import cpu_has_native_bf16, resolve_precision
+
+AVX2_ONLY = "processor\t: 0\nflags\t\t: fpu vme sse2 avx avx2 fma\n"
+SAPPHIRE = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16\n"
+
+
+@pytest.mark.parametrize(("text", "native"), [(AVX2_ONLY, False), (SAPPHIRE, True), ("processor : 0\n", False)])
+def test_native_bf16_is_read_from_the_cpu_flags(tmp_path: Path, text: str, native: bool) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text(text)
+    assert cpu_has_native_bf16(info) is native
+
+
+def test_an_unreadable_cpuinfo_counts_as_no_bf16(tmp_path: Path) -> None:
+    assert cpu_has_native_bf16(tmp_path / "absent") is False
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_follows_the_cpu_and_explicit_settings_stay(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    monkeypatch.setattr(trainer, "cpu_has_native_bf16", lambda: native)
+    assert resolve_precision("auto", "cpu") == ("bf16" if native else "none")
+    assert resolve_precision("auto", "cuda:0") == "bf16"
+    assert resolve_precision("bf16", "cpu") == "bf16"
+    assert resolve_precision("none", "cuda") == "none"
