@@ -13,7 +13,9 @@ AVX2_ONLY = "processor\t: 0\nflags\t\t: fpu vme sse2 avx avx2 fma\n"
 SAPPHIRE = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16\n"
 
 
-@pytest.mark.parametrize(("text", "native"), [(AVX2_ONLY, False), (SAPPHIRE, True), ("processor : 0\n", False)])
+@pytest.mark.parametrize(
+    ("text", "native"), [(AVX2_ONLY, False), (SAPPHIRE, True), ("processor : 0\n", False)]
+)
 def test_native_bf16_is_read_from_the_cpu_flags(tmp_path: Path, text: str, native: bool) -> None:
     info = tmp_path / "cpuinfo"
     info.write_text(text)
@@ -25,7 +27,9 @@ def test_an_unreadable_cpuinfo_counts_as_no_bf16(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("native", [False, True])
-def test_auto_follows_the_cpu_and_explicit_settings_stay(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+def test_auto_follows_the_cpu_and_explicit_settings_stay(
+    monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
     monkeypatch.setattr(trainer, "cpu_has_native_bf16", lambda: native)
     assert resolve_precision("auto", "cpu") == ("bf16" if native else "none")
     assert resolve_precision("auto", "cuda:0") == "bf16"
