@@ -96,9 +96,9 @@ def test_a_refused_message_names_its_sender_as_printable_text_only() -> None:
 
 
 def test_a_tier_announces_its_package_and_version() -> None:
-    assert release_of("trainer") == {
-        "package": "rlfleet-trainer",
-        "package_version": importlib.metadata.version("rlfleet-trainer"),
+    assert release_of("common") == {  # the one rlfleet package every tier has (tests/common runs alone)
+        "package": "rlfleet-common",
+        "package_version": importlib.metadata.version("rlfleet-common"),
     }
     assert release_of("no-such-tier") == {"package": "rlfleet-no-such-tier", "package_version": ""}
     older = decode(b'{"protocol": "2.3", "kind": "worker.announce", "tier": "reward", "worker_id": "r"}')

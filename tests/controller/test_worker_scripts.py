@@ -21,7 +21,9 @@ def test_a_tier_script_variable_points_the_launcher_at_another_program(
 ) -> None:
     assert script_variable("rlfleet-rollout") == "RLFLEET_ROLLOUT_SCRIPT"
     monkeypatch.delenv("RLFLEET_ROLLOUT_SCRIPT", raising=False)
-    assert find_script("rlfleet-rollout") == str(Path(sys.executable).parent / "rlfleet-rollout")
+    monkeypatch.delenv(script_variable("rlfleet"), raising=False)
+    # the controller's own console script: the one tests/controller can count on (it runs alone)
+    assert find_script("rlfleet") == str(Path(sys.executable).parent / "rlfleet")
     program = tmp_path / "old-rollout"
     program.write_text("#!/bin/sh\n")
     monkeypatch.setenv("RLFLEET_ROLLOUT_SCRIPT", str(program))
@@ -29,7 +31,7 @@ def test_a_tier_script_variable_points_the_launcher_at_another_program(
         find_script("rlfleet-rollout")  # not executable
     program.chmod(0o755)
     assert find_script("rlfleet-rollout") == str(program)
-    assert find_script("rlfleet-trainer") == str(Path(sys.executable).parent / "rlfleet-trainer")
+    assert find_script("rlfleet") == str(Path(sys.executable).parent / "rlfleet")  # others unchanged
     monkeypatch.setenv("RLFLEET_ROLLOUT_SCRIPT", str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match="missing"):
         find_script("rlfleet-rollout")
