@@ -247,9 +247,11 @@ def trl_config(setup: dict[str, Any], workdir: Path) -> Any:
     """TRL's GRPOConfig matching the rlfleet side's settings."""
     from trl import GRPOConfig
 
+    from rlfleet.common.schema.trainer import resolve_precision
     from rlfleet.trainer.loop import BETAS, EPS
 
     s, samples = setup["settings"], PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
+    bf16 = resolve_precision(s["mixed_precision"], "cpu") == "bf16"  # as rlfleet's trainer computes
     micro = min(s["micro_batch_size"], samples)
     return GRPOConfig(
         output_dir=str(workdir / "trl"), max_steps=setup["steps"], per_device_train_batch_size=micro,
@@ -258,7 +260,7 @@ def trl_config(setup: dict[str, Any], workdir: Path) -> Any:
         beta=s["kl_coef"], epsilon=s["clip_eps"], num_iterations=s["ppo_epochs"], loss_type="dapo",
         scale_rewards="group", learning_rate=s["learning_rate"], lr_scheduler_type="constant", warmup_steps=0,
         optim="adamw_torch", adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
-        weight_decay=s["weight_decay"], max_grad_norm=s["max_grad_norm"], bf16=s["mixed_precision"] == "bf16",
+        weight_decay=s["weight_decay"], max_grad_norm=s["max_grad_norm"], bf16=bf16,
         gradient_checkpointing=False, use_cpu=True, use_vllm=False, logging_steps=1, report_to="none",
         save_strategy="no", shuffle_dataset=False, seed=setup["seed"],
         dataloader_num_workers=0, model_init_kwargs={"dtype": "float32"}, disable_dropout=True,
