@@ -114,3 +114,11 @@ def test_a_connection_travels_as_environment_variables_and_reads_back() -> None:
                    "RLFLEET_NATS_TLS_CA_FILE": "/ca.pem"}  # fmt: skip
     assert NatsConnection().resolved(env) == login and NatsConnection().env() == {}
     assert RunCredentials.generate("c").env("trainer")["RLFLEET_NATS_INBOX_PREFIX"] == "_INBOX.trainer"
+
+
+def test_the_repr_of_a_fleet_address_hides_url_logins() -> None:
+    from rlfleet.common.schema.worker import FleetAddress
+
+    shown = repr(FleetAddress(nats_url="nats://u:pw-secret@h:4222,nats://tok-secret@g:4222"))
+    assert "pw-secret" not in shown and "tok-secret" not in shown
+    assert "nats://u:***@h:4222" in shown and "g:4222" in shown

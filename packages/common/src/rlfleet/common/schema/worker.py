@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from rlfleet.common.schema.config import ConfigModel
-from rlfleet.common.schema.connection import NatsConnection
+from rlfleet.common.schema.connection import NatsConnection, mask_url
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 Device = Literal["auto", "cpu", "cuda"]
@@ -37,6 +37,12 @@ class FleetAddress(ConfigModel):
         default_factory=NatsConnection,
         description="NATS credentials and TLS (unset fields: RLFLEET_NATS_*; an embedded run makes its own)",
     )
+
+    def __repr_args__(self) -> Any:
+        """``repr()`` (and so tracebacks and log lines that show a config) hides the user info of
+        every NATS URL (``reward_url`` too, where a subclass has one); secrets are SecretStr already."""
+        for name, value in super().__repr_args__():
+            yield name, mask_url(value) if name.endswith("_url") and isinstance(value, str) else value
 
 
 class Placement(ConfigModel):
