@@ -180,7 +180,7 @@ def test_sigterm_while_starting_stops_every_process_the_run_started(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_ctrl_c_stops_every_process_the_run_started(
     tmp_path: Path, venv_script, cli_env, tiny_model_dir, procs
 ) -> None:
@@ -201,7 +201,7 @@ def test_ctrl_c_stops_every_process_the_run_started(
         pids = procs.launched(out)
         assert len(pids) == 4 and all(procs.alive(pid) for pid in pids.values())
         proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=60)
+        _, stderr = proc.communicate(timeout=150)  # workers stop after their step; slow on a loaded machine
     finally:
         if proc.poll() is None:
             proc.kill()
