@@ -211,8 +211,8 @@ def test_local_rows_balance_and_pad() -> None:
     assert shares[1].rows.tolist() == [3, 4, 0] and shares[1].weights.tolist() == [1.0, 1.0, 0.0]
     real = sorted(r for s in shares for r in s.rows[s.real].tolist())
     assert real == [0, 1, 2, 3, 4]  # every row exactly once
-    single = local_rows(torch.tensor([4, 0, 2]), lengths, 0, 1)
-    assert single.rows.tolist() == [4, 0, 2] and single.weights.tolist() == [1.0, 1.0, 1.0]
+    single = local_rows(torch.tensor([4, 0, 2]), lengths, 0, 1)  # one rank: longest first too
+    assert single.rows.tolist() == [0, 4, 2] and single.weights.tolist() == [1.0, 1.0, 1.0]
     tiny = local_rows(torch.tensor([2]), lengths, 1, 2)  # fewer rows than ranks: a padding row
     assert tiny.rows.tolist() == [2] and tiny.weights.tolist() == [0.0]
     with pytest.raises(ValueError, match="empty"):

@@ -144,3 +144,35 @@ def test_token_logprobs_match_a_full_forward(tiny_model_dir: Path) -> None:
     torch.testing.assert_close(logp, expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="response_len"):
         token_logprobs(model, ids, torch.ones_like(ids), 6)
+
+
+def test_right_padding_shared_by_every_row_is_not_computed(tiny_model_dir: Path) -> None:
+    """Responses right-padded past the micro-batch's longest: the forward runs at that width and
+    the outputs come back at the batch's width, with the same values and gradients as a forward
+    over every column, zeros in the dropped ones."""
+    model = load_causal_lm(tiny_model_dir)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 0, 0, 0], [3, 4, 9, 8, 0, 0, 0, 0]])
+    mask = (ids > 0).long()
+    widths: list[int] = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, a, out: widths.append(a[0].shape[1]))
+    logp, entropy = token_logprobs(model, ids, mask, 6)  # responses of 3 and 2 tokens, width 6
+    hook.remove()
+    assert widths == [5] and logp.shape == entropy.shape == (2, 6)  # 2 prompt + 3 response columns
+    assert logp[:, 3:].eq(0).all() and entropy[:, 3:].eq(0).all()
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, 1:4]
+    expected = torch.log_softmax(logits, -1).gather(-1, ids[:, 2:5].unsqueeze(-1)).squeeze(-1)
+    real = mask[:, 2:5].bool()
+    torch.testing.assert_close(logp[:, :3][real], expected[real], atol=1e-5, rtol=1e-5)
+
+    def grads(values: torch.Tensor) -> list[torch.Tensor]:
+        model.zero_grad()
+        (values[:, :3] * mask[:, 2:5]).sum().backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    trimmed = grads(token_logprobs(model, ids, mask, 6)[0])
+    full = grads(torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, 1:4], -1)
+                 .gather(-1, ids[:, 2:5].unsqueeze(-1)).squeeze(-1))  # fmt: skip
+    for a, b in zip(trimmed, full, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    empty = token_logprobs(model, ids[:, :3], torch.tensor([[1, 1, 0], [1, 1, 0]]), 1)[0]
+    assert empty.shape == (2, 1)  # no response token at all: one column is still computed

@@ -30,7 +30,7 @@ from transformers import AutoModel, PreTrainedModel
 
 from rlfleet.common.schema.trainer import ModelSettings
 from rlfleet.trainer.distributed import DistContext, forward_rows, shard_model
-from rlfleet.trainer.forward import PolicyInputs
+from rlfleet.trainer.forward import PolicyInputs, pad_response, trim_response_padding
 from rlfleet.trainer.loop import Trainable, placement
 from rlfleet.trainer.model_io import disable_dropout, load_pretrained
 
@@ -58,11 +58,15 @@ class ValueModel(nn.Module):
         """(B, T) ids, mask and positions -> (B, R) float32 values of the last R tokens."""
         if not 0 < response_len < input_ids.shape[1]:
             raise ValueError(f"response_len must be in (0, T={input_ids.shape[1]}); got {response_len}")
+        width = response_len
+        input_ids, attention_mask, position_ids, response_len = trim_response_padding(
+            input_ids, attention_mask, position_ids, response_len
+        )
         out = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
         hidden = out.last_hidden_state[:, -(response_len + 1) : -1]
-        return self.value_head(hidden).squeeze(-1).float()
+        return pad_response(self.value_head(hidden).squeeze(-1).float(), width)
 
 
 def load_value_model(

@@ -279,15 +279,18 @@ class LocalRows:
 def local_rows(rows: Tensor, lengths: Tensor, rank: int, world_size: int) -> LocalRows:
     """Rank ``rank``'s rows of ``rows`` (M,) given every row's token count ``lengths`` (N,).
 
-    With one rank the rows come back unchanged (same order). Otherwise the rows are sorted by
-    length, longest first (stable), and dealt out ``rank::world_size``; every rank gets
-    ``ceil(M / world_size)`` rows, the last ones padding (weight 0) where M does not divide.
+    The rows are sorted by length, longest first (stable): consecutive micro-batches then hold
+    rows of similar length, so each runs at its own width (the padding columns that none of its
+    rows uses are dropped, :meth:`~rlfleet.trainer.forward.PolicyInputs.select` and
+    :func:`~rlfleet.trainer.forward.trim_response_padding`). With one rank that is all; otherwise
+    they are dealt out ``rank::world_size``, and every rank gets ``ceil(M / world_size)`` rows, the
+    last ones padding (weight 0) where M does not divide.
     """
+    order = torch.sort(lengths[rows].cpu(), descending=True, stable=True).indices
     if world_size == 1:
-        return LocalRows(rows, torch.ones(len(rows), dtype=torch.float32, device=rows.device))
+        return LocalRows(rows[order.to(rows.device)], torch.ones(len(rows), dtype=torch.float32, device=rows.device))
     if len(rows) == 0:
         raise ValueError("cannot split an empty set of rows over ranks")
-    order = torch.sort(lengths[rows].cpu(), descending=True, stable=True).indices
     mine = rows[order.to(rows.device)][rank::world_size]
     target = -(-len(rows) // world_size)
     weights = torch.ones(target, dtype=torch.float32, device=rows.device)

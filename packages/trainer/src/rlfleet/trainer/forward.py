@@ -229,6 +229,30 @@ def logprobs_from_logits(
     return logprobs, entropy
 
 
+def trim_response_padding(
+    input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, response_len: int
+) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Drop the trailing columns that are padding in every row: ``(ids, mask, positions, R')``.
+
+    Responses are right-padded to the batch's longest, so a micro-batch of shorter ones (rows are
+    grouped by length, :func:`~rlfleet.trainer.distributed.local_rows`) carries columns no row
+    uses; the forward skips them. R' >= 1 is the micro-batch's own response width; put the
+    outputs back to width R with :func:`pad_response`.
+    """
+    used = attention_mask[:, -response_len:].any(dim=0).nonzero()
+    kept = int(used[-1].item()) + 1 if used.numel() else 1
+    if kept == response_len:
+        return input_ids, attention_mask, position_ids, response_len
+    end = input_ids.shape[1] - (response_len - kept)
+    return input_ids[:, :end], attention_mask[:, :end], position_ids[:, :end], kept
+
+
+def pad_response(values: Tensor, width: int) -> Tensor:
+    """(B, R') -> (B, ``width``): zeros in the trimmed padding columns."""
+    missing = width - values.shape[1]
+    return values if missing == 0 else torch.nn.functional.pad(values, (0, missing))
+
+
 def _accepts_logits_to_keep(model: nn.Module) -> bool:
     """Whether ``model.forward`` takes ``logits_to_keep`` (every recent HF causal LM does)."""
     return "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -269,6 +293,10 @@ def token_logprobs(
         raise ValueError(f"response_len must be in (0, T={input_ids.shape[1]}); got {response_len}")
     if position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
+    width = response_len
+    input_ids, attention_mask, position_ids, response_len = trim_response_padding(
+        input_ids, attention_mask, position_ids, response_len
+    )
     # the logit at position t predicts token t + 1: keep positions T-R-1 .. T-2
     total = input_ids.shape[1]
     kwargs: dict[str, object] = {"use_cache": False}
@@ -281,7 +309,7 @@ def token_logprobs(
     if trim:
         logits = logits[:, -(response_len + 1) : -1]
     labels = input_ids[:, -response_len:]
-    return logprobs_from_logits(
+    logp, entropy = logprobs_from_logits(
         logits,
         labels,
         temperature=temperature,
@@ -290,3 +318,4 @@ def token_logprobs(
         chunk_rows=chunk_rows,
         compiled=compiled,
     )
+    return pad_response(logp, width), None if entropy is None else pad_response(entropy, width)
