@@ -5,10 +5,11 @@
 
 Both sides train SmolLM2-135M-Instruct (the local folder rlfleet's ``smollm2`` alias resolves to)
 with the main job's settings (examples/smollm2_concise.yaml: reward spec, learning rate, KL
-coefficient, temperature, clip range, weight decay, gradient clipping, micro-batch, bf16 autocast
-with fp32 weights), changed only where the comparison says so: every parameter trains
-(``trainable_layers`` unset), 8 prompts x 4 samples a step, at most 96 response tokens, no
-held-out evaluation, no sample table. The prompts are the first ``8 * steps`` of
+coefficient, temperature, clip range, weight decay, gradient clipping, micro-batch, and the
+precision rlfleet's trainer resolves from ``mixed_precision``), changed only where the comparison
+says so: every parameter trains (``trainable_layers`` unset), 8 prompts x 4 samples a step with one
+optimizer step (TRL's ``num_iterations=1`` over one generation batch), at most 96 response tokens,
+no held-out evaluation, no sample table. The prompts are the first ``8 * steps`` of
 examples/data/questions.jsonl; TRL gets them in the order rlfleet's seeded shuffle visits them
 (``PromptDataset.batches``), unshuffled, so step k sees the same 8 prompts on both sides. TRL's
 reward function calls the job's rlfleet reward in-process on what rlfleet's reward tier is handed
