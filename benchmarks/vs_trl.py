@@ -1,6 +1,6 @@
 """Side by side with TRL: rlfleet's GRPO and TRL's GRPOTrainer on the same job, on one machine.
 
-    uv run --extra cpu --group bench python benchmarks/vs_trl.py               # 10 steps each
+    uv run --extra cpu --group bench python benchmarks/vs_trl.py               # 10 steps each side
     uv run --extra cpu --group bench python benchmarks/vs_trl.py --steps 1 --only trl   # a smoke run
 
 Both sides train SmolLM2-135M-Instruct (the local folder rlfleet's ``smollm2`` alias resolves to)
@@ -17,6 +17,12 @@ reward function calls the job's rlfleet reward in-process on what rlfleet's rewa
 same function. TRL: no vLLM (CPU), AdamW with rlfleet's betas and epsilon, constant learning rate,
 ``loss_type='dapo'`` (token mean over the batch, as rlfleet's ``loss_agg=token-mean``),
 ``scale_rewards='group'`` (GRPO's group std), activation checkpointing off.
+
+TRL runs twice, as two sides: ``trl`` computes the 32 samples in micro-batches of the job's
+``micro_batch_size`` with gradient accumulation, as rlfleet's trainer does (the like-for-like
+comparison); ``trl_one_micro_batch`` computes them in one forward and backward, the configuration
+issue 14's reference numbers (about 47 s/step, 14.6 GiB) were measured with. Ratios are reported
+against each.
 
 Each side runs as its own subprocess, one after the other: rlfleet as the real CLI (``rlfleet
 train``, which starts nats-server and its worker processes), TRL as this script with
@@ -51,18 +57,23 @@ MAIN_JOB = REPO / "examples" / "smollm2_concise.yaml"
 PROMPTS = REPO / "examples" / "data" / "questions.jsonl"
 PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, RESPONSE_TOKENS = 8, 4, 96
 GIB = 1024**3
+SIDES = ("rlfleet", "trl", "trl_one_micro_batch")
+"""``trl``: TRL in micro-batches of the job's ``micro_batch_size`` (as rlfleet's trainer computes);
+``trl_one_micro_batch``: TRL with the whole 32-sample batch in one micro-batch (no accumulation),
+the configuration issue 14's reference numbers were measured with."""
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=10, help="training steps of each side")
-    p.add_argument("--only", choices=("rlfleet", "trl"), help="run one side only")
+    p.add_argument("--only", choices=SIDES, help="run one side only")
     p.add_argument("--out", type=Path, default=RESULTS, help="result JSON")
     p.add_argument("--job", type=Path, default=MAIN_JOB, help="the rlfleet job whose settings both use")
     p.add_argument("--sample-s", type=float, default=0.5, help="seconds between RSS samples")
     p.add_argument("--pss-every", type=float, default=10.0, help="seconds between PSS samples (0: none)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one side may take")
     p.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)  # internal: run TRL's side
+    p.add_argument("--one-micro-batch", action="store_true", help=argparse.SUPPRESS)  # internal, with it
     args = p.parse_args()
     if args.steps < 1:
         p.error("--steps must be at least 1")
@@ -211,10 +222,11 @@ def run_rlfleet(setup: dict[str, Any], workdir: Path, args: argparse.Namespace) 
     return {**figures, **measured, "command": " ".join(command)}
 
 
-def run_trl(setup: dict[str, Any], workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+def run_trl(setup: dict[str, Any], workdir: Path, args: argparse.Namespace, one: bool = False) -> dict:
     command = [sys.executable, str(Path(__file__).resolve()), "--trl-child", str(workdir)]
-    measured = run_side("trl", command, workdir, args)
-    steps = json.loads((workdir / "trl_steps.json").read_text())
+    command += ["--one-micro-batch"] if one else []
+    measured = run_side("trl_one_micro_batch" if one else "trl", command, workdir, args)
+    steps = json.loads((workdir / f"trl_steps{'_one' if one else ''}.json").read_text())
     ends = [s["time"] for s in steps["steps"]]
     figures = step_figures(ends, ends[0] - steps["train_begin"], [s["reward"] for s in steps["steps"]],
                            [s["length"] for s in steps["steps"]])  # fmt: skip
@@ -244,8 +256,9 @@ def trl_reward_fn(setup: dict[str, Any], tokenizer: Any) -> Any:
     return rlfleet_reward
 
 
-def trl_config(setup: dict[str, Any], workdir: Path) -> Any:
-    """TRL's GRPOConfig matching the rlfleet side's settings."""
+def trl_config(setup: dict[str, Any], workdir: Path, one_micro_batch: bool = False) -> Any:
+    """TRL's GRPOConfig matching the rlfleet side's settings; with ``one_micro_batch`` the whole
+    batch is one forward and backward (no gradient accumulation), else micro-batches as rlfleet's."""
     from trl import GRPOConfig
 
     from rlfleet.common.schema.trainer import resolve_precision
@@ -253,7 +266,7 @@ def trl_config(setup: dict[str, Any], workdir: Path) -> Any:
 
     s, samples = setup["settings"], PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
     bf16 = resolve_precision(s["mixed_precision"], "cpu") == "bf16"  # as rlfleet's trainer computes
-    micro = min(s["micro_batch_size"], samples)
+    micro = samples if one_micro_batch else min(s["micro_batch_size"], samples)
     return GRPOConfig(
         output_dir=str(workdir / "trl"), max_steps=setup["steps"], per_device_train_batch_size=micro,
         gradient_accumulation_steps=samples // micro, num_generations=SAMPLES_PER_PROMPT,
@@ -269,7 +282,7 @@ def trl_config(setup: dict[str, Any], workdir: Path) -> Any:
     )  # fmt: skip
 
 
-def trl_child(workdir: Path) -> int:
+def trl_child(workdir: Path, one_micro_batch: bool) -> int:
     """TRL's side (a subprocess of the driver): train, writing each step's end time, reward, length."""
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -292,7 +305,7 @@ def trl_child(workdir: Path) -> int:
                 record["steps"].append({"step": state.global_step, "time": time.time(),
                                         "reward": logs["reward"], "length": length})  # fmt: skip
 
-    config = trl_config(setup, workdir)
+    config = trl_config(setup, workdir, one_micro_batch)
     trainer = GRPOTrainer(model=setup["model_dir"], reward_funcs=trl_reward_fn(setup, tokenizer), args=config,
                           train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                           callbacks=[StepClock()])  # fmt: skip
@@ -300,7 +313,8 @@ def trl_child(workdir: Path) -> int:
     record["grpo_config"] = {
         k: v for k, v in config.to_dict().items() if isinstance(v, int | float | str | bool)
     }
-    (workdir / "trl_steps.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    out = workdir / f"trl_steps{'_one' if one_micro_batch else ''}.json"
+    out.write_text(json.dumps(record, indent=2, default=str) + "\n")
     return 0
 
 
@@ -331,14 +345,15 @@ def print_table(report: dict[str, Any]) -> None:
     for label, key in rows:
         print(f"| {label} | " + " | ".join(str(side.get(key)) for side in sides.values()) + " |")
     m = report["machine"]
-    print(f"speed ratio (TRL s/step / rlfleet s/step): {report.get('speed_ratio')}; "
+    print(f"speed ratio (TRL s/step / rlfleet s/step): {report.get('speed_ratio')}, one micro-batch: "
+          f"{report.get('speed_ratio_one_micro_batch')}; "
           f"machine: {m['cpu_count']} cores, {m['cpu']}, {m['memory_gib']} GiB")  # fmt: skip
 
 
 def main() -> int:
     args = parse_args()
     if args.trl_child is not None:
-        return trl_child(args.trl_child)
+        return trl_child(args.trl_child, args.one_micro_batch)
     report: dict[str, Any] = {
         "command": " ".join(["python", *sys.argv]),
         "steps": args.steps,
@@ -351,16 +366,19 @@ def main() -> int:
         report["setup"] = {
             k: setup[k] for k in ("model_dir", "job_file", "overrides", "order", "reward", "settings")
         }
-        runners = {"rlfleet": run_rlfleet, "trl": run_trl}
+        runners = {"rlfleet": run_rlfleet, "trl": run_trl,
+                   "trl_one_micro_batch": lambda *a: run_trl(*a, one=True)}  # fmt: skip
         report["sides"] = {}
         for name in (args.only,) if args.only else tuple(runners):
             print(f"running {name} for {args.steps} steps ...", flush=True)
             report["sides"][name] = runners[name](setup, workdir, args)
     report["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     sides = report["sides"]
-    if len(sides) == 2 and sides["rlfleet"]["s_per_step"] and sides["trl"]["s_per_step"]:
-        report["speed_ratio"] = round(sides["trl"]["s_per_step"] / sides["rlfleet"]["s_per_step"], 2)
-        report["memory_ratio_rss"] = round(sides["trl"]["peak_rss_gib"] / sides["rlfleet"]["peak_rss_gib"], 2)
+    ours = sides.get("rlfleet", {})
+    for name in (n for n in SIDES[1:] if n in sides and ours.get("s_per_step") and sides[n]["s_per_step"]):
+        suffix = "" if name == "trl" else "_one_micro_batch"  # trl: the keys earlier results have
+        report["speed_ratio" + suffix] = round(sides[name]["s_per_step"] / ours["s_per_step"], 2)
+        report["memory_ratio_rss" + suffix] = round(sides[name]["peak_rss_gib"] / ours["peak_rss_gib"], 2)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)
