@@ -11,6 +11,13 @@ from pathlib import Path
 import pytest
 
 from rlfleet.common.control.embedded_nats import EmbeddedNats
+from rlfleet.common.schema.trainer import CPU_BF16_ENV
+
+# ``mixed_precision: auto`` would train in bf16 on a CPU with AVX512-BF16 or AMX and in fp32 on
+# others; the suite pins fp32 so that it checks the same numbers on every CI host (its exactness
+# tests compare micro-batched, sharded and resumed updates bit for bit or at fp32 tolerances).
+# Every process a test starts inherits it. ``RLFLEET_CPU_BF16=1 pytest ...`` runs the bf16 path.
+os.environ.setdefault(CPU_BF16_ENV, "0")
 
 
 @pytest.fixture(scope="session")

@@ -87,6 +87,26 @@ def test_update_moves_the_logprob_of_the_advantaged_sample(
     assert "kl" not in metrics and actor.ref_model is None
 
 
+def test_bf16_autocast_on_cpu_keeps_fp32_weights_and_updates_in_the_advantaged_direction(
+    tiny_model_dir: Path, make_batch: Callable
+) -> None:
+    # the suite pins fp32 for auto (tests/conftest.py); a CPU with AVX512-BF16 or AMX runs this path
+    # by default, so it is tested explicitly here
+    fp32, bf16 = _actor(tiny_model_dir, lr=1e-2), _actor(tiny_model_dir, lr=1e-2, mixed_precision="bf16")
+    batch = make_batch(PROMPTS, RESPONSES)
+    inputs = build_policy_inputs(batch)
+    exact = fp32.compute_logprobs(inputs, micro_batch_size=5)
+    before = bf16.compute_logprobs(inputs, micro_batch_size=5)
+    assert before.dtype == torch.float32
+    mask = batch["response_mask"].bool()
+    assert 0 < (before - exact)[mask].abs().max().item() < 0.1  # computed in bf16, close to fp32
+    metrics = update(bf16, batch, torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0]), micro_batch_size=2)
+    after = bf16.compute_logprobs(inputs, micro_batch_size=5)
+    assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
+    assert after[0].sum().item() - before[0].sum().item() > 0.05
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
+
+
 def test_rollout_logprob_diff_reports_engine_drift(tiny_model_dir: Path, make_batch: Callable) -> None:
     actor = _actor(tiny_model_dir, lr=1e-9)
     batch = make_batch(PROMPTS, RESPONSES)

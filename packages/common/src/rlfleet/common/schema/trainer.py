@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -48,14 +49,32 @@ def cpu_has_native_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
     return False
 
 
+CPU_BF16_ENV = "RLFLEET_CPU_BF16"
+"""``1`` or ``0`` overrides :func:`cpu_has_native_bf16` for ``mixed_precision: auto`` on a CPU (for
+one numeric path across a fleet of mixed CPUs, or fp32 tests on any host); unset or empty: read
+the CPU's flags."""
+
+
+def cpu_bf16_override() -> bool | None:
+    """The ``RLFLEET_CPU_BF16`` setting: True, False, or None when unset; any other value is refused."""
+    value = os.environ.get(CPU_BF16_ENV, "").strip()
+    if not value:
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"{CPU_BF16_ENV} must be 0 or 1 (or unset to read the CPU's flags), got {value!r}")
+    return value == "1"
+
+
 def resolve_precision(setting: Precision, device: str) -> Literal["none", "bf16"]:
-    """``auto`` is bf16 autocast on a GPU, and on a CPU with native bf16 (:func:`cpu_has_native_bf16`),
-    else none (fp32); the others are themselves."""
+    """``auto`` is bf16 autocast on a GPU, and on a CPU with native bf16 (:func:`cpu_has_native_bf16`,
+    or ``RLFLEET_CPU_BF16`` where set), else none (fp32); the others are themselves."""
     if setting != "auto":
         return setting
-    if str(device).startswith("cuda") or cpu_has_native_bf16():
+    if str(device).startswith("cuda"):
         return "bf16"
-    return "none"
+    forced = cpu_bf16_override()
+    native = cpu_has_native_bf16() if forced is None else forced
+    return "bf16" if native else "none"
 
 
 class ModelSettings(ModelLoading):
@@ -67,7 +86,8 @@ class ModelSettings(ModelLoading):
     mixed_precision: Precision = Field(
         default="auto",
         description="trainer bf16 autocast with fp32 master weights; auto: bf16 on a GPU and on a CPU with "
-        "AVX512-BF16 or AMX, none (fp32) on other CPUs, where bf16 is emulated and several times slower",
+        "AVX512-BF16 or AMX, none (fp32) on other CPUs, where bf16 is emulated and several times slower "
+        "(RLFLEET_CPU_BF16=0 or 1 overrides the CPU check)",
     )
     trainable_layers: int | None = Field(
         default=None,
