@@ -179,6 +179,10 @@ def test_sigterm_while_starting_stops_every_process_the_run_started(
     assert procs.survivors(pids) == []
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ctrl_c_stops_every_process_the_run_started(
@@ -188,9 +192,12 @@ def test_ctrl_c_stops_every_process_the_run_started(
     command = [venv_script("rlfleet"), "train", str(EXAMPLE), f"output_dir={out}", f"model={tiny_model_dir}",
                "num_epochs=1000", "max_steps=100000", "log_every=1", "sample_table_size=0",
                "rollout_batch_size=4", "train_batch_size=4", "group_size=4"]  # fmt: skip
+    # as from a terminal: a pytest started in the background (`cmd &` in a script) ignores SIGINT,
+    # and a child inherits that, so Ctrl-C would never reach the run
     proc = subprocess.Popen(
-        command, cwd=REPO, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+        command, cwd=REPO, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_sigint_default,
+    )  # fmt: skip
     try:
         metrics = out / "metrics.jsonl"
         deadline = time.monotonic() + 120
