@@ -222,11 +222,16 @@ def run_rlfleet(setup: dict[str, Any], workdir: Path, args: argparse.Namespace) 
     return {**figures, **measured, "command": " ".join(command)}
 
 
+def trl_steps_file(workdir: Path, one_micro_batch: bool) -> Path:
+    """Where a TRL child writes its steps (the two TRL sides share the work folder)."""
+    return workdir / f"trl_steps{'_one' if one_micro_batch else ''}.json"
+
+
 def run_trl(setup: dict[str, Any], workdir: Path, args: argparse.Namespace, one: bool = False) -> dict:
     command = [sys.executable, str(Path(__file__).resolve()), "--trl-child", str(workdir)]
     command += ["--one-micro-batch"] if one else []
     measured = run_side("trl_one_micro_batch" if one else "trl", command, workdir, args)
-    steps = json.loads((workdir / f"trl_steps{'_one' if one else ''}.json").read_text())
+    steps = json.loads(trl_steps_file(workdir, one).read_text())
     ends = [s["time"] for s in steps["steps"]]
     figures = step_figures(ends, ends[0] - steps["train_begin"], [s["reward"] for s in steps["steps"]],
                            [s["length"] for s in steps["steps"]])  # fmt: skip
@@ -313,8 +318,7 @@ def trl_child(workdir: Path, one_micro_batch: bool) -> int:
     record["grpo_config"] = {
         k: v for k, v in config.to_dict().items() if isinstance(v, int | float | str | bool)
     }
-    out = workdir / f"trl_steps{'_one' if one_micro_batch else ''}.json"
-    out.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    trl_steps_file(workdir, one_micro_batch).write_text(json.dumps(record, indent=2, default=str) + "\n")
     return 0
 
 

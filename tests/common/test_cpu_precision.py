@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema import trainer
 from rlfleet.common.schema.trainer import CPU_BF16_ENV, cpu_has_native_bf16, resolve_precision
 
@@ -56,6 +57,6 @@ def test_a_malformed_override_is_refused_naming_the_variable(
     monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
     monkeypatch.setenv(CPU_BF16_ENV, value)
-    with pytest.raises(ValueError, match=f"{CPU_BF16_ENV} must be 0 or 1.*{value!r}"):
+    with pytest.raises(ConfigError, match=f"'mixed_precision'.*{CPU_BF16_ENV} must be 0 or 1.*{value!r}"):
         resolve_precision("auto", "cpu")
     assert resolve_precision("none", "cpu") == "none"  # only auto reads it

@@ -36,6 +36,18 @@ def test_a_missing_checkpoint_exits_2_before_anything_starts(
     assert not (out / "fleet").exists(), "nothing may be spawned for a missing checkpoint"
 
 
+def test_a_malformed_cpu_bf16_override_exits_2_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RLFLEET_CPU_BF16", "yes")
+    out = tmp_path / "run"
+    assert cli.main(["train", str(TINY), f"output_dir={out}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "RLFLEET_CPU_BF16 must be 0 or 1" in err[0] and "'yes'" in err[0], err
+    assert not out.exists(), "nothing may be spawned for a malformed environment"
+    assert cli.main(["config", str(TINY), "mixed_precision=none"]) == 0  # read only for auto
+
+
 @pytest.mark.parametrize(
     ("error", "code", "needle"),
     [

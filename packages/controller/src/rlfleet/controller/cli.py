@@ -52,9 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load_job(path: Path, overrides: Sequence[str]) -> JobConfig:
     from rlfleet.common.schema.config import load_config
+    from rlfleet.common.schema.trainer import cpu_bf16_override
     from rlfleet.controller.config import JobConfig
 
     job = load_config(JobConfig, path, list(overrides))
+    if job.mixed_precision == "auto":  # a malformed RLFLEET_CPU_BF16 is the user's to fix, before any start
+        cpu_bf16_override()
     data_path = Path(job.data.path)
     if not data_path.is_absolute() and not data_path.exists() and (path.parent / data_path).exists():
         job.data.path = str(path.parent / data_path)

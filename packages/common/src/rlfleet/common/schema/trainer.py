@@ -21,6 +21,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.algorithms import ALGORITHMS, AlgorithmName, KLMode
 from rlfleet.common.schema.config import ConfigModel
 from rlfleet.common.schema.worker import ModelLoading, ModelWorkerConfig
@@ -56,12 +57,14 @@ the CPU's flags."""
 
 
 def cpu_bf16_override() -> bool | None:
-    """The ``RLFLEET_CPU_BF16`` setting: True, False, or None when unset; any other value is refused."""
+    """The ``RLFLEET_CPU_BF16`` setting: True, False, or None when unset; any other value raises
+    :class:`~rlfleet.common.errors.ConfigError` (it is only read for ``mixed_precision: auto``)."""
     value = os.environ.get(CPU_BF16_ENV, "").strip()
     if not value:
         return None
     if value not in ("0", "1"):
-        raise ValueError(f"{CPU_BF16_ENV} must be 0 or 1 (or unset to read the CPU's flags), got {value!r}")
+        reason = f"{CPU_BF16_ENV} must be 0 or 1 (or unset to read the CPU's flags), got {value!r}"
+        raise ConfigError("mixed_precision", "auto", reason)
     return value == "1"
 
 
