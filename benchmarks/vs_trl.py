@@ -209,8 +209,12 @@ def step_figures(ends: list[float], first_step_s: float, rewards: list[float], l
         "steps": n, "s_per_step": round((ends[-1] - ends[0]) / (n - 1), 2) if n > 1 else None,
         "first_step_s": round(first_step_s, 2), "reward_last": round(rewards[-1], 4),
         "reward_mean": round(statistics.fmean(rewards), 4), "length_tokens_last": round(lengths[-1], 1),
-        "rewards": [round(r, 4) for r in rewards],
+        "rewards": [round(r, 4) for r in rewards], "lengths_tokens": [round(x, 1) for x in lengths],
     }  # fmt: skip
+
+
+PHASES = ("generate_s", "score_s", "train_s", "publish_s")
+"""rlfleet's ``time/*`` metrics of a step, averaged over steps 2..N in the result."""
 
 
 def run_rlfleet(setup: dict[str, Any], workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -219,7 +223,9 @@ def run_rlfleet(setup: dict[str, Any], workdir: Path, args: argparse.Namespace) 
     rows = [json.loads(line) for line in (workdir / "rlfleet" / "metrics.jsonl").read_text().splitlines()]
     rewards, lengths = [r["reward/mean"] for r in rows], [r["response_length"] for r in rows]
     figures = step_figures([r["time"] for r in rows], rows[0]["time/step_s"], rewards, lengths)
-    return {**figures, **measured, "command": " ".join(command)}
+    timed = rows[1:] or rows  # the first step (warm-up) left out, as in s/step
+    phases = {name: round(statistics.fmean(r[f"time/{name}"] for r in timed), 2) for name in PHASES}
+    return {**figures, "phases_mean": phases, **measured, "command": " ".join(command)}
 
 
 def trl_steps_file(workdir: Path, one_micro_batch: bool) -> Path:

@@ -106,6 +106,7 @@ def main(model_dir: str, batch_path: str, out_dir: str) -> None:
     actor = Actor(model_dir, None, ctx, learning_rate=1e-2, weight_decay=0.0)
     seen: dict[str, Any] = {"rank": ctx.rank, "world_size": ctx.world_size, "mesh": list(ctx.mesh.shape)}
     seen["dtensor_params"] = all(isinstance(p, DTensor) for p in actor.model.parameters())
+    seen["share_prompts"] = actor.share_prompts  # off: the ranks must run the same forwards
 
     prepared = prepare(actor, data, adv, micro_batch_size=2, with_reference=True)
     prepared = dataclasses.replace(

@@ -180,6 +180,7 @@ def test_publish_gathers_the_full_state_dict_bucket_by_bucket(
         torch.testing.assert_close(tensor, state[name], rtol=0, atol=0, msg=name)
     main, other = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
     assert main["dtensor_params"] and other["dtensor_params"] and main["mesh"] == [2]
+    assert not main["share_prompts"] and not other["share_prompts"]  # ranks do not share prompts
     assert len(main["bucket_bytes"]) == len(other["bucket_bytes"]) > 4
     assert all(size <= BUCKET_BYTES for size in main["bucket_bytes"])
     assert not any(other["bucket_bytes"])  # rank 1 gathers with rank 0 but keeps nothing

@@ -40,6 +40,7 @@ from rlfleet.trainer.model_io import (
     set_seed,
     train_top_layers,
 )
+from rlfleet.trainer.shared_prompt import PromptLayout
 from rlfleet.trainer.weights import iter_weight_buckets
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,9 @@ class Actor(Trainable):
         self._reshard = reshard_after_forward
         self.compiled = self.settings.compile if compile is None else compile
         self.logprob_chunk_rows = logprob_chunk_rows
+        # one process only: FSDP ranks gather every block in lockstep, so the check a model gets on
+        # first use (one rank's extra forwards) would desynchronise them
+        self.share_prompts = self.settings.share_prompts and not self.compiled and not dist.distributed
         policy = self._load(dist)
         disable_dropout(policy)
         if self.settings.gradient_checkpointing:
@@ -154,6 +158,7 @@ class Actor(Trainable):
                 model if model is not None else self.model, mb.input_ids, mb.attention_mask, mb.response_len,
                 position_ids=mb.position_ids, temperature=temperature, compute_entropy=entropy,
                 entropy_grad=entropy_grad, chunk_rows=self.logprob_chunk_rows, compiled=self.compiled,
+                share_prompts=self.share_prompts,
             )  # fmt: skip
 
     @torch.no_grad()
@@ -176,7 +181,11 @@ class Actor(Trainable):
         def forward(mb: PolicyInputs) -> Tensor:
             return self.logprobs(mb, temperature=temperature, entropy=False, model=model)[0]
 
-        return forward_rows(inputs, micro_batch_size, self.dist, forward)
+        prompts = None
+        if self.share_prompts:
+            prompts = PromptLayout.of(inputs.input_ids, inputs.attention_mask, inputs.position_ids,
+                                      inputs.response_len)  # fmt: skip
+        return forward_rows(inputs, micro_batch_size, self.dist, forward, prompts)
 
     def iter_weight_buckets(
         self,

@@ -47,6 +47,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from rlfleet.common.schema.trainer import Sharding
 from rlfleet.trainer.forward import PolicyInputs
 from rlfleet.trainer.model_io import decoder_layers, save_hf
+from rlfleet.trainer.shared_prompt import PromptLayout
 from rlfleet.trainer.weights import iter_weight_buckets
 
 logger = logging.getLogger(__name__)
@@ -288,7 +289,9 @@ def local_rows(rows: Tensor, lengths: Tensor, rank: int, world_size: int) -> Loc
     """
     order = torch.sort(lengths[rows].cpu(), descending=True, stable=True).indices
     if world_size == 1:
-        return LocalRows(rows[order.to(rows.device)], torch.ones(len(rows), dtype=torch.float32, device=rows.device))
+        return LocalRows(
+            rows[order.to(rows.device)], torch.ones(len(rows), dtype=torch.float32, device=rows.device)
+        )
     if len(rows) == 0:
         raise ValueError("cannot split an empty set of rows over ranks")
     mine = rows[order.to(rows.device)][rank::world_size]
@@ -303,16 +306,23 @@ def local_rows(rows: Tensor, lengths: Tensor, rank: int, world_size: int) -> Loc
 
 @torch.no_grad()
 def forward_rows(
-    inputs: PolicyInputs, micro_batch_size: int, ctx: DistContext, forward: Callable[[PolicyInputs], Tensor]
+    inputs: PolicyInputs,
+    micro_batch_size: int,
+    ctx: DistContext,
+    forward: Callable[[PolicyInputs], Tensor],
+    prompts: PromptLayout | None = None,
 ) -> Tensor:
     """``forward`` of every row without grad: inputs (N, P + R) -> (N, R) float32, 0 at padding.
 
     Each rank runs its rows (:func:`local_rows`; the same number of forwards on every rank) in
-    micro-batches, and the results are summed over ranks, so every rank returns all N rows.
+    micro-batches, and the results are summed over ranks, so every rank returns all N rows. With
+    ``prompts`` (a forward that shares prompts) one process orders them by :meth:`PromptLayout.order`.
     """
     device = inputs.input_ids.device
     share = local_rows(torch.arange(inputs.num_samples, device=device), inputs.attention_mask.sum(dim=-1),
                        ctx.rank, ctx.world_size)  # fmt: skip
+    if prompts is not None and not ctx.distributed:
+        share = LocalRows(prompts.order(share.rows, micro_batch_size), share.weights)
     out = torch.zeros(inputs.response_mask.shape, dtype=torch.float32, device=device)
     for chunk, weight in zip(share.rows.split(micro_batch_size), share.weights.split(micro_batch_size),
                              strict=True):  # fmt: skip

@@ -37,6 +37,17 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from rlfleet.common.errors import BatchContractError
+from rlfleet.trainer.shared_prompt import (
+    Packing,
+    can_pack,
+    group_rows,
+    pack_rows,
+    packed_cost,
+    packed_logits,
+    packing_works,
+    prompt_key,
+    unpack,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -258,6 +269,64 @@ def _accepts_logits_to_keep(model: nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
+def _one_pass_logits(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, response_len: int
+) -> Tensor:
+    """The logits (B, R, V) at the positions that predict the response tokens, in one forward."""
+    # the logit at position t predicts token t + 1: keep positions T-R-1 .. T-2
+    total = input_ids.shape[1]
+    kwargs: dict[str, object] = {"use_cache": False}
+    trim = not _accepts_logits_to_keep(model)
+    if not trim:  # only these positions reach the lm_head, and the logits come out contiguous
+        kwargs["logits_to_keep"] = torch.arange(total - response_len - 1, total - 1, device=input_ids.device)
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+    ).logits
+    return logits[:, -(response_len + 1) : -1] if trim else logits
+
+
+def _packing(
+    input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, response_len: int
+) -> Packing | None:
+    _, inverse = group_rows(prompt_key(input_ids, attention_mask, position_ids, response_len))
+    return pack_rows(input_ids, attention_mask, position_ids, response_len, inverse)
+
+
+def _packed_logprobs(
+    model: nn.Module, packing: Packing, reduce: Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]]
+) -> tuple[Tensor, Tensor | None]:
+    """Per-row logprobs and entropy (B, R) from the packed forward: reduced where the logits are
+    (U, K, V), then the small results picked per row; a group's first response tokens all come from
+    the prompt's last position, each with its own label, so those B rows are reduced apart."""
+    logits = packed_logits(model, packing)
+    logp, entropy = reduce(logits, packing.labels)
+    firsts = logits[packing.source, packing.predictors[:, 0]][:, None]  # (B, 1, V)
+    first_logp, first_entropy = reduce(firsts, packing.first_labels[:, None])
+    logp = unpack(packing, logp, first_logp[:, 0])
+    if entropy is None or first_entropy is None:
+        return logp, None
+    return logp, unpack(packing, entropy, first_entropy[:, 0])
+
+
+def _check_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    response_len: int,
+    packed: bool,
+) -> Tensor:
+    """The rows' response logprobs, packed or plain: what :func:`packing_works` compares."""
+    reduce = functools.partial(logprobs_from_logits, compute_entropy=False)
+    if packed:
+        packing = _packing(input_ids, attention_mask, position_ids, response_len)
+        if packing is None:  # cannot happen for the check's rows; never let it pass as plain
+            return torch.full(input_ids[:, -response_len:].shape, float("nan"))
+        return _packed_logprobs(model, packing, reduce)[0]
+    logits = _one_pass_logits(model, input_ids, attention_mask, position_ids, response_len)
+    return reduce(logits, input_ids[:, -response_len:])[0]
+
+
 def token_logprobs(
     model: nn.Module,
     input_ids: Tensor,
@@ -270,6 +339,7 @@ def token_logprobs(
     entropy_grad: bool = True,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     compiled: bool = False,
+    share_prompts: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Logprobs and entropy of the last ``response_len`` tokens of each row.
 
@@ -284,6 +354,8 @@ def token_logprobs(
         entropy_grad: the entropy takes part in the loss (False: returned without grad).
         chunk_rows: tokens reduced at once (see the module docstring).
         compiled: reduce with the ``torch.compile``d kernel.
+        share_prompts: rows with the same prompt run as one packed sequence, the prompt once and no
+            padding (:mod:`rlfleet.trainer.shared_prompt`), where the model can and that costs less.
 
     Returns:
         logprobs (B, R) float32 and entropy (B, R) float32 or None; values at padding are
@@ -297,25 +369,18 @@ def token_logprobs(
     input_ids, attention_mask, position_ids, response_len = trim_response_padding(
         input_ids, attention_mask, position_ids, response_len
     )
-    # the logit at position t predicts token t + 1: keep positions T-R-1 .. T-2
-    total = input_ids.shape[1]
-    kwargs: dict[str, object] = {"use_cache": False}
-    trim = not _accepts_logits_to_keep(model)
-    if not trim:  # only these positions reach the lm_head, and the logits come out contiguous
-        kwargs["logits_to_keep"] = torch.arange(total - response_len - 1, total - 1, device=input_ids.device)
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
-    ).logits
-    if trim:
-        logits = logits[:, -(response_len + 1) : -1]
-    labels = input_ids[:, -response_len:]
-    logp, entropy = logprobs_from_logits(
-        logits,
-        labels,
-        temperature=temperature,
-        compute_entropy=compute_entropy,
-        entropy_grad=entropy_grad,
-        chunk_rows=chunk_rows,
-        compiled=compiled,
-    )
+    reduce = functools.partial(
+        logprobs_from_logits, temperature=temperature, compute_entropy=compute_entropy,
+        entropy_grad=entropy_grad, chunk_rows=chunk_rows, compiled=compiled,
+    )  # fmt: skip
+    packing = None
+    if share_prompts and can_pack(model) and packing_works(model, _check_logprobs):
+        packing = _packing(input_ids, attention_mask, position_ids, response_len)
+        if packing is not None and packed_cost(packing) >= input_ids.numel():
+            packing = None  # nothing shared and no padding saved: the plain forward is as short
+    if packing is not None:
+        logp, entropy = _packed_logprobs(model, packing, reduce)
+    else:
+        logits = _one_pass_logits(model, input_ids, attention_mask, position_ids, response_len)
+        logp, entropy = reduce(logits, input_ids[:, -response_len:])
     return pad_response(logp, width), None if entropy is None else pad_response(entropy, width)

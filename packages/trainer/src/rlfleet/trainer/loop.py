@@ -8,7 +8,8 @@ pairs) and the metrics it measured before. :func:`train_loop` runs it::
     for epoch in ppo_epochs:
       for rows in mini-batches of the items (shuffled when there are several):   one optimizer step
         for objective in plan.objectives:            (PPO: the critic's, then the policy's)
-          share = this rank's rows of the mini-batch   (by length; padding copies weigh 0)
+          share = this rank's rows of the mini-batch   (by length, or a prompt's rows together where
+                                                        its forward shares prompts; padding copies weigh 0)
           for chunk in share, micro_batch_size at a time:           gradient accumulation
             loss, sums = objective.micro_loss(chunk, weights, divisors of the whole mini-batch)
             (loss * W).backward()      FSDP averages gradients over W ranks: the shares must add
@@ -43,7 +44,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from rlfleet.common.schema.trainer import ModelSettings, StepSettings, resolve_precision
-from rlfleet.trainer.distributed import DistContext, all_reduce_sum, local_rows
+from rlfleet.trainer.distributed import DistContext, LocalRows, all_reduce_sum, local_rows
+from rlfleet.trainer.shared_prompt import PromptLayout
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +98,13 @@ class Trainable:
         self.bf16 = bf16
         self.warmup_steps = warmup_steps
         params = [p for p in model.parameters() if p.requires_grad]
+        # one process: torch's fused AdamW (one kernel over all parameters; on a CPU 8x faster than
+        # the default for a 135M model: 0.04 s a step against 0.35 s). FSDP's sharded parameters keep
+        # the default implementation
         self.optimizer = torch.optim.AdamW(
-            params, lr=learning_rate, betas=BETAS, eps=EPS, weight_decay=weight_decay
-        )
+            params, lr=learning_rate, betas=BETAS, eps=EPS, weight_decay=weight_decay,
+            fused=not dist.distributed and bool(params) or None,
+        )  # fmt: skip
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: warmup_factor(step, warmup_steps)
         )
@@ -188,6 +194,12 @@ class Objective(Protocol):
         """(N,) token count of each item: rows are dealt out to ranks by it."""
         ...
 
+    @property
+    def prompts(self) -> PromptLayout | None:
+        """The items' prompts when its forward shares them (one process then keeps a prompt's rows
+        in one micro-batch where that costs less, :meth:`PromptLayout.order`); None: length order."""
+        ...
+
     def divisors(self, rows: Tensor) -> Divisors:
         """The divisors of the mini-batch ``rows`` (K,)."""
         ...
@@ -243,6 +255,8 @@ def accumulate(objective: Objective, rows: Tensor, micro_batch_size: int) -> dic
     rows = rows.to(trainable.device)
     divisors = objective.divisors(rows)
     share = local_rows(rows, objective.lengths, dist.rank, dist.world_size)
+    if objective.prompts is not None and not dist.distributed:
+        share = LocalRows(objective.prompts.order(share.rows, micro_batch_size), share.weights)
     trainable.model.train()
     sums = torch.zeros(len(objective.keys), dtype=torch.float64, device=trainable.device)
     for chunk, weights in zip(share.rows.split(micro_batch_size), share.weights.split(micro_batch_size),

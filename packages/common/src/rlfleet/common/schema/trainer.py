@@ -104,6 +104,12 @@ class ModelSettings(ModelLoading):
         "replicate across nodes), none (replicate), auto (full on one node, hybrid on several)",
     )
     gradient_checkpointing: bool = Field(default=False, description="recompute activations in backward")
+    share_prompts: bool = Field(
+        default=True,
+        description="rows of a micro-batch with the same prompt (a GRPO group) run as one packed sequence: "
+        "the prompt once, then each response seeing only it and itself, no padding; the same logits and "
+        "gradients for fewer positions. One trainer process only (not under FSDP ranks), not with compile",
+    )
     compile: bool = Field(
         default=False,
         description="torch.compile the policy's and reference's decoder blocks and the logprob reduction "

@@ -34,6 +34,7 @@ from rlfleet.trainer.algorithms import dpo_loss, sequence_logprobs
 from rlfleet.trainer.critic import Critic
 from rlfleet.trainer.forward import PolicyInputs, build_policy_inputs
 from rlfleet.trainer.loop import Divisors, Plan, batch_sizes
+from rlfleet.trainer.shared_prompt import PromptLayout
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ class DPOObjective:
         self.num_pairs = self.inputs.num_samples // 2
         lengths = self.inputs.attention_mask.sum(dim=-1)
         self.lengths = lengths[: self.num_pairs] + lengths[self.num_pairs :]
+        # a pair's two rows share their prompt and always run in one forward: no reordering needed
+        self.prompts: PromptLayout | None = None
 
     @property
     def trainable(self) -> Actor:

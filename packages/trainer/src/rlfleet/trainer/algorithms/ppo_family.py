@@ -51,6 +51,7 @@ from rlfleet.trainer.critic import Critic
 from rlfleet.trainer.distributed import all_reduce_sum
 from rlfleet.trainer.forward import PolicyInputs, build_policy_inputs
 from rlfleet.trainer.loop import Divisors, Plan, batch_sizes
+from rlfleet.trainer.shared_prompt import PromptLayout
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +223,11 @@ class PolicyObjective:
             raise ValueError("kl_coef > 0 needs reference logprobs: prepare(..., with_reference=True)")
         self.kl = KL_ESTIMATORS[self.settings.resolved_kl_estimator()]
         self.lengths = self.batch.inputs.attention_mask.sum(dim=-1)
+        inputs = self.batch.inputs
+        self.prompts = (
+            PromptLayout.of(inputs.input_ids, inputs.attention_mask, inputs.position_ids, inputs.response_len)
+            if self.actor.share_prompts else None
+        )  # fmt: skip
 
     @property
     def trainable(self) -> Actor:
@@ -281,6 +287,7 @@ class ValueObjective:
 
     def __post_init__(self) -> None:
         self.lengths = self.inputs.attention_mask.sum(dim=-1)
+        self.prompts: PromptLayout | None = None  # the critic's forward runs every row whole
 
     @property
     def trainable(self) -> Critic:
