@@ -6,8 +6,9 @@
 Both sides train SmolLM2-135M-Instruct (the local folder rlfleet's ``smollm2`` alias resolves to)
 with the main job's settings (examples/smollm2_concise.yaml: reward spec, learning rate, KL
 coefficient, temperature, clip range, weight decay, gradient clipping, micro-batch, and the
-precision rlfleet's trainer resolves from ``mixed_precision``), changed only where the comparison
-says so: every parameter trains (``trainable_layers`` unset), 8 prompts x 4 samples a step with one
+precision rlfleet's trainer resolves from ``mixed_precision``; where that is bf16, rlfleet's vLLM
+engine generates in bf16 too, as TRL generates under its bf16 autocast), changed only where the
+comparison says so: every parameter trains (``trainable_layers`` unset), 8 prompts x 4 samples a step with one
 optimizer step (TRL's ``num_iterations=1`` over one generation batch), at most 96 response tokens,
 no held-out evaluation, no sample table. The prompts are the first ``8 * steps`` of
 examples/data/questions.jsonl; TRL gets them in the order rlfleet's seeded shuffle visits them
@@ -98,6 +99,7 @@ def bench_overrides(steps: int, data: Path, out: Path) -> list[str]:
 def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """The shared setup (written to ``workdir/setup.json`` for the TRL child): settings, prompts, order."""
     from rlfleet.common.schema.config import load_config
+    from rlfleet.common.schema.trainer import resolve_precision
     from rlfleet.controller.config import JobConfig
     from rlfleet.controller.dataset import PromptDataset
     from rlfleet.controller.models import resolve_model
@@ -109,6 +111,10 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     data.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     overrides = bench_overrides(args.steps, data, workdir / "rlfleet")
     job = load_config(JobConfig, args.job, overrides)
+    if resolve_precision(job.mixed_precision, "cpu") == "bf16" and job.rollout.dtype == "float32":
+        # TRL generates under the bf16 autocast it trains with: the engine generates in bf16 too
+        overrides.append("rollout.dtype=bfloat16")
+        job = load_config(JobConfig, args.job, overrides)
     model_dir = resolve_model(job.model, seed=job.seed)
     dataset = PromptDataset(data, max_prompt_length=job.max_prompt_length, seed=job.seed,
                             system_prompt=job.data.system_prompt, overlong=job.data.overlong,
