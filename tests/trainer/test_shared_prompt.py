@@ -234,3 +234,27 @@ def test_a_policy_step_shares_prompts_and_computes_the_same_gradient(
     assert counts[1] < counts[0]  # the rows of a prompt ran packed: fewer token positions
     assert Actor(tiny_model_dir, ModelSettings(gradient_checkpointing=True)).share_prompts
     assert not Actor(tiny_model_dir, ModelSettings(), compile=True).share_prompts
+
+
+def test_rows_longer_than_a_sliding_window_run_whole(tmp_path: Path) -> None:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16,
+                           pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    MistralForCausalLM(config).save_pretrained(tmp_path)
+    model = _model(tmp_path)
+    shapes = _shapes(model)
+    _logprobs(model, grouped_batch(), share=True)  # rows of 11 columns: inside the window, packed
+    assert shapes[-1] == (3, 13)
+    shapes.clear()
+    long = contract_batch([12, 12, 12], [8, 6, 9], seed=2)  # rows of 21 columns: wider than the window
+    long["prompt_ids"][1:] = long["prompt_ids"][0]
+    plain = _logprobs(model, long, share=False)
+    assert shapes == [(3, 21)]
+    shapes.clear()
+    got = _logprobs(model, long, share=True)
+    assert shapes == [(3, 21)]
+    for got_part, want in zip(got, plain, strict=True):
+        torch.testing.assert_close(got_part, want, atol=1e-6, rtol=1e-5)

@@ -47,6 +47,7 @@ from rlfleet.trainer.shared_prompt import (
     packing_works,
     prompt_key,
     unpack,
+    window_allows,
 )
 
 logger = logging.getLogger(__name__)
@@ -374,7 +375,8 @@ def token_logprobs(
         entropy_grad=entropy_grad, chunk_rows=chunk_rows, compiled=compiled,
     )  # fmt: skip
     packing = None
-    if share_prompts and can_pack(model) and packing_works(model, _check_logprobs):
+    if (share_prompts and can_pack(model) and window_allows(model, input_ids.shape[1])
+            and packing_works(model, _check_logprobs)):  # fmt: skip
         packing = _packing(input_ids, attention_mask, position_ids, response_len)
         if packing is not None and packed_cost(packing) >= input_ids.numel():
             packing = None  # nothing shared and no padding saved: the plain forward is as short

@@ -25,8 +25,9 @@ Models: a Hugging Face causal LM that takes a ready 4D mask (``attention_mask`` 
 (U, 1, L, L)) and ``logits_to_keep``, with ``sdpa`` attention (a boolean mask) or ``eager`` (an
 additive one). :func:`packing_works` checks each model once, on a tiny packed batch against its
 plain forward, and the plain forward is used for a model that fails (logged): a model that ignored
-the mask would otherwise train on the wrong numbers. The actor packs in one process only (not
-under FSDP ranks) and not with ``torch.compile``.
+the mask would otherwise train on the wrong numbers. A model with sliding-window attention packs
+only rows no longer than its window (:func:`window_allows`). The actor packs in one process only
+(not under FSDP ranks) and not with ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -209,6 +210,16 @@ def can_pack(model: nn.Module) -> bool:
     if config is None or getattr(config, "is_encoder_decoder", False):
         return False
     return getattr(config, "_attn_implementation", None) in PACKING_ATTENTION
+
+
+def window_allows(model: nn.Module, row_len: int) -> bool:
+    """False when ``model`` has sliding-window attention narrower than ``row_len``: its own mask
+    would limit a row's attention to the window, which the packed mask does not do."""
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return True
+    return row_len <= int(window)
 
 
 def packing_works(
