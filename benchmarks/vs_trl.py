@@ -344,9 +344,12 @@ def machine() -> dict[str, Any]:
                 if line.startswith("model name")), platform.processor())  # fmt: skip
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     memory = round(psutil.virtual_memory().total / GIB, 1)
+    from rlfleet.common.schema.trainer import CPU_BF16_ENV, cpu_has_native_bf16
+
     return {"cpu_count": os.cpu_count(), "cpu": cpu, "memory_gib": memory, "python": sys.version.split()[0],
             "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
-            "git_commit": commit.strip()}  # fmt: skip
+            "git_commit": commit.strip(), "cpu_native_bf16": cpu_has_native_bf16(),
+            CPU_BF16_ENV: os.environ.get(CPU_BF16_ENV)}  # fmt: skip
 
 
 def print_table(report: dict[str, Any]) -> None:
