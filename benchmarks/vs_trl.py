@@ -46,10 +46,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tree_memory import GIB, TreeMemory  # noqa: E402  (this folder's helper module)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "vs_trl.json"
@@ -57,7 +59,6 @@ BIN = Path(sys.executable).parent
 MAIN_JOB = REPO / "examples" / "smollm2_concise.yaml"
 PROMPTS = REPO / "examples" / "data" / "questions.jsonl"
 PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, RESPONSE_TOKENS = 8, 4, 96
-GIB = 1024**3
 SIDES = ("rlfleet", "trl", "trl_one_micro_batch")
 """``trl``: TRL in micro-batches of the job's ``micro_batch_size`` (as rlfleet's trainer computes);
 ``trl_one_micro_batch``: TRL with the whole 32-sample batch in one micro-batch (no accumulation),
@@ -130,62 +131,6 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     }  # fmt: skip
     (workdir / "setup.json").write_text(json.dumps(setup, indent=2) + "\n")
     return setup
-
-
-class TreeMemory:
-    """Samples the summed RSS of a process and all its descendants until stopped, and now and then PSS.
-
-    RSS (``/proc/<pid>/statm``) is cheap and read every ``interval`` s. PSS needs the kernel to walk
-    every page table (about 80 ms of CPU for a vLLM process here), so it is read every ``pss_every``
-    s only (0: never): its peak is a lower bound, and the sampling costs the measured run little.
-    """
-
-    def __init__(self, pid: int, interval: float, pss_every: float) -> None:
-        self.pid, self.interval, self.pss_every = pid, interval, pss_every
-        self.peak_rss = self.peak_pss = self.peak_procs = 0
-        self.peak_load = 0.0
-        self._last_pss = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> TreeMemory:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _sample(self) -> None:
-        import psutil
-
-        try:
-            root = psutil.Process(self.pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            return
-        with_pss = self.pss_every > 0 and time.monotonic() - self._last_pss >= self.pss_every
-        rss = pss = 0
-        for proc in procs:
-            try:
-                info = proc.memory_full_info() if with_pss else proc.memory_info()
-            except psutil.Error:  # gone between listing and reading
-                continue
-            rss, pss = rss + info.rss, pss + getattr(info, "pss", 0)
-        if with_pss:
-            self._last_pss, self.peak_pss = time.monotonic(), max(self.peak_pss, pss)
-        self.peak_rss, self.peak_procs = max(self.peak_rss, rss), max(self.peak_procs, len(procs))
-        self.peak_load = max(self.peak_load, os.getloadavg()[0])
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            self._stop.wait(self.interval)
-
-    def report(self) -> dict[str, Any]:
-        return {"peak_rss_gib": round(self.peak_rss / GIB, 3),
-                "peak_pss_gib_sampled": round(self.peak_pss / GIB, 3) if self.pss_every > 0 else None,
-                "peak_processes": self.peak_procs, "load_avg_1m_max": round(self.peak_load, 2)}  # fmt: skip
 
 
 def run_side(name: str, command: list[str], workdir: Path, args: argparse.Namespace) -> dict[str, Any]:

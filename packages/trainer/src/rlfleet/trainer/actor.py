@@ -181,11 +181,16 @@ class Actor(Trainable):
         def forward(mb: PolicyInputs) -> Tensor:
             return self.logprobs(mb, temperature=temperature, entropy=False, model=model)[0]
 
-        prompts = None
-        if self.share_prompts:
-            prompts = PromptLayout.of(inputs.input_ids, inputs.attention_mask, inputs.position_ids,
-                                      inputs.response_len)  # fmt: skip
-        return forward_rows(inputs, micro_batch_size, self.dist, forward, prompts)
+        return forward_rows(inputs, micro_batch_size, self.dist, forward, self.prompt_layout(inputs))
+
+    def prompt_layout(self, inputs: PolicyInputs) -> PromptLayout | None:
+        """Which prompt each row of ``inputs`` has, to order micro-batches by; None when this actor
+        does not pack the rows of a prompt (:mod:`rlfleet.trainer.shared_prompt`)."""
+        if not self.share_prompts:
+            return None
+        return PromptLayout.of(
+            inputs.input_ids, inputs.attention_mask, inputs.position_ids, inputs.response_len
+        )
 
     def iter_weight_buckets(
         self,

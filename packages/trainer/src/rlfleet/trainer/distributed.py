@@ -277,7 +277,14 @@ class LocalRows:
         return self.weights > 0
 
 
-def local_rows(rows: Tensor, lengths: Tensor, rank: int, world_size: int) -> LocalRows:
+def local_rows(
+    rows: Tensor,
+    lengths: Tensor,
+    rank: int,
+    world_size: int,
+    prompts: PromptLayout | None = None,
+    micro_batch_size: int = 1,
+) -> LocalRows:
     """Rank ``rank``'s rows of ``rows`` (M,) given every row's token count ``lengths`` (N,).
 
     The rows are sorted by length, longest first (stable): consecutive micro-batches then hold
@@ -285,13 +292,16 @@ def local_rows(rows: Tensor, lengths: Tensor, rank: int, world_size: int) -> Loc
     rows uses are dropped, :meth:`~rlfleet.trainer.forward.PolicyInputs.select` and
     :func:`~rlfleet.trainer.forward.trim_response_padding`). With one rank that is all; otherwise
     they are dealt out ``rank::world_size``, and every rank gets ``ceil(M / world_size)`` rows, the
-    last ones padding (weight 0) where M does not divide.
+    last ones padding (weight 0) where M does not divide. With ``prompts`` (a forward that packs the
+    rows of a prompt) one process keeps a prompt's rows in one micro-batch of ``micro_batch_size``
+    instead where that runs fewer positions (:meth:`PromptLayout.order`).
     """
     order = torch.sort(lengths[rows].cpu(), descending=True, stable=True).indices
     if world_size == 1:
-        return LocalRows(
-            rows[order.to(rows.device)], torch.ones(len(rows), dtype=torch.float32, device=rows.device)
-        )
+        mine = rows[order.to(rows.device)]
+        if prompts is not None:
+            mine = prompts.order(mine, micro_batch_size)
+        return LocalRows(mine, torch.ones(len(rows), dtype=torch.float32, device=rows.device))
     if len(rows) == 0:
         raise ValueError("cannot split an empty set of rows over ranks")
     mine = rows[order.to(rows.device)][rank::world_size]
@@ -315,14 +325,12 @@ def forward_rows(
     """``forward`` of every row without grad: inputs (N, P + R) -> (N, R) float32, 0 at padding.
 
     Each rank runs its rows (:func:`local_rows`; the same number of forwards on every rank) in
-    micro-batches, and the results are summed over ranks, so every rank returns all N rows. With
-    ``prompts`` (a forward that shares prompts) one process orders them by :meth:`PromptLayout.order`.
+    micro-batches, and the results are summed over ranks, so every rank returns all N rows
+    (``prompts``: see :func:`local_rows`).
     """
     device = inputs.input_ids.device
     share = local_rows(torch.arange(inputs.num_samples, device=device), inputs.attention_mask.sum(dim=-1),
-                       ctx.rank, ctx.world_size)  # fmt: skip
-    if prompts is not None and not ctx.distributed:
-        share = LocalRows(prompts.order(share.rows, micro_batch_size), share.weights)
+                       ctx.rank, ctx.world_size, prompts, micro_batch_size)  # fmt: skip
     out = torch.zeros(inputs.response_mask.shape, dtype=torch.float32, device=device)
     for chunk, weight in zip(share.rows.split(micro_batch_size), share.weights.split(micro_batch_size),
                              strict=True):  # fmt: skip

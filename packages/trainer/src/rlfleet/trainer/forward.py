@@ -42,7 +42,6 @@ from rlfleet.trainer.shared_prompt import (
     can_pack,
     group_rows,
     pack_rows,
-    packed_cost,
     packed_logits,
     packing_works,
     prompt_key,
@@ -310,15 +309,11 @@ def _packed_logprobs(
 
 
 def _check_logprobs(
-    model: nn.Module,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    position_ids: Tensor,
-    response_len: int,
-    packed: bool,
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_len: int, packed: bool
 ) -> Tensor:
     """The rows' response logprobs, packed or plain: what :func:`packing_works` compares."""
     reduce = functools.partial(logprobs_from_logits, compute_entropy=False)
+    position_ids = position_ids_from_mask(attention_mask)
     if packed:
         packing = _packing(input_ids, attention_mask, position_ids, response_len)
         if packing is None:  # cannot happen for the check's rows; never let it pass as plain
@@ -378,7 +373,7 @@ def token_logprobs(
     if (share_prompts and can_pack(model) and window_allows(model, input_ids.shape[1])
             and packing_works(model, _check_logprobs)):  # fmt: skip
         packing = _packing(input_ids, attention_mask, position_ids, response_len)
-        if packing is not None and packed_cost(packing) >= input_ids.numel():
+        if packing is not None and packing.input_ids.numel() >= input_ids.numel():
             packing = None  # nothing shared and no padding saved: the plain forward is as short
     if packing is not None:
         logp, entropy = _packed_logprobs(model, packing, reduce)

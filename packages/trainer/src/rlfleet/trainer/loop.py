@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from rlfleet.common.schema.trainer import ModelSettings, StepSettings, resolve_precision
-from rlfleet.trainer.distributed import DistContext, LocalRows, all_reduce_sum, local_rows
+from rlfleet.trainer.distributed import DistContext, all_reduce_sum, local_rows
 from rlfleet.trainer.shared_prompt import PromptLayout
 
 logger = logging.getLogger(__name__)
@@ -254,9 +254,9 @@ def accumulate(objective: Objective, rows: Tensor, micro_batch_size: int) -> dic
     dist = trainable.dist
     rows = rows.to(trainable.device)
     divisors = objective.divisors(rows)
-    share = local_rows(rows, objective.lengths, dist.rank, dist.world_size)
-    if objective.prompts is not None and not dist.distributed:
-        share = LocalRows(objective.prompts.order(share.rows, micro_batch_size), share.weights)
+    share = local_rows(
+        rows, objective.lengths, dist.rank, dist.world_size, objective.prompts, micro_batch_size
+    )
     trainable.model.train()
     sums = torch.zeros(len(objective.keys), dtype=torch.float64, device=trainable.device)
     for chunk, weights in zip(share.rows.split(micro_batch_size), share.weights.split(micro_batch_size),

@@ -186,11 +186,6 @@ def unpack(packing: Packing, packed: Tensor, first: Tensor) -> Tensor:
     return torch.cat([first[:, None], values[:, 1:]], dim=1)
 
 
-def packed_cost(packing: Packing) -> int:
-    """Token positions the packed forward runs."""
-    return int(packing.input_ids.numel())
-
-
 # --- which models pack -----------------------------------------------------------------------------
 
 
@@ -223,10 +218,10 @@ def window_allows(model: nn.Module, row_len: int) -> bool:
 
 
 def packing_works(
-    model: nn.Module, logprobs: Callable[[nn.Module, Tensor, Tensor, Tensor, int, bool], Tensor]
+    model: nn.Module, logprobs: Callable[[nn.Module, Tensor, Tensor, int, bool], Tensor]
 ) -> bool:
     """Whether ``model`` computes a tiny packed batch as it computes the rows one by one; checked once
-    per model (float32, no grad). ``logprobs(model, ids, mask, positions, R, packed)`` gives the
+    per model (float32, no grad). ``logprobs(model, ids, mask, R, packed)`` gives the
     rows' response logprobs (B, R), packed or plain."""
     known = _CHECKED.get(model)
     if known is not None:
@@ -238,10 +233,9 @@ def packing_works(
         ids = (torch.arange(2 * 7, device=device).reshape(2, 7) * 7 + 3) % max(vocab - 3, 1) + 3
         mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1]], device=device)
         ids[1, :3] = ids[0, :3]  # one prompt of 3 tokens, answered with 2 and 4 tokens
-        pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
-            plain = logprobs(model, ids, mask, pos, 4, False).float()
-            packed = logprobs(model, ids, mask, pos, 4, True).float()
+            plain = logprobs(model, ids, mask, 4, False).float()
+            packed = logprobs(model, ids, mask, 4, True).float()
         real = mask[:, 3:].bool()
         works = bool(torch.allclose(packed[real], plain[real], atol=1e-4))
         if not works:

@@ -223,11 +223,7 @@ class PolicyObjective:
             raise ValueError("kl_coef > 0 needs reference logprobs: prepare(..., with_reference=True)")
         self.kl = KL_ESTIMATORS[self.settings.resolved_kl_estimator()]
         self.lengths = self.batch.inputs.attention_mask.sum(dim=-1)
-        inputs = self.batch.inputs
-        self.prompts = (
-            PromptLayout.of(inputs.input_ids, inputs.attention_mask, inputs.position_ids, inputs.response_len)
-            if self.actor.share_prompts else None
-        )  # fmt: skip
+        self.prompts = self.actor.prompt_layout(self.batch.inputs)
 
     @property
     def trainable(self) -> Actor:
