@@ -44,7 +44,7 @@ def test_worker_settings_map_to_engine_arguments() -> None:
               "trust_remote_code": False}  # fmt: skip
     assert engine_kwargs(cfg, "hf", "cuda") == common
     assert engine_kwargs(cfg, "vllm", "cuda") == {
-        **common, "tensor_parallel_size": 2, "gpu_memory_utilization": 0.85, "enforce_eager": False,
+        **common, "tensor_parallel_size": 2, "gpu_memory_utilization": "auto", "enforce_eager": False,
         "enable_prefix_caching": False, "max_model_len": 512, "colocate": True, "sleep_level": 2,
     }  # fmt: skip
     lru = RolloutWorkerConfig(model_path="/m", cluster="c")
@@ -72,6 +72,7 @@ def test_missing_vllm_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, make_vll
         ({"max_batch_size": 0}, "max_batch_size"),
         ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"gpu_memory_utilization": "half"}, "gpu_memory_utilization"),
         ({"sleep_level": 3}, "sleep_level"),
         ({"max_model_len": 1}, "max_model_len"),
     ],

@@ -8,7 +8,7 @@ every generate request instead (``SamplingParams``).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -28,7 +28,12 @@ class RolloutSettings(ConfigModel):
     dtype: EngineDtype = Field(default="float32", description="engine dtype")
     max_batch_size: int = Field(default=64, ge=1, description="sequences one worker generates together")
     tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM: GPUs one engine shards over")
-    gpu_memory_utilization: float = Field(default=0.85, gt=0.0, le=1.0, description="vLLM: GPU memory share")
+    gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0)] | Literal["auto"] = Field(
+        default="auto",
+        description="vLLM: the card's memory share the engine takes; auto = sized from the model, "
+        "max_batch_size and max_cache_len (weights + a KV cache for every sequence at full length + "
+        "activations and graphs, with a margin)",
+    )
     enforce_eager: bool | None = Field(
         default=None, description="vLLM: skip torch.compile and CUDA graphs; None = eager on CPU only"
     )

@@ -44,6 +44,8 @@ class CheckpointInfo:
     tied: bool
     embed_name: str | None
     weights: dict[str, torch.Tensor]
+    config: Any = None
+    """The HF config (the text config of a multimodal one)."""
 
 
 def load_tokenizer(model_path: str | Path, *, trust_remote_code: bool = False) -> Any:
@@ -81,6 +83,7 @@ def read_checkpoint(model_path: str | Path, *, trust_remote_code: bool = False) 
         tied=tied and embed is not None,
         embed_name=embed,
         weights=weights,
+        config=config,
     )
 
 

@@ -60,6 +60,7 @@ from rlfleet.common.schema.carriers import IpcBucket
 from rlfleet.rollout.engines.base import Completion, WeightsInput
 from rlfleet.rollout.engines.checkpoint import HEAD_NAME, CheckpointInfo, read_checkpoint
 from rlfleet.rollout.engines.cuda_ipc import device_uuid, meta_items
+from rlfleet.rollout.engines.vllm.memory_budget import MemoryBudget, engine_memory_fraction
 from rlfleet.rollout.engines.vllm.outputs import to_completions, vllm_sampling
 from rlfleet.rollout.engines.vllm.runtime import (
     DTYPES,
@@ -98,7 +99,7 @@ class VLLMEngine:
         seed: int = 0,
         max_batch_size: int = 64,
         tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.85,
+        gpu_memory_utilization: float | Literal["auto"] = "auto",
         enforce_eager: bool = False,
         enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
@@ -122,6 +123,8 @@ class VLLMEngine:
         self._device = device
         self._tp = tensor_parallel_size
         self._asleep = False
+        self.memory_budget: MemoryBudget | None = None
+        """The sizing behind ``gpu_memory_utilization: auto`` on CUDA (None otherwise)."""
         self._targets, self._stager = _weight_plan(self._info)
         self._discarded: set[str] = set()
         self._weight_version = 0
@@ -156,6 +159,9 @@ class VLLMEngine:
         vllm = import_vllm(device, cpu_kv_cache_gib)
         import vllm.envs as vllm_envs
 
+        if llm_kwargs.get("gpu_memory_utilization") == "auto":  # sized once vLLM is known to run on CUDA
+            llm_kwargs["gpu_memory_utilization"] = self._memory_share(llm_kwargs)
+
         in_process = llm_kwargs["tensor_parallel_size"] == 1 and not vllm_envs.VLLM_ENABLE_V1_MULTIPROCESSING
         if in_process:
             claim_in_process_slot(self.model_id)
@@ -166,6 +172,18 @@ class VLLMEngine:
                 release_in_process_slot()
             raise
         self._in_process = in_process
+
+    def _memory_share(self, llm_kwargs: dict[str, Any]) -> float:
+        """``gpu_memory_utilization: auto``: the share of this GPU sized from the model and the batch
+        (:mod:`~rlfleet.rollout.engines.vllm.memory_budget`)."""
+        budget = engine_memory_fraction(
+            self._info.config, self._info.weights, dtype=llm_kwargs["dtype"],
+            max_num_seqs=llm_kwargs["max_num_seqs"], max_model_len=self.max_model_len,
+            tensor_parallel_size=self._tp,
+        )  # fmt: skip
+        logger.info("vLLM memory share (auto): %s", budget.describe())
+        self.memory_budget = budget
+        return budget.share
 
     # --- protocol -----------------------------------------------------------------------------
 

@@ -71,8 +71,9 @@ def check_vllm_version(version: str) -> None:
 
 
 def check_settings(
-    dtype: str, device: str, max_batch_size: int, tp: int, gpu_memory_utilization: float, sleep_level: int
-) -> None:
+    dtype: str, device: str, max_batch_size: int, tp: int, gpu_memory_utilization: float | str,
+    sleep_level: int,
+) -> None:  # fmt: skip
     if dtype not in DTYPES:
         raise ConfigError("dtype", dtype, f"expected one of {', '.join(DTYPES)}")
     if device not in ("cpu", "cuda"):
@@ -83,8 +84,10 @@ def check_settings(
         raise ConfigError("tensor_parallel_size", tp, "must be at least 1")
     if tp > 1 and device == "cpu":
         raise ConfigError("tensor_parallel_size", tp, "tensor parallelism needs CUDA; use 1 on CPU")
-    if not 0.0 < gpu_memory_utilization <= 1.0:
-        raise ConfigError("gpu_memory_utilization", gpu_memory_utilization, "must be in (0, 1]")
+    if gpu_memory_utilization != "auto" and not (
+        isinstance(gpu_memory_utilization, int | float) and 0.0 < gpu_memory_utilization <= 1.0
+    ):
+        raise ConfigError("gpu_memory_utilization", gpu_memory_utilization, "must be 'auto' or in (0, 1]")
     if sleep_level not in (1, 2):
         raise ConfigError("sleep_level", sleep_level, "vLLM sleep levels are 1 (offload) and 2 (discard)")
 
