@@ -15,6 +15,7 @@ import torch
 from rlfleet.common.control.embedded_nats import EmbeddedNats
 from rlfleet.common.control.messages import (
     Ping,
+    PublishWeights,
     TrainerConfigure,
     TrainerConfigured,
     TrainStepRequest,
@@ -26,6 +27,8 @@ from rlfleet.common.errors import RemoteUserError
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.trainer import ModelSettings, StepSettings, TrainerWorkerConfig, model_fingerprint
 from rlfleet.common.tensors.store import TensorStoreServer
+from rlfleet.trainer import service
+from rlfleet.trainer.memory_phases import GIB, PhasePeaks
 from rlfleet.trainer.service import TrainerWorker
 
 pytestmark = pytest.mark.timeout(120)
@@ -163,3 +166,29 @@ async def test_a_bad_step_is_refused_naming_what_is_wrong(
     assert refused.value.code == "bad_request"
     ok = await trainer.ask("step", TrainStepRequest(step=2, rollouts=[ref], scores=SCORES))
     assert isinstance(ok, TrainStepResult)  # the worker serves on after refusing
+
+
+class _FlatMemory:
+    """A device whose peaks are always 2 GiB allocated, 3 GiB reserved."""
+
+    def reset_peak(self) -> None:
+        pass
+
+    def peak_bytes(self) -> tuple[int, int]:
+        return int(2 * GIB), int(3 * GIB)
+
+
+async def test_a_publish_reports_its_peak_memory_with_the_next_step(
+    trainer: Trainer, make_batch: Callable[..., dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(service, "memory_peaks", lambda _: PhasePeaks(_FlatMemory()))
+    ref = trainer.put(_rollouts(make_batch))
+    first = await trainer.ask("step", TrainStepRequest(step=1, rollouts=[ref], scores=SCORES))
+    assert "memory/publish_peak_allocated_gib" not in first.metrics  # no publish before it
+    assert first.metrics["memory/update_peak_allocated_gib"] == 2.0
+    await trainer.ask("publish", PublishWeights())
+    second = await trainer.ask("step", TrainStepRequest(step=2, rollouts=[ref], scores=SCORES))
+    assert second.metrics["memory/publish_peak_allocated_gib"] == 2.0
+    assert second.metrics["memory/publish_peak_reserved_gib"] == 3.0
+    third = await trainer.ask("step", TrainStepRequest(step=3, rollouts=[ref], scores=SCORES))
+    assert "memory/publish_peak_allocated_gib" not in third.metrics  # reported once

@@ -20,6 +20,9 @@ One train step (:func:`run_step`), as every rank runs it once the batch is merge
         (actor, critic, batch, scores, settings) ──> Plan           dpo: dpo
     train_loop(plan) ──> metrics (+ time, throughput and the settings used)
 
+    on a GPU, the peak memory of each phase (plan, update) and of the publish before the step
+    (:mod:`rlfleet.trainer.memory_phases`): memory/<phase>_peak_{allocated,reserved}_gib
+
 Rank 0's service: ``trainer.configure`` compares the run's fixed settings (ModelSettings, device,
 critic, model fingerprint) with the worker's and refuses the run, naming each field that differs
 (:mod:`rlfleet.trainer.admission`). ``trainer.step`` runs one update with the settings the request
@@ -36,6 +39,7 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 import torch
@@ -74,6 +78,7 @@ from rlfleet.trainer.errors import CarrierUnavailable, SettingsConflict, Unexpec
 from rlfleet.trainer.idempotency import ReplyCache
 from rlfleet.trainer.ipc_share import gpu_uuid, share_bucket
 from rlfleet.trainer.loop import Plan, batch_sizes, train_loop
+from rlfleet.trainer.memory_phases import CudaMemory, PhasePeaks
 from rlfleet.trainer.rank_liveness import RankWatch
 from rlfleet.trainer.ranks import build_models, use_rank_thread
 from rlfleet.trainer.weights import to_host
@@ -161,17 +166,33 @@ def run_step(
     actor.set_rates(settings.learning_rate, settings.weight_decay)
     if critic is not None:
         critic.set_rates(settings.critic_learning_rate or settings.learning_rate, settings.weight_decay)
-    plan = FAMILIES[spec.policy_loss](
-        actor, critic, batch, torch.tensor(scores, dtype=torch.float32), settings
-    )
-    metrics = train_loop(plan)
+    peaks = memory_peaks(actor.device)
+    with _phase(peaks, "plan"):  # the no-grad forwards (old, reference logprobs; values), advantages
+        plan = FAMILIES[spec.policy_loss](
+            actor, critic, batch, torch.tensor(scores, dtype=torch.float32), settings
+        )
+    with _phase(peaks, "update"):  # forward, backward and optimizer steps
+        metrics = train_loop(plan)
     seconds = time.perf_counter() - t0
     tokens = float(sum(batch[key].sum().item() for key in batch if key.endswith("_mask")))
     metrics["time/update_s"] = seconds
     metrics["throughput/train_tok_s"] = tokens / max(seconds, 1e-9)
     metrics["settings/clip_eps"] = settings.clip_eps
     metrics["settings/micro_batch_size"] = float(batch_sizes(settings, plan.num_items)[1])
+    if peaks is not None:
+        metrics.update(peaks.step_metrics())
     return metrics
+
+
+def memory_peaks(device: torch.device) -> PhasePeaks | None:
+    """The peak memory of a step's phases on a CUDA ``device``; None on CPU, where a step measures
+    nothing and calls nothing in :mod:`~rlfleet.trainer.memory_phases` (not a file of its step)."""
+    return PhasePeaks(CudaMemory(device)) if device.type == "cuda" else None
+
+
+def _phase(peaks: PhasePeaks | None, name: str) -> AbstractContextManager[None]:
+    """``peaks.phase(name)``; nothing without ``peaks``."""
+    return nullcontext() if peaks is None else peaks.phase(name)
 
 
 # --- rank 0: the NATS service ---------------------------------------------------------------------
@@ -203,6 +224,7 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
         self._published: list[TensorRef] = []
         self._shared: list[IpcBucket] = []  # the current version by CUDA IPC, when it was asked for
         self._shared_buffers: list[dict[str, torch.Tensor]] = []  # kept alive for the receivers
+        self._publish_peaks: dict[str, float] = {}  # the last publish's, for the next step's metrics
         self._lock = asyncio.Lock()
         self.replies = ReplyCache()  # a retried step or publish (same job_id) gets its first reply
         handlers: list[tuple[str, type, Callable[..., Awaitable[AnyMessage]]]] = [
@@ -249,6 +271,8 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
                 what = f"fetch and check the batch of step {request.step}"
                 batch = await self._agreed(command, what, lambda: fetch_batch(self, request))
                 metrics = await self._ranks(asyncio.to_thread(self._update, batch, request))
+                metrics.update(self._publish_peaks)  # a publish answers no metrics: see memory_phases
+                self._publish_peaks = {}
                 self.trained_step = request.step  # heartbeats carry it: `rlfleet status` shows the run's step
             finally:
                 self.busy -= 1
@@ -351,6 +375,18 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
                                 seconds=seconds, incarnation=self.incarnation)  # fmt: skip
 
     def _stage(
+        self, version: int, bucket_bytes: int, carriers: set[str], dtype: str
+    ) -> tuple[list[TensorRef], list[IpcBucket]]:
+        """The new version's buckets (:meth:`_stage_buckets`); on a GPU their staging's peak memory
+        is kept for the next step's metrics."""
+        self._publish_peaks = {}
+        peaks = memory_peaks(self.actor.device)
+        with _phase(peaks, "publish"):
+            staged = self._stage_buckets(version, bucket_bytes, carriers, dtype)
+        self._publish_peaks = {} if peaks is None else peaks.metrics
+        return staged
+
+    def _stage_buckets(
         self, version: int, bucket_bytes: int, carriers: set[str], dtype: str
     ) -> tuple[list[TensorRef], list[IpcBucket]]:
         refs: list[TensorRef] = []
