@@ -4,19 +4,35 @@
     uv run --extra cpu python benchmarks/rollout.py --model smollm2 --prompts 16 --max-tokens 64
     uv run --extra gpu python benchmarks/rollout.py --model PATH --device cuda --prompts 256
 
-Bare: ``vllm.LLM`` in this process, built with the settings the rollout worker gives vLLM, one
-``generate`` call with the same sampling (n samples, temperature 1, the sampled token's logprob).
+Both paths run the rollout worker's default engine settings (CUDA graphs on CUDA, eager on CPU;
+``--eager`` forces eager on both; ``--gpu-memory-utilization auto`` leaves the worker's own
+sizing, a float fixes the share for both).
+
 Service: one rollout worker started by its console script (``rlfleet-rollout serve --config``)
 against an embedded nats-server; a ``GenerateRequest`` over NATS, the result fetched from the
-worker's TensorStore over gRPC (what the reward and trainer tiers do). Throughput counts generated
-tokens (the response mask) over wall time, end to end. Rounds alternate between the two paths
-after a warm-up of each; each figure is the median. Results: benchmarks/results/rollout.json.
+worker's TensorStore over gRPC through the ref's capability, as the reward and trainer tiers
+fetch. Like them, the benchmark never deletes a batch: only the store's owner (the worker, which
+holds the store's secret) may, and it drops them on its next weight load or after its TTL.
+Bare: ``vllm.LLM`` in this process, built with the arguments the worker's ``VLLMEngine`` gives
+vLLM (the same share from ``memory_budget.engine_memory_fraction`` under ``auto``), one
+``generate`` call with the same sampling (n samples, temperature 1, the sampled token's logprob).
+
+The paths run one after the other, never side by side: the service phase (warm-up, then the
+timed rounds), the worker stopped (its exit frees its engine's memory), then the bare phase. On
+one GPU each engine takes its share of the card, so two resident engines may not fit; the service
+goes first so the worker starts on a card this process has not touched, as in a run. Each path
+gets the machine to itself, at the cost that load drifting between phases is not averaged out as
+alternating rounds would. Throughput counts generated tokens (the response mask)
+over wall time, end to end; each figure is the median of the timed rounds, and ``ratio`` is
+service / bare. The JSON names the machine (CPU model and its bf16 flags; on CUDA the GPU) and
+the torch and vLLM versions. Results: benchmarks/results/rollout.json (``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -27,7 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -36,13 +52,27 @@ from rlfleet.common.control.messages import GenerateRequest, GenerateResult, Sam
 from rlfleet.common.control.nats_transport import NatsTransport
 from rlfleet.common.control.transport import subject
 from rlfleet.common.errors import NoResponders, RequestTimeout
-from rlfleet.common.tensors.store import TensorStoreClient
+from rlfleet.common.schema.rollout import RolloutWorkerConfig
+from rlfleet.common.tensors.store import TensorStoreClient, worker_client
 
 logger = logging.getLogger(__name__)
 
 RESULTS = Path(__file__).parent / "results" / "rollout.json"
 CLUSTER = "bench"
 GENERATE = subject(CLUSTER, "rollout", "generate")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+"""The /proc/cpuinfo flags recorded with a CPU result (bf16 is emulated without the last two)."""
+Rounds = dict[str, list[float]]
+
+
+def memory_share(text: str) -> float | Literal["auto"]:
+    """``--gpu-memory-utilization``: ``auto`` or a share in (0, 1]."""
+    if text == "auto":
+        return "auto"
+    share = float(text)
+    if not 0.0 < share <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 'auto' or a share in (0, 1]")
+    return share
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,14 +85,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=5, help="timed rounds per path")
     parser.add_argument(
         "--gpu-memory-utilization",
-        type=float,
-        default=0.3,
-        help="CUDA: each engine's share of the GPU (the bare engine and the worker share one)",
+        type=memory_share,
+        default="auto",
+        help="CUDA: each engine's share of the GPU; auto (default) = the worker's own sizing",
     )
     parser.add_argument(
-        "--eager", action="store_true", help="CUDA: no torch.compile / CUDA graphs (both paths)"
+        "--eager", action="store_true", help="no torch.compile / CUDA graphs on CUDA (both paths)"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the result JSON")
     return parser.parse_args()
 
 
@@ -73,53 +103,88 @@ def make_prompts(tokenizer: Any, count: int) -> list[list[int]]:
 
 
 def worker_settings(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
-    """The rollout worker's config; the bare engine gets the same vLLM settings from it."""
-    return {
+    """The rollout worker's config; left out, a setting keeps the worker's default."""
+    settings: dict[str, Any] = {
         "model_path": model_path, "engine": "vllm", "device": args.device,
         "dtype": "float32" if args.device == "cpu" else "bfloat16", "max_batch_size": args.prompts * args.n,
         "cache_policy": "lru", "max_cache_len": 512, "cluster": CLUSTER, "worker_id": "rollout-bench",
-        "log_level": "WARNING", "gpu_memory_utilization": args.gpu_memory_utilization,
-        "enforce_eager": True if args.eager or args.device == "cpu" else None,
+        "log_level": "WARNING",
     }  # fmt: skip
+    if args.eager:
+        settings["enforce_eager"] = True
+    if args.gpu_memory_utilization != "auto":
+        settings["gpu_memory_utilization"] = args.gpu_memory_utilization
+    return settings
 
 
-def bare_rounds(settings: dict[str, Any], prompts: list[list[int]], sampling: SamplingParams) -> Any:
-    """A generator: each ``next()`` times one bare ``LLM.generate`` call -> (tokens, seconds)."""
-    from rlfleet.common.schema.rollout import RolloutWorkerConfig
-    from rlfleet.rollout.engines.checkpoint import read_checkpoint
-    from rlfleet.rollout.engines.vllm import LOGPROBS_MODE
-    from rlfleet.rollout.engines.vllm.runtime import context_cap, import_vllm
+def bare_llm_kwargs(cfg: RolloutWorkerConfig, device: str, info: Any) -> dict[str, Any]:
+    """The ``vllm.LLM`` arguments the worker's ``VLLMEngine`` builds from ``cfg`` (kept in step by hand:
+    the engine builds them inline)."""
+    from rlfleet.rollout.engines.vllm.engine import LOGPROBS_MODE, WORKER_EXTENSION
+    from rlfleet.rollout.engines.vllm.runtime import DTYPES, context_cap
     from rlfleet.rollout.service import engine_kwargs
 
-    kwargs = engine_kwargs(RolloutWorkerConfig(**settings), "vllm", settings["device"])
-    info = read_checkpoint(settings["model_path"])
-    vllm = import_vllm(settings["device"], 1.0)
-    llm = vllm.LLM(
-        model=settings["model_path"],
-        dtype=kwargs["dtype"],
-        seed=0,
-        max_num_seqs=kwargs["max_batch_size"],
-        max_model_len=context_cap(kwargs["max_model_len"], info.max_positions),
-        enforce_eager=kwargs["enforce_eager"],
-        enable_prefix_caching=kwargs["enable_prefix_caching"],
-        distributed_executor_backend="uni",
-        logprobs_mode=LOGPROBS_MODE,
-        **(
-            {"gpu_memory_utilization": kwargs["gpu_memory_utilization"]}
-            if settings["device"] == "cuda"
-            else {}
-        ),
-    )
+    kw = engine_kwargs(cfg, "vllm", device)
+    tp = kw["tensor_parallel_size"]
+    llm_kwargs = {
+        "model": str(cfg.model_path), "dtype": DTYPES[kw["dtype"]], "seed": kw["seed"],
+        "max_num_seqs": kw["max_batch_size"],
+        "max_model_len": context_cap(kw["max_model_len"], info.max_positions),
+        "tensor_parallel_size": tp, "distributed_executor_backend": "uni" if tp == 1 else "mp",
+        "enforce_eager": kw["enforce_eager"], "enable_prefix_caching": kw["enable_prefix_caching"],
+        "logprobs_mode": LOGPROBS_MODE, "worker_extension_cls": WORKER_EXTENSION,
+        "trust_remote_code": kw["trust_remote_code"],
+    }  # fmt: skip
+    if device == "cuda":
+        share = kw["gpu_memory_utilization"]
+        if share == "auto":
+            from rlfleet.rollout.engines.vllm.memory_budget import engine_memory_fraction
+
+            share = engine_memory_fraction(
+                info.config, info.weights, dtype=llm_kwargs["dtype"], max_num_seqs=kw["max_batch_size"],
+                max_model_len=llm_kwargs["max_model_len"], tensor_parallel_size=tp,
+            ).share  # fmt: skip
+        llm_kwargs.update(gpu_memory_utilization=share, enable_sleep_mode=kw["colocate"])
+    return llm_kwargs
+
+
+def bare_phase(
+    cfg: RolloutWorkerConfig, device: str, prompts: list[list[int]], sampling: SamplingParams, reps: int
+) -> tuple[Rounds, dict[str, Any]]:
+    """Build the bare engine, time one warm-up and ``reps`` ``LLM.generate`` calls, shut it down.
+
+    Returns the rounds (``bare_tok``, ``bare_s``) and the ``vllm.LLM`` arguments it ran with.
+    """
+    from rlfleet.rollout.engines.checkpoint import read_checkpoint
+    from rlfleet.rollout.engines.vllm.runtime import import_vllm
+
+    info = read_checkpoint(cfg.model_path, trust_remote_code=cfg.trust_remote_code)
+    vllm = import_vllm(device, 1.0)  # 1 GiB of CPU KV cache: the engine's default, as the worker's
+    llm_kwargs = bare_llm_kwargs(cfg, device, info)
+    llm = vllm.LLM(**llm_kwargs)
     params = vllm.SamplingParams(
         n=sampling.n, temperature=sampling.temperature, max_tokens=sampling.max_tokens,
         stop_token_ids=list(info.eos_ids), logprobs=0,
     )  # fmt: skip
     inputs = [vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in prompts]
-    while True:
-        t0 = time.perf_counter()
-        outputs = llm.generate(inputs, params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        yield sum(len(c.token_ids) for o in outputs for c in o.outputs), seconds
+    rounds: Rounds = {"bare_tok": [], "bare_s": []}
+    try:
+        for i in range(-1, reps):  # round -1 is the warm-up
+            t0 = time.perf_counter()
+            outputs = llm.generate(inputs, params, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+            tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+            if i >= 0:
+                rounds["bare_tok"].append(tokens)
+                rounds["bare_s"].append(seconds)
+                print(f"bare round {i}: {tokens / seconds:.0f} tok/s ({seconds:.2f} s)", flush=True)
+    finally:
+        engine_core = getattr(llm.llm_engine, "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()  # as VLLMEngine.close: the engine-core process lets go of the GPU
+        del llm
+        gc.collect()
+    return rounds, llm_kwargs
 
 
 async def wait_ready(transport: NatsTransport, deadline_s: float) -> None:
@@ -137,21 +202,24 @@ async def wait_ready(transport: NatsTransport, deadline_s: float) -> None:
 
 
 async def service_round(
-    transport: NatsTransport, clients: dict[str, TensorStoreClient], prompts: list[list[int]],
-    sampling: SamplingParams, index: int,
+    transport: NatsTransport, clients: dict[str, TensorStoreClient], cfg: RolloutWorkerConfig,
+    prompts: list[list[int]], sampling: SamplingParams, index: int,
 ) -> tuple[int, float, float]:  # fmt: skip
     """One generate job end to end: request over NATS, reply, result tensors over gRPC.
 
+    The fetch reads through the capability the ref carries, with the worker's tensor plane
+    settings, as a consumer tier does; the batch stays the worker's to delete.
     Returns (generated tokens, wall seconds, seconds the worker spent in ``engine.generate``).
     """
     request = GenerateRequest(job_id=f"bench-{index}", prompt_token_ids=prompts, sampling=sampling)
     t0 = time.perf_counter()
     reply = await transport.request(GENERATE, request, timeout=600.0, tier="rollout")
     assert isinstance(reply, GenerateResult)
-    client = clients.setdefault(reply.ref.address, TensorStoreClient(reply.ref.address))
+    client = clients.get(reply.ref.address)
+    if client is None:
+        client = clients[reply.ref.address] = worker_client(reply.ref.address, cfg)
     tensors = await client.fetch(reply.ref)
     seconds = time.perf_counter() - t0
-    await client.delete(reply.ref.key)
     return int(tensors["response_mask"].sum()), seconds, reply.seconds
 
 
@@ -167,51 +235,75 @@ def start_worker(settings: dict[str, Any], nats_url: str, folder: Path) -> subpr
     )
 
 
-async def measure(
-    args: argparse.Namespace, settings: dict[str, Any], prompts: list[list[int]], sampling: SamplingParams,
-    nats_url: str, folder: Path,
-) -> dict[str, list[float]]:  # fmt: skip
-    """Start the worker, then alternate timed rounds of the two paths after one warm-up each."""
-    keys = ("bare_tok", "bare_s", "svc_tok", "svc_s", "engine_s")
-    rounds: dict[str, list[float]] = {key: [] for key in keys}
-    worker = start_worker(settings, nats_url, folder)
-    transport = await NatsTransport.connect(nats_url, name="bench", tier="controller")
-    clients: dict[str, TensorStoreClient] = {}
-    try:
-        await wait_ready(transport, deadline_s=600.0)
-        bare = bare_rounds(settings, prompts, sampling)
-        next(bare)
-        await service_round(transport, clients, prompts, sampling, -1)
-        for i in range(args.reps):
-            tokens, seconds = next(bare)
-            rounds["bare_tok"].append(tokens)
-            rounds["bare_s"].append(seconds)
-            tokens, seconds, engine_seconds = await service_round(transport, clients, prompts, sampling, i)
-            rounds["svc_tok"].append(tokens)
-            rounds["svc_s"].append(seconds)
-            rounds["engine_s"].append(engine_seconds)
-            print(f"round {i}: bare {rounds['bare_tok'][-1] / rounds['bare_s'][-1]:.0f} tok/s, "
-                  f"service {tokens / seconds:.0f} tok/s (engine {engine_seconds:.2f} of {seconds:.2f} s)",
-                  flush=True)  # fmt: skip
-    finally:
-        for client in clients.values():
-            await client.close()
-        await transport.close()
-        worker.terminate()
-        worker.wait(timeout=60)
+async def service_phase(
+    settings: dict[str, Any], prompts: list[list[int]], sampling: SamplingParams, reps: int, folder: Path,
+) -> Rounds:  # fmt: skip
+    """Start the worker, time one warm-up and ``reps`` jobs, stop it (its engine frees the GPU).
+
+    Returns the rounds: ``svc_tok``, ``svc_s`` and ``engine_s`` (the worker's ``engine.generate``).
+    """
+    cfg = RolloutWorkerConfig(**settings)
+    rounds: Rounds = {"svc_tok": [], "svc_s": [], "engine_s": []}
+    with EmbeddedNats() as nats:
+        worker = start_worker(settings, nats.url, folder)
+        transport = await NatsTransport.connect(nats.url, name="bench", tier="controller")
+        clients: dict[str, TensorStoreClient] = {}
+        try:
+            await wait_ready(transport, deadline_s=600.0)
+            for i in range(-1, reps):  # round -1 is the warm-up
+                tokens, seconds, engine_s = await service_round(transport, clients, cfg, prompts, sampling, i)
+                if i >= 0:
+                    for key, value in zip(rounds, (tokens, seconds, engine_s), strict=True):
+                        rounds[key].append(value)
+                    print(f"service round {i}: {tokens / seconds:.0f} tok/s ({seconds:.2f} s, "
+                          f"engine {engine_s:.2f} s)", flush=True)  # fmt: skip
+        finally:
+            for client in clients.values():
+                await client.close()
+            await transport.close()
+            worker.terminate()
+            worker.wait(timeout=120)
     return rounds
 
 
+def machine(device: str) -> dict[str, Any]:
+    """The host: CPU model and its bf16-relevant flags, the GPU on CUDA, torch and vLLM versions."""
+    import torch
+    import vllm
+
+    from rlfleet.common.schema.trainer import cpu_has_native_bf16
+
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    field = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lines) if v}  # last CPU's
+    flags = set(field.get("flags", "").split())
+    return {
+        "cpu": field.get("model name", platform.processor()), "cpus": os.cpu_count(),
+        "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS}, "cpu_native_bf16": cpu_has_native_bf16(),
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+        "torch": torch.__version__, "vllm": vllm.__version__, "platform": platform.platform(),
+        "python": platform.python_version(),
+    }  # fmt: skip
+
+
+def median_rate(tokens: list[float], seconds: list[float]) -> float:
+    return statistics.median(t / s for t, s in zip(tokens, seconds, strict=True))
+
+
 async def run(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
+    """The service phase, then the bare phase, on the same prompts; the result record."""
     from transformers import AutoTokenizer
 
     prompts = make_prompts(AutoTokenizer.from_pretrained(model_path), args.prompts)
     sampling = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, logprobs=True)
     settings = worker_settings(args, model_path)
-    with EmbeddedNats() as nats, tempfile.TemporaryDirectory(prefix="rlfleet-bench-") as tmp:
-        r = await measure(args, settings, prompts, sampling, nats.url, Path(tmp))
-    bare_rate = statistics.median(t / s for t, s in zip(r["bare_tok"], r["bare_s"], strict=True))
-    service_rate = statistics.median(t / s for t, s in zip(r["svc_tok"], r["svc_s"], strict=True))
+    load = {"service": round(os.getloadavg()[0], 2)}
+    with tempfile.TemporaryDirectory(prefix="rlfleet-bench-") as tmp:
+        r = await service_phase(settings, prompts, sampling, args.reps, Path(tmp))
+    load["bare"] = round(os.getloadavg()[0], 2)
+    bare, llm_kwargs = bare_phase(RolloutWorkerConfig(**settings), args.device, prompts, sampling, args.reps)
+    r.update(bare)
+    bare_rate, service_rate = median_rate(r["bare_tok"], r["bare_s"]), median_rate(r["svc_tok"], r["svc_s"])
     overhead = statistics.median(1 - e / s for e, s in zip(r["engine_s"], r["svc_s"], strict=True))
     return {
         "bare_tok_s": round(bare_rate, 1),
@@ -223,11 +315,27 @@ async def run(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
         "service_engine_seconds": [round(x, 3) for x in r["engine_s"]],
         "bare_tokens": r["bare_tok"],
         "service_tokens": r["svc_tok"],
+        "order": ["service", "bare"],
+        "load_avg_1m": load,
         "workload": {"model": args.model, "device": args.device, "prompts": args.prompts, "n": args.n,
                      "max_tokens": args.max_tokens, "temperature": 1.0, "logprobs": True, "reps": args.reps},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "load_avg_1m": round(os.getloadavg()[0], 2)},
+        "engine": {"gpu_memory_utilization": args.gpu_memory_utilization, "eager": args.eager,
+                   "vllm_llm": {k: v for k, v in llm_kwargs.items() if k != "model"}},
+        "machine": machine(args.device),
+        "command": " ".join(["benchmarks/rollout.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d"),
     }  # fmt: skip
+
+
+def print_table(result: dict[str, Any]) -> None:
+    rows = [("service", result["service_tok_s"], result["service_seconds"]),
+            ("bare", result["bare_tok_s"], result["bare_seconds"])]  # fmt: skip
+    print(f"{'path':<8} {'tok/s':>9}  seconds per round")
+    for name, rate, seconds in rows:
+        print(f"{name:<8} {rate:>9.1f}  {' '.join(f'{s:.2f}' for s in seconds)}")
+    host = result["machine"]["gpu"] or result["machine"]["cpu"]
+    print(f"ratio service/bare {result['ratio']:.3f}; service time outside the engine "
+          f"{result['service_overhead_share']:.1%}; {host}")  # fmt: skip
 
 
 def main() -> int:
@@ -239,7 +347,7 @@ def main() -> int:
     result = asyncio.run(run(args, model_path))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("bare_tok_s", "service_tok_s", "ratio")}))
+    print_table(result)
     return 0
 
 
