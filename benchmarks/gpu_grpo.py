@@ -26,20 +26,27 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_memory import GpuMemory  # noqa: E402  (this folder's helper module)
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results" / "gpu_grpo_h200.json"
 SCRIPTS = {"rlfleet": "rlfleet.controller.cli", "rlfleet-rollout": "rlfleet.rollout.main",
            "rlfleet-reward": "rlfleet.reward.main", "rlfleet-trainer": "rlfleet.trainer.main"}  # fmt: skip
+JOBS = ("tiny", "smollm2-concise", "numeric", "qwen2.5-0.5b")
+NUMERIC_HELDOUT = "examples/data/arith_words_test.jsonl"
+PHASES = ("generate_s", "score_s", "train_s", "sync_s")
 SPLIT = {"generate_s": "time/generate_s", "score_s": "time/score_s", "train_s": "time/train_s",
          "sync_s": "time/publish_s", "step_s": "time/step_s", "gen_tok_s": "throughput/gen_tok_s",
          "publish_s": "publish/trainer_s", "load_s": "rollout/load_s_max"}  # fmt: skip
@@ -47,13 +54,22 @@ SPLIT = {"generate_s": "time/generate_s", "score_s": "time/score_s", "train_s": 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--jobs", default="tiny,qwen2.5-0.5b")
+    p.add_argument("--jobs", default="smollm2-concise,numeric,qwen2.5-0.5b", help=f"any of {', '.join(JOBS)}")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--steps", type=int, default=0, help="override each job's max_steps (0: the job's)")
+    p.add_argument("--numeric-steps", type=int, default=30, help="max_steps of the numeric job")
+    p.add_argument("--eager", action="store_true", help="CUDA graphs off (enforce_eager), as before issue 34")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/rlfleet-gpu-grpo"))
     p.add_argument("--timeout", type=float, default=420.0, help="seconds one job may take")
+    p.add_argument("--deadline", type=float, default=0.0, help="seconds all jobs may take together (0: none)")
     p.add_argument("--out", type=Path, default=RESULTS)
-    return p.parse_args(argv)
+    p.add_argument("--rescore", type=Path, help="score a result file's held-out answers here (relevance, "
+                   "answer checks) and add the target verdicts; no job runs")  # fmt: skip
+    args = p.parse_args(argv)
+    unknown = set(args.jobs.split(",")) - set(JOBS)
+    if unknown:
+        p.error(f"unknown job(s) {', '.join(sorted(unknown))}; expected any of {', '.join(JOBS)}")
+    return args
 
 
 def console_scripts(bin_dir: Path) -> None:
@@ -81,13 +97,31 @@ def write_prompts(path: Path, count: int) -> Path:
     return path
 
 
+def main_job(name: str) -> dict[str, Any]:
+    """A shipped job file with its data paths made absolute (the run's working directory is elsewhere)."""
+    job = yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())
+    job["data"]["path"] = str(ROOT / job["data"]["path"])
+    if job.get("eval_data"):
+        job["eval_data"] = str(ROOT / job["eval_data"])
+    return job
+
+
 def job_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The job file of ``name`` for ``args.device`` (colocated vLLM on CUDA)."""
+    """The job file of ``name`` for ``args.device`` (colocated vLLM on CUDA, CUDA graphs on, the
+    engine's memory share sized from the job: the rollout defaults)."""
     out = args.workdir / name
     if name == "tiny":
-        job = yaml.safe_load((ROOT / "examples" / "tiny_grpo.yaml").read_text())
-        job["data"]["path"] = str(ROOT / job["data"]["path"])
-        job["rollout"] = {"engine": "vllm", "gpu_memory_utilization": 0.15}
+        job = main_job("tiny_grpo")
+        job["rollout"] = {"engine": "vllm"}
+    elif name == "smollm2-concise":  # the main job as shipped; held-out evaluation after every step
+        job = main_job("smollm2_concise")
+        job.update(eval_every=1, rollout={"engine": "vllm"})
+    elif name == "numeric":  # GSM8K-style problems on SmolLM2, held-out accuracy (pass@1) every 5 steps
+        job = main_job("gsm8k_numeric")
+        job.update(model="smollm2", num_epochs=4, max_steps=args.numeric_steps, rollout_batch_size=32,
+                   train_batch_size=16, micro_batch_size=64, group_size=8, max_prompt_length=128,
+                   max_response_length=192, learning_rate=2e-6, eval_data=str(ROOT / NUMERIC_HELDOUT),
+                   eval_every=5, eval_max_tokens=192, rollout={"engine": "vllm"})  # fmt: skip
     elif name == "qwen2.5-0.5b":
         sys.path.insert(0, str(Path(__file__).parent))
         from colocated_sync import write_model
@@ -104,82 +138,122 @@ def job_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
             "micro_batch_size": 32, "group_size": 8, "max_response_length": 256, "learning_rate": 1e-6,
             "kl_coef": 0.0, "temperature": 1.0, "seed": 0, "log_every": 1, "mixed_precision": "bf16",
             "weight_bucket_mb": 256,
-            "rollout": {"engine": "vllm", "gpu_memory_utilization": 0.3, "max_cache_len": 512},
+            # the whole step's 256 samples in one engine batch, each up to 64 + 256 tokens
+            "rollout": {"engine": "vllm", "max_batch_size": 256, "max_cache_len": 512},
         }  # fmt: skip
     else:
         raise SystemExit(f"unknown job {name!r}")
     job.update(output_dir=str(out / "run"), device=args.device, loggers=["jsonl"], sample_table_size=0)
-    job["rollout"].update(dtype="bfloat16" if args.device == "cuda" else "float32",
-                          colocate=args.device == "cuda", enforce_eager=True)  # fmt: skip
+    job["rollout"].update(
+        dtype="bfloat16" if args.device == "cuda" else "float32", colocate=args.device == "cuda"
+    )
+    if args.eager:
+        job["rollout"]["enforce_eager"] = True
     if args.steps:
         job["max_steps"] = args.steps
     return job
 
 
-class GpuMemory:
-    """The card's peak memory in use while the job runs (``nvidia-smi`` every 0.2 s, all processes)."""
-
-    def __init__(self) -> None:
-        self.peak_mib = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
+def run_rlfleet(job_path: Path, timeout: float) -> tuple[int | None, str, float]:
+    """``rlfleet train job_path`` in its own process group (a timeout stops the whole fleet it started,
+    which would otherwise hold the GPU for the next job): exit code (None: timed out), log tail, wall s."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(["rlfleet", "train", str(job_path)], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        try:
+            code: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
             try:
-                text = subprocess.run(
-                    ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                    capture_output=True,
-                    text=True,
-                    timeout=5,
-                ).stdout
-                self.peak_mib = max(self.peak_mib, int(text.split()[0]))
-            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-                return
-            self._stop.wait(0.2)
-
-    def __enter__(self) -> GpuMemory:
-        if shutil.which("nvidia-smi"):
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            code = None
+        log.seek(0)
+        return code, log.read()[-4000:], time.perf_counter() - t0
 
 
-def run_job(name: str, args: argparse.Namespace) -> dict[str, Any]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    )
+
+
+def run_job(name: str, args: argparse.Namespace, timeout: float) -> dict[str, Any]:
     job = job_config(name, args)
     run_dir = Path(job["output_dir"])
     shutil.rmtree(run_dir, ignore_errors=True)
     job_path = args.workdir / f"{name}.yaml"
     job_path.write_text(yaml.safe_dump(job, sort_keys=False))
-    t0 = time.perf_counter()
+    started = time.time()
     with GpuMemory() as memory:
-        proc = subprocess.run(["rlfleet", "train", str(job_path)], capture_output=True, text=True,
-                              timeout=args.timeout)  # fmt: skip
-    wall = time.perf_counter() - t0
-    log = (proc.stdout + proc.stderr)[-4000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] if (
-        run_dir / "metrics.jsonl").exists() else []  # fmt: skip
-    result: dict[str, Any] = {"job": job, "exit_code": proc.returncode, "wall_s": round(wall, 1),
-                              "steps": len(rows), "peak_gpu_mib": memory.peak_mib or None}  # fmt: skip
-    if proc.returncode != 0 or not rows:
+        code, log, wall = run_rlfleet(job_path, timeout)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    result: dict[str, Any] = {"job": job, "exit_code": code, "wall_s": round(wall, 1), "steps": len(rows),
+                              "peak_gpu_mib": memory.peak_mib or None, "started": started}  # fmt: skip
+    if code is None:
+        result["error"] = f"timed out after {timeout:.0f} s"
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    if evals:  # the answers travel back; --rescore measures them where the scoring models are
+        result["evals"] = evals
+    if code != 0 or not rows:
         result["log_tail"] = log
+    if not rows:
         return result
     timed = rows[1:] or rows
     for key, metric in SPLIT.items():
         values = [r[metric] for r in timed if metric in r]
         if values:
             result[key] = round(statistics.median(values), 4)
+    if "step_s" in result:
+        result["shares"] = {k: round(result[k] / result["step_s"], 3) for k in PHASES if k in result}
+    result["memory"] = {k: max(r[k] for r in rows if k in r) for k in sorted({k for r in rows for k in r})
+                        if k.startswith("memory/")}  # fmt: skip
     result["ipc_workers"] = rows[-1].get("publish/ipc_workers")
     result["reward_first"] = rows[0].get("reward/mean")
     result["reward_last"] = rows[-1].get("reward/mean")
+    result["step_end_s"] = [round(r["time"] - started, 1) for r in rows if "time" in r]
     result["per_step"] = [{k: round(r[m], 4) for k, m in SPLIT.items() if m in r} for r in rows]
     return result
 
 
+def rescore_report(path: Path) -> None:
+    """Measure a result file's held-out answers here (:mod:`heldout_targets`) and add the verdicts:
+    the main job's time to its target, the numeric job's accuracy before and after."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from heldout_targets import concise_target, first_step_meeting, rescore
+
+    report = json.loads(path.read_text())
+    for name, result in report["jobs"].items():
+        if not result.get("evals"):
+            continue
+        job = result["job"]
+        data = ROOT / "examples" / "data" / Path(job["eval_data"]).name  # the file as it is in this checkout
+        evals = rescore(result["evals"], data, job.get("eval_limit_words", 50))
+        result["heldout"] = evals
+        first, last = evals[0]["summary"], evals[-1]["summary"]
+        result["heldout_before"], result["heldout_after"] = first, last
+        if name == "smollm2-concise":
+            result["target_after"] = concise_target(last, first)
+            step = first_step_meeting(evals)
+            result["target_step"] = step
+            ends = result.get("step_end_s", [])
+            result["time_to_target_s"] = ends[step - 1] if step and len(ends) >= step else None
+        print(
+            name, json.dumps({k: result.get(k) for k in ("target_after", "target_step", "time_to_target_s")})
+        )
+        print("  before:", {k: first.get(k) for k in ("mean_words", "within_limit", "relevance", "pass@1")})
+        print("  after: ", {k: last.get(k) for k in ("mean_words", "within_limit", "relevance", "pass@1")})
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.rescore:
+        rescore_report(args.rescore)
+        return 0
     args.workdir.mkdir(parents=True, exist_ok=True)
     console_scripts(args.workdir / "bin")
     report: dict[str, Any] = {
@@ -194,15 +268,17 @@ def main(argv: list[str] | None = None) -> int:
         import vllm
 
         report.update(device=torch.cuda.get_device_name(0), torch=torch.__version__, vllm=vllm.__version__)
-    failed = False
+    failed, begun = False, time.perf_counter()
     for name in args.jobs.split(","):
-        try:
-            report["jobs"][name] = run_job(name, args)
-        except subprocess.TimeoutExpired as exc:
-            report["jobs"][name] = {"error": f"timed out after {exc.timeout} s"}
+        left = args.deadline - (time.perf_counter() - begun) if args.deadline else args.timeout
+        if left < 30:
+            report["jobs"][name] = {"error": f"not run: {args.deadline:.0f} s deadline reached"}
+            continue
+        report["jobs"][name] = run_job(name, args, min(args.timeout, left))
         result = report["jobs"][name]
         failed = failed or result.get("exit_code") != 0
-        print(name, json.dumps({k: v for k, v in result.items() if k not in ("job", "per_step")}), flush=True)
+        shown = {k: v for k, v in result.items() if k not in ("job", "per_step", "evals")}
+        print(name, json.dumps(shown), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(
             json.dumps(report, indent=2) + "\n"

@@ -42,6 +42,8 @@ import argparse
 import json
 import os
 import platform
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -51,7 +53,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tree_memory import GIB, TreeMemory  # noqa: E402  (this folder's helper module)
+from gpu_memory import GpuMemory  # noqa: E402  (this folder's helper modules)
+from tree_memory import GIB, TreeMemory  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "vs_trl.json"
@@ -60,6 +63,8 @@ MAIN_JOB = REPO / "examples" / "smollm2_concise.yaml"
 PROMPTS = REPO / "examples" / "data" / "questions.jsonl"
 PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, RESPONSE_TOKENS = 8, 4, 96
 SIDES = ("rlfleet", "trl", "trl_one_micro_batch")
+DEVICES = ("cpu", "cuda")
+HELDOUT = REPO / "examples" / "data" / "questions_heldout.jsonl"
 """``trl``: TRL in micro-batches of the job's ``micro_batch_size`` (as rlfleet's trainer computes);
 ``trl_one_micro_batch``: TRL with the whole 32-sample batch in one micro-batch (no accumulation),
 the configuration issue 14's reference numbers were measured with."""
@@ -68,22 +73,31 @@ the configuration issue 14's reference numbers were measured with."""
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=10, help="training steps of each side")
+    p.add_argument(
+        "--device", default="cpu", choices=DEVICES, help="cuda: both sides colocate vLLM on one GPU"
+    )
     p.add_argument("--only", choices=SIDES, help="run one side only")
     p.add_argument("--out", type=Path, default=RESULTS, help="result JSON")
     p.add_argument("--job", type=Path, default=MAIN_JOB, help="the rlfleet job whose settings both use")
     p.add_argument("--sample-s", type=float, default=0.5, help="seconds between RSS samples")
     p.add_argument("--pss-every", type=float, default=10.0, help="seconds between PSS samples (0: none)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one side may take")
+    p.add_argument("--rescore", type=Path, help="measure a GPU result file's held-out answers here "
+                   "(relevance) and add the target verdicts; nothing trains")  # fmt: skip
     p.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)  # internal: run TRL's side
+    p.add_argument("--eval-child", type=Path, help=argparse.SUPPRESS)  # internal: held-out answers
     p.add_argument("--one-micro-batch", action="store_true", help=argparse.SUPPRESS)  # internal, with it
     args = p.parse_args()
+    if args.out == RESULTS and args.device == "cuda":
+        args.out = RESULTS.with_name("vs_trl_gpu.json")
     if args.steps < 1:
         p.error("--steps must be at least 1")
     return args
 
 
-def bench_overrides(steps: int, data: Path, out: Path) -> list[str]:
-    """``key=value`` overrides that turn the main job into the benchmark's rlfleet side."""
+def bench_overrides(steps: int, data: Path, out: Path, device: str = "cpu") -> list[str]:
+    """``key=value`` overrides that turn the main job into the benchmark's rlfleet side (on CUDA: vLLM
+    colocated with the trainer on the one GPU, bf16, CUDA graphs and the memory share at their defaults)."""
     from rlfleet.controller.config import JobConfig
 
     overrides = [
@@ -94,6 +108,8 @@ def bench_overrides(steps: int, data: Path, out: Path) -> list[str]:
     ]  # fmt: skip
     if "eval_data" in JobConfig.model_fields:  # no held-out evaluation in the timed run
         overrides.append("eval_data=null")
+    if device == "cuda":
+        overrides += ["device=cuda", "rollout.engine=vllm", "rollout.colocate=true", "rollout.dtype=bfloat16"]
     return overrides
 
 
@@ -110,9 +126,9 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         raise SystemExit(f"{PROMPTS} has {len(lines)} prompts, fewer than {PROMPTS_PER_STEP} x {args.steps}")
     data = workdir / "prompts.jsonl"
     data.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    overrides = bench_overrides(args.steps, data, workdir / "rlfleet")
+    overrides = bench_overrides(args.steps, data, workdir / "rlfleet", args.device)
     job = load_config(JobConfig, args.job, overrides)
-    if resolve_precision(job.mixed_precision, "cpu") == "bf16" and job.rollout.dtype == "float32":
+    if resolve_precision(job.mixed_precision, args.device) == "bf16" and job.rollout.dtype == "float32":
         # TRL generates under the bf16 autocast it trains with: the engine generates in bf16 too
         overrides.append("rollout.dtype=bfloat16")
         job = load_config(JobConfig, args.job, overrides)
@@ -128,7 +144,12 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "rows": [json.loads(lines[i]) for i in order], "order": order,
         "settings": job.trainer_config().model_dump(mode="json"), "reward": job.reward,
         "prompt_key": job.data.prompt_key, "system_prompt": job.data.system_prompt, "seed": job.seed,
+        "device": args.device, "max_cache_len": job.rollout.max_cache_len,
+        "max_batch_size": job.rollout.max_batch_size, "eval_max_tokens": job.eval_max_tokens,
+        "eval_limit_words": job.eval_limit_words,
     }  # fmt: skip
+    if args.device == "cuda":
+        setup["engine_share"] = engine_share(setup)
     (workdir / "setup.json").write_text(json.dumps(setup, indent=2) + "\n")
     return setup
 
@@ -139,18 +160,21 @@ def run_side(name: str, command: list[str], workdir: Path, args: argparse.Namesp
     log = workdir / f"{name}.log"
     load_before = [round(x, 2) for x in os.getloadavg()]
     start = time.time()
-    with log.open("w") as sink:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    with log.open("w") as sink, GpuMemory() as gpu:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
         with TreeMemory(proc.pid, args.sample_s, args.pss_every) as memory:
             try:
                 rc = proc.wait(timeout=args.timeout)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)  # the side's whole tree: the next side needs the GPU
                 rc = proc.wait()
     if rc != 0:
         raise RuntimeError(f"{name} failed (rc {rc}); the end of {log}:\n{log.read_text()[-3000:]}")
+    gpu_peak = {"peak_gpu_gib": round(gpu.peak_mib / 1024, 2)} if gpu.peak_mib else {}
     return {"wall_s": round(time.time() - start, 1), "load_avg_before": load_before,
-            "load_avg_after": [round(x, 2) for x in os.getloadavg()], **memory.report()}  # fmt: skip
+            "load_avg_after": [round(x, 2) for x in os.getloadavg()],
+            **memory.report(), **gpu_peak}  # fmt: skip
 
 
 def step_figures(ends: list[float], first_step_s: float, rewards: list[float], lengths: list[float]) -> dict:
@@ -168,8 +192,19 @@ PHASES = ("generate_s", "score_s", "train_s", "publish_s")
 """rlfleet's ``time/*`` metrics of a step, averaged over steps 2..N in the result."""
 
 
+def rlfleet_command(workdir: Path) -> str:
+    """The ``rlfleet`` console script: the venv's, or (on a machine that runs rlfleet from
+    ``PYTHONPATH``, as the GPU machine does) scripts written for the tiers the embedded launcher starts."""
+    if (BIN / "rlfleet").exists():
+        return str(BIN / "rlfleet")
+    from gpu_grpo import console_scripts
+
+    console_scripts(workdir / "bin")  # puts them on PATH, where the run's children find them too
+    return shutil.which("rlfleet") or "rlfleet"
+
+
 def run_rlfleet(setup: dict[str, Any], workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    command = [str(BIN / "rlfleet"), "train", setup["job_file"], *setup["overrides"]]
+    command = [rlfleet_command(workdir), "train", setup["job_file"], *setup["overrides"]]
     measured = run_side("rlfleet", command, workdir, args)
     rows = [json.loads(line) for line in (workdir / "rlfleet" / "metrics.jsonl").read_text().splitlines()]
     rewards, lengths = [r["reward/mean"] for r in rows], [r["response_length"] for r in rows]
@@ -177,6 +212,10 @@ def run_rlfleet(setup: dict[str, Any], workdir: Path, args: argparse.Namespace) 
     timed = rows[1:] or rows  # the first step (warm-up) left out, as in s/step
     phases = {name: round(statistics.fmean(r[f"time/{name}"] for r in timed), 2) for name in PHASES}
     return {**figures, "phases_mean": phases, **measured, "command": " ".join(command)}
+
+
+def trl_model_dir(workdir: Path, one_micro_batch: bool) -> Path:
+    return workdir / f"trl_model{'_one' if one_micro_batch else ''}"
 
 
 def trl_steps_file(workdir: Path, one_micro_batch: bool) -> Path:
@@ -226,10 +265,10 @@ def trl_config(setup: dict[str, Any], workdir: Path, one_micro_batch: bool = Fal
     from rlfleet.common.schema.trainer import resolve_precision
     from rlfleet.trainer.loop import BETAS, EPS
 
-    s, samples = setup["settings"], PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
-    bf16 = resolve_precision(s["mixed_precision"], "cpu") == "bf16"  # as rlfleet's trainer computes
+    s, samples, device = setup["settings"], PROMPTS_PER_STEP * SAMPLES_PER_PROMPT, setup["device"]
+    bf16 = resolve_precision(s["mixed_precision"], device) == "bf16"  # as rlfleet's trainer computes
     micro = samples if one_micro_batch else min(s["micro_batch_size"], samples)
-    return GRPOConfig(
+    return GRPOConfig(**trl_generation(setup),
         output_dir=str(workdir / "trl"), max_steps=setup["steps"], per_device_train_batch_size=micro,
         gradient_accumulation_steps=samples // micro, num_generations=SAMPLES_PER_PROMPT,
         max_completion_length=RESPONSE_TOKENS, temperature=s["temperature"], top_p=1.0, top_k=0,
@@ -237,11 +276,33 @@ def trl_config(setup: dict[str, Any], workdir: Path, one_micro_batch: bool = Fal
         scale_rewards="group", learning_rate=s["learning_rate"], lr_scheduler_type="constant", warmup_steps=0,
         optim="adamw_torch", adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
         weight_decay=s["weight_decay"], max_grad_norm=s["max_grad_norm"], bf16=bf16,
-        gradient_checkpointing=False, use_cpu=True, use_vllm=False, logging_steps=1, report_to="none",
+        gradient_checkpointing=False, use_cpu=device == "cpu", logging_steps=1, report_to="none",
         save_strategy="no", shuffle_dataset=False, seed=setup["seed"],
         dataloader_num_workers=0, model_init_kwargs={"dtype": "float32"}, disable_dropout=True,
         log_completions=False,
     )  # fmt: skip
+
+
+def trl_generation(setup: dict[str, Any]) -> dict[str, Any]:
+    """TRL's generation settings: none on CPU (TRL generates with the training model); on CUDA its
+    colocated vLLM engine, given what rlfleet's engine gets: the memory share rlfleet sizes for this
+    model and batch (``gpu_memory_utilization: auto``), the same context cap and sequences at once,
+    and sleep mode on (rlfleet's colocated engine sleeps while the trainer steps)."""
+    if setup["device"] != "cuda":
+        return {"use_vllm": False}
+    return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": setup["engine_share"],
+            "vllm_max_model_length": setup["max_cache_len"], "vllm_enable_sleep_mode": True}  # fmt: skip
+
+
+def engine_share(setup: dict[str, Any]) -> float:
+    """The GPU memory share rlfleet's colocated vLLM engine takes for this model and batch (auto)."""
+    from rlfleet.rollout.engines.checkpoint import read_checkpoint
+    from rlfleet.rollout.engines.vllm.memory_budget import engine_memory_fraction
+
+    info = read_checkpoint(setup["model_dir"])
+    return engine_memory_fraction(info.config, info.weights, dtype="bfloat16",
+                                  max_num_seqs=setup["max_batch_size"],
+                                  max_model_len=setup["max_cache_len"]).share  # fmt: skip
 
 
 def trl_child(workdir: Path, one_micro_batch: bool) -> int:
@@ -272,11 +333,72 @@ def trl_child(workdir: Path, one_micro_batch: bool) -> int:
                           train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                           callbacks=[StepClock()])  # fmt: skip
     trainer.train()
+    if setup["device"] == "cuda":  # the trained model, for the held-out answers
+        trainer.save_model(str(trl_model_dir(workdir, one_micro_batch)))
     record["grpo_config"] = {
         k: v for k, v in config.to_dict().items() if isinstance(v, int | float | str | bool)
     }
     trl_steps_file(workdir, one_micro_batch).write_text(json.dumps(record, indent=2, default=str) + "\n")
     return 0
+
+
+def eval_child(workdir: Path) -> int:
+    """Held-out answers of the base model and of each side's trained model, all by one evaluator:
+    transformers on the GPU, bf16, greedy, the job's chat template and ``eval_max_tokens``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlfleet.controller.eval_metrics import make_row
+
+    setup = json.loads((workdir / "setup.json").read_text())
+    models = {"base": Path(setup["model_dir"]), "rlfleet": workdir / "rlfleet" / "final",
+              "trl": trl_model_dir(workdir, False),
+              "trl_one_micro_batch": trl_model_dir(workdir, True)}  # fmt: skip
+    rows = [json.loads(line) for line in HELDOUT.read_text(encoding="utf-8").splitlines() if line.strip()]
+    system = [{"role": "system", "content": setup["system_prompt"]}] if setup["system_prompt"] else []
+    tokenizer = AutoTokenizer.from_pretrained(setup["model_dir"], padding_side="left")
+    questions = [r[setup["prompt_key"]] for r in rows]
+    texts = [tokenizer.apply_chat_template([*system, {"role": "user", "content": q}], tokenize=False,
+                                           add_generation_prompt=True) for q in questions]  # fmt: skip
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to("cuda")
+    out: dict[str, Any] = {}
+    for side, path in models.items():
+        if not (path / "config.json").exists():
+            continue
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+        with torch.no_grad():
+            ids = model.generate(**batch, max_new_tokens=setup["eval_max_tokens"], do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        ids = ids[:, batch["input_ids"].shape[1] :]
+        answers = []
+        for i, seq in enumerate(ids.tolist()):
+            seq = [t for t in seq if t != tokenizer.pad_token_id]
+            text = tokenizer.decode(seq, skip_special_tokens=True).strip()
+            answers.append(make_row(i, questions[i], 0, text, len(seq), setup["eval_limit_words"]).to_json())
+        out[side] = {"label": side, "step": 0 if side == "base" else setup["steps"], "rows": answers}
+        del model
+        torch.cuda.empty_cache()
+    (workdir / "heldout.json").write_text(json.dumps(out) + "\n")
+    return 0
+
+
+def rescore_report(path: Path) -> None:
+    """Measure a GPU result's held-out answers here (:mod:`heldout_targets`): each side's summary after
+    its steps against the base model's, and whether the main job's target holds."""
+    from heldout_targets import concise_target, rescore
+
+    report = json.loads(path.read_text())
+    answers = report.get("heldout_answers") or {}
+    if "base" not in answers:
+        raise SystemExit(f"{path} holds no held-out answers of the base model")
+    summaries = {r["label"]: r["summary"] for r in rescore(list(answers.values()), HELDOUT, 50)}
+    base = summaries["base"]
+    report["heldout"] = {"base": base}
+    for side, summary in summaries.items():
+        if side != "base":
+            report["heldout"][side] = {"summary": summary, "target": concise_target(summary, base)}
+        print(side, {k: summary.get(k) for k in ("mean_words", "within_limit", "relevance")})
+    path.write_text(json.dumps(report, indent=2) + "\n")
 
 
 def machine() -> dict[str, Any]:
@@ -291,7 +413,14 @@ def machine() -> dict[str, Any]:
     memory = round(psutil.virtual_memory().total / GIB, 1)
     from rlfleet.common.schema.trainer import CPU_BF16_ENV, cpu_has_native_bf16
 
-    return {"cpu_count": os.cpu_count(), "cpu": cpu, "memory_gib": memory, "python": sys.version.split()[0],
+    gpu = {}
+    if torch.cuda.is_available():
+        import vllm
+
+        gpu = {"gpu": torch.cuda.get_device_name(0), "vllm": vllm.__version__,
+               "gpu_memory_gib": round(torch.cuda.mem_get_info()[1] / GIB, 1)}  # fmt: skip
+    return {**gpu, "cpu_count": os.cpu_count(), "cpu": cpu, "memory_gib": memory,
+            "python": sys.version.split()[0],
             "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
             "git_commit": commit.strip(), "cpu_native_bf16": cpu_has_native_bf16(),
             CPU_BF16_ENV: os.environ.get(CPU_BF16_ENV)}  # fmt: skip
@@ -300,7 +429,8 @@ def machine() -> dict[str, Any]:
 def print_table(report: dict[str, Any]) -> None:
     sides = report["sides"]
     rows = [("s/step (steps 2..N)", "s_per_step"), ("first step s", "first_step_s"), ("wall s", "wall_s"),
-            ("peak RSS GiB (tree sum)", "peak_rss_gib"), ("peak PSS GiB (sampled)", "peak_pss_gib_sampled"),
+            ("peak GPU GiB (card)", "peak_gpu_gib"), ("peak RSS GiB (tree sum)", "peak_rss_gib"),
+            ("peak PSS GiB (sampled)", "peak_pss_gib_sampled"),
             ("processes", "peak_processes"), ("reward, last step", "reward_last"),
             ("length tokens, last step", "length_tokens_last"),
             ("load avg 1m max", "load_avg_1m_max")]  # fmt: skip
@@ -308,6 +438,8 @@ def print_table(report: dict[str, Any]) -> None:
     print("| --- |" + " --- |" * len(sides))
     for label, key in rows:
         print(f"| {label} | " + " | ".join(str(side.get(key)) for side in sides.values()) + " |")
+    print(f"GPU memory ratio (TRL / rlfleet): {report.get('memory_ratio_gpu')}, one micro-batch: "
+          f"{report.get('memory_ratio_gpu_one_micro_batch')}")  # fmt: skip
     m = report["machine"]
     print(f"speed ratio (TRL s/step / rlfleet s/step): {report.get('speed_ratio')}, one micro-batch: "
           f"{report.get('speed_ratio_one_micro_batch')}; "
@@ -318,6 +450,11 @@ def main() -> int:
     args = parse_args()
     if args.trl_child is not None:
         return trl_child(args.trl_child, args.one_micro_batch)
+    if args.eval_child is not None:
+        return eval_child(args.eval_child)
+    if args.rescore is not None:
+        rescore_report(args.rescore)
+        return 0
     report: dict[str, Any] = {
         "command": " ".join(["python", *sys.argv]),
         "steps": args.steps,
@@ -330,19 +467,33 @@ def main() -> int:
         report["setup"] = {
             k: setup[k] for k in ("model_dir", "job_file", "overrides", "order", "reward", "settings")
         }
+        report["setup"]["trl_generation"] = trl_generation(setup)
         runners = {"rlfleet": run_rlfleet, "trl": run_trl,
                    "trl_one_micro_batch": lambda *a: run_trl(*a, one=True)}  # fmt: skip
         report["sides"] = {}
         for name in (args.only,) if args.only else tuple(runners):
             print(f"running {name} for {args.steps} steps ...", flush=True)
-            report["sides"][name] = runners[name](setup, workdir, args)
+            try:
+                report["sides"][name] = runners[name](setup, workdir, args)
+            except RuntimeError as exc:  # one side's failure is reported; the others still run
+                report["sides"][name] = {"error": str(exc)[-3000:]}
+                print(exc, flush=True)
+        if args.device == "cuda":  # held-out answers of each trained model (scored with --rescore)
+            command = [sys.executable, str(Path(__file__).resolve()), "--eval-child", str(workdir)]
+            subprocess.run(command, cwd=REPO, check=False, timeout=args.timeout)
+            if (workdir / "heldout.json").exists():
+                report["heldout_answers"] = json.loads((workdir / "heldout.json").read_text())
     report["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     sides = report["sides"]
     ours = sides.get("rlfleet", {})
-    for name in (n for n in SIDES[1:] if n in sides and ours.get("s_per_step") and sides[n]["s_per_step"]):
+    for name in (
+        n for n in SIDES[1:] if n in sides and ours.get("s_per_step") and sides[n].get("s_per_step")
+    ):
         suffix = "" if name == "trl" else "_one_micro_batch"  # trl: the keys earlier results have
         report["speed_ratio" + suffix] = round(sides[name]["s_per_step"] / ours["s_per_step"], 2)
         report["memory_ratio_rss" + suffix] = round(sides[name]["peak_rss_gib"] / ours["peak_rss_gib"], 2)
+        if ours.get("peak_gpu_gib") and sides[name].get("peak_gpu_gib"):
+            report["memory_ratio_gpu" + suffix] = round(sides[name]["peak_gpu_gib"] / ours["peak_gpu_gib"], 2)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)
