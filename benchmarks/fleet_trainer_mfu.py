@@ -139,15 +139,15 @@ def run_variant(
     num_params = sum(p.numel() for p in actor.model.parameters())
     batch, scores = rollout_batch(args, config.vocab_size, v["ragged"])
     on_gpu = ctx.device.type == "cuda"
-    if on_gpu:
-        torch.cuda.reset_peak_memory_stats()
-    times, warm, metrics = [], [], {}
+    times, warm, metrics, peak_gib = [], [], {}, 0.0
     for i in range(args.warmup + args.steps):
         sync(ctx)
         t0 = time.perf_counter()
         metrics = run_step(actor, critic, batch, scores, settings)
         sync(ctx)
         (warm if i < args.warmup else times).append(time.perf_counter() - t0)
+        # run_step resets the peak at each phase and reports each phase's (GPU only)
+        peak_gib = max(peak_gib, metrics.get("memory/step_peak_allocated_gib", 0.0))
     seconds = statistics.median(times)
     real, padded = step_flops(config, num_params, batch)
     total = real * (4 / 3 if v["kl"] else 1.0)  # the reference's forward: a third of the update
@@ -166,7 +166,7 @@ def run_variant(
         "tokens_per_s_per_gpu": round(tokens / per_gpu, 1),
         "tflops_per_gpu": round(total / per_gpu / 1e12, 1),
         "mfu": mfu(total), "mfu_update": mfu(real), "mfu_padded": mfu(padded),
-        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if on_gpu else None,
+        "peak_memory_gib": round(peak_gib, 2) if on_gpu else None,
         "service_train_tok_s": round(metrics["throughput/train_tok_s"], 1),
         "metrics": {k: round(metrics[k], 5) for k in ("loss", "pg_loss", "entropy", "grad_norm", "kl")
                     if k in metrics},

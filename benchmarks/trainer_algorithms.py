@@ -86,9 +86,7 @@ def run(args: argparse.Namespace, path: Path, vocab: int, algorithm: str) -> dic
     scores = [] if algorithm == "dpo" else torch.randn(args.rows, generator=gen).tolist()
     settings = StepSettings.of(cfg)  # the worker's own: algorithm, micro-batch, kl_coef 0.05...
     on_gpu = ctx.device.type == "cuda"
-    if on_gpu:
-        torch.cuda.reset_peak_memory_stats()
-    times, metrics = [], {}
+    times, metrics, peak_gib = [], {}, 0.0
     for i in range(1 + args.steps):
         sync(ctx)
         t0 = time.perf_counter()
@@ -96,7 +94,9 @@ def run(args: argparse.Namespace, path: Path, vocab: int, algorithm: str) -> dic
         sync(ctx)
         if i:
             times.append(time.perf_counter() - t0)
-    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if on_gpu else 0.0], device=ctx.device)
+        # run_step resets the peak at each phase and reports each phase's (GPU only)
+        peak_gib = max(peak_gib, metrics.get("memory/step_peak_allocated_gib", 0.0))
+    peak = torch.tensor([peak_gib], device=ctx.device)
     peaks = [torch.zeros_like(peak) for _ in range(ctx.world_size)]
     if ctx.distributed:
         dist.all_gather(peaks, peak)
