@@ -77,6 +77,7 @@ def parse_args() -> argparse.Namespace:
         "--device", default="cpu", choices=DEVICES, help="cuda: both sides colocate vLLM on one GPU"
     )
     p.add_argument("--only", choices=SIDES, help="run one side only")
+    p.add_argument("--sides", default=",".join(SIDES), help="the sides to run, in order (comma-separated)")
     p.add_argument("--out", type=Path, default=RESULTS, help="result JSON")
     p.add_argument("--job", type=Path, default=MAIN_JOB, help="the rlfleet job whose settings both use")
     p.add_argument("--sample-s", type=float, default=0.5, help="seconds between RSS samples")
@@ -471,7 +472,7 @@ def main() -> int:
         runners = {"rlfleet": run_rlfleet, "trl": run_trl,
                    "trl_one_micro_batch": lambda *a: run_trl(*a, one=True)}  # fmt: skip
         report["sides"] = {}
-        for name in (args.only,) if args.only else tuple(runners):
+        for name in (args.only,) if args.only else [n for n in args.sides.split(",") if n in runners]:
             print(f"running {name} for {args.steps} steps ...", flush=True)
             try:
                 report["sides"][name] = runners[name](setup, workdir, args)
