@@ -146,9 +146,12 @@ def engine_memory_fraction(
     total_memory: int | None = None,
 ) -> MemoryBudget:
     """The budget for a checkpoint (its HF config and safetensors weight specs) on this process's
-    current CUDA device (``total_memory`` from ``torch.cuda.mem_get_info`` when not given)."""
+    first visible CUDA device (``total_memory`` read through vLLM's platform, by NVML, when not
+    given: initializing CUDA here would force vLLM to start its engine core by spawn)."""
     if total_memory is None:
-        total_memory = int(torch.cuda.mem_get_info()[1])
+        from vllm.platforms import current_platform
+
+        total_memory = int(current_platform.get_device_total_memory(0))
     budget = estimate(ModelShape.of(config), checkpoint_parameters(weights), dtype=dtype,
                       max_num_seqs=max_num_seqs, max_model_len=max_model_len, total_memory=total_memory,
                       tensor_parallel_size=tensor_parallel_size)  # fmt: skip
