@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.common.errors import Failure, UserError
+from rlfleet.controller.ray_fit import resources_text
 
 
 class DatasetError(UserError, ValueError):
@@ -112,6 +113,42 @@ class TierNotReady(Failure, TimeoutError):
         super().__init__(
             f"timed out after {timeout:g}s waiting for workers to announce: {what}. A worker still loading "
             "a large model needs a larger startup_timeout_s; otherwise its log says why it is stuck"
+        )
+
+
+class RayJobDoesNotFit(UserError, ValueError):
+    """A ``launcher: ray`` job reserves more than its Ray cluster has, in all or on any one node.
+
+    ``problem`` is the one-line account of :func:`~rlfleet.controller.ray_fit.fit_problem` (what the
+    job reserves, what the cluster has, what to change); ``needed`` and ``have`` the totals compared.
+    """
+
+    def __init__(self, problem: str, needed: dict[str, float], have: dict[str, float]) -> None:
+        self.problem = problem
+        self.needed = dict(needed)
+        self.have = dict(have)
+        super().__init__(f"launcher=ray: {problem}")
+
+
+class WorkerStartTimeout(Failure, TimeoutError):
+    """A worker's Ray actor (or the trainer ranks' placement group) was not placed before its deadline:
+    Ray found no node with what it reserves free (the cluster is busy, or a node is gone).
+
+    ``what`` names the waited-for thing (``rollout-0's Ray actor``), ``reserves`` what it asks of Ray,
+    ``available`` what the cluster had free when the deadline passed.
+    """
+
+    def __init__(
+        self, what: str, timeout: float, reserves: dict[str, float], available: dict[str, float]
+    ) -> None:
+        self.what = what
+        self.timeout = timeout
+        self.reserves = dict(reserves)
+        self.available = dict(available)
+        free = {key: available.get(key, 0.0) for key in {"CPU", "GPU", *reserves}}
+        super().__init__(
+            f"{what} did not start within {timeout:g} s; it reserves {resources_text(reserves)}; the cluster "
+            f"has {resources_text(free)} available (raise startup_timeout_s if other work frees it later)"
         )
 
 

@@ -2,7 +2,8 @@
 
 ``launcher: embedded`` (the default) starts every tier as a local process; ``launcher: ray``
 places them on a Ray cluster (:mod:`rlfleet.controller.ray_launcher`): ``ray_address`` empty
-starts a local Ray for the run (``ray_num_cpus`` logical CPUs), ``auto`` joins the cluster of
+starts a local Ray for the run (``ray_num_cpus`` logical CPUs; unset: the machine's, or what the
+job reserves when that is more), ``auto`` joins the cluster of
 this node, ``ray://host:10001`` a remote one. ``ray_resources`` reserves per tier what each of its
 workers needs on its node: ``{rollout: {num_gpus: 1, resources: {rollout_node: 1}}}`` (unset:
 one CPU each, and on CUDA one GPU per trainer rank and ``tensor_parallel_size`` per rollout
@@ -24,6 +25,7 @@ needs none. The logins reach the workers in their environment, never a file or a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -50,8 +52,9 @@ class LauncherSettings(ConfigModel):
         "cluster, 'ray://host:port' = a remote one",
     )  # fmt: skip
     ray_num_cpus: int | None = Field(
-        default=None, ge=1, description="launcher=ray, local Ray: its logical CPUs (None: this machine's)"
-    )
+        default=None, ge=1, description="launcher=ray, local Ray: its logical CPUs (None: this machine's, or "
+        "as many as the job's workers reserve when that is more); a job that reserves more is refused",
+    )  # fmt: skip
     ray_resources: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description="launcher=ray: per tier {num_cpus, num_gpus, resources} each worker reserves",
@@ -108,17 +111,22 @@ class LauncherSettings(ConfigModel):
         return self
 
 
-def build_launcher(config: Any, run_dir: Any) -> Any:
-    """The fleet that starts ``config``'s tiers under ``run_dir``: an ``EmbeddedFleet`` or a ``RayFleet``."""
+def build_launcher(config: Any, run_dir: Any, specs: Sequence[Any] = ()) -> Any:
+    """The fleet that starts ``config``'s tiers under ``run_dir``: an ``EmbeddedFleet`` or a ``RayFleet``.
+
+    ``specs``: the workers the run will start (``WorkerSpec``); a ``RayFleet`` refuses at once a
+    job whose reservations its Ray cluster cannot hold, and sizes a local Ray it starts to them."""
     budget, code = config.faults.restart_budget, config.python_path  # code: on every worker's PYTHONPATH
     if config.launcher == "ray":
-        from rlfleet.controller.ray_launcher import RayFleet, placement_for
+        from rlfleet.controller.ray_launcher import RayFleet, job_reservation, placement_for
 
         outside = config.nats_url  # the controller's login may come from RLFLEET_NATS_*: checked now
         logins = worker_logins(config, config.nats_auth.resolved()) if outside is not None else {}
+        job = job_reservation(config, list(specs)) if specs else None
         fleet = RayFleet(run_dir, address=config.ray_address, num_cpus=config.ray_num_cpus,
-                         placement=placement_for(config), restart_budget=budget,
-                         max_restarts=config.ray_max_restarts, python_path=code)  # fmt: skip
+                         placement=placement_for(config), restart_budget=budget, job=job,
+                         start_timeout_s=config.startup_timeout_s, max_restarts=config.ray_max_restarts,
+                         python_path=code)  # fmt: skip
         if outside is not None:
             fleet.join_nats(outside, logins)
         return fleet

@@ -11,6 +11,15 @@ rest of the run (NATS control plane, gRPC tensor plane, supervision, restarts) i
   rendezvous is that node's loopback), rank order kept. Ray sets ``CUDA_VISIBLE_DEVICES`` for each
   actor from the GPUs it reserved, and the worker process inherits it, so no two workers share a
   GPU unless asked to (fractional ``num_gpus``).
+- **Fit.** Before it places anything, the launcher sums what every worker of the job reserves
+  (:func:`job_reservation`: trainer ranks, rollout workers at the most the ``rollout_scale``
+  schedule reaches, the reward worker) and refuses a job the cluster cannot hold, in all or on any
+  one node (the trainer's placement group on one), with one line naming both sides
+  (:class:`~rlfleet.controller.errors.RayJobDoesNotFit`, :mod:`rlfleet.controller.ray_fit`). A
+  local Ray started for the run without ``ray_num_cpus`` gets the machine's CPUs, or as many
+  logical CPUs as the job reserves when that is more (the log says so). Each worker's actor, and
+  the trainer's placement group, must be placed within ``startup_timeout_s``, or the run stops with
+  :class:`~rlfleet.controller.errors.WorkerStartTimeout` naming it, what it reserves and what is free.
 - **Addresses.** The run's nats-server listens on every interface of the controller's node and
   its URL names that node's IP (the one Ray reports); every worker's TensorStore listens on every
   interface of its own node and advertises that node's IP. Nothing assumes loopback. A run given
@@ -35,14 +44,24 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.connection import NatsConnection
-from rlfleet.controller.errors import TierDied
+from rlfleet.controller.errors import RayJobDoesNotFit, TierDied, WorkerStartTimeout
 from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec, find_script
+from rlfleet.controller.ray_fit import (
+    EPSILON,
+    JobReservation,
+    TierNeed,
+    fit_problem,
+    local_ray_cpus,
+    machine_cpus,
+    read_capacity,
+)
 from rlfleet.controller.ray_worker_host import RemoteProcess as RemoteProcess  # re-exported
 from rlfleet.controller.ray_worker_host import WorkerHost as WorkerHost  # re-exported
 from rlfleet.controller.ray_worker_host import host_actor_class
@@ -52,6 +71,9 @@ from rlfleet.controller.worker_process import WorkerProcess, tail_of
 logger = logging.getLogger(__name__)
 
 RAY_EXTRA = "rlfleet-controller[ray]"
+
+TIER_ORDER = ("trainer", "rollout", "reward")
+"""The tiers a job reserves for, in the order messages name them."""
 
 
 def import_ray(*, local: bool = False) -> Any:
@@ -109,7 +131,7 @@ class RayPlacement:
     def from_settings(cls, settings: dict[str, dict[str, Any]], *, gpus: dict[str, float]) -> RayPlacement:
         """``settings`` over the defaults: one CPU per worker, ``gpus[tier]`` GPUs (0 on CPU)."""
         tiers = {}
-        for tier in ("trainer", "rollout", "reward"):
+        for tier in TIER_ORDER:
             given = dict(settings.get(tier, {}))
             unknown = set(given) - {"num_cpus", "num_gpus", "resources"}
             if unknown:
@@ -166,23 +188,26 @@ class RayFleet(EmbeddedFleet):
     """The embedded launcher's fleet, with every worker placed by Ray (see the module docstring).
 
     ``address``: ``""`` starts a local Ray for the run (``num_cpus`` logical CPUs, default: the
-    machine's), ``auto`` joins the cluster of this node, ``ray://host:port`` a remote one.
+    machine's, or what ``job`` reserves when that is more), ``auto`` joins the cluster of this node,
+    ``ray://host:port`` a remote one. ``job``: what the job's workers reserve; given, a job the
+    cluster cannot hold is refused here (:class:`RayJobDoesNotFit`), before anything is placed.
+    ``start_timeout_s``: the deadline for each worker's actor to be placed and start its process.
     """
 
     def __init__(self, run_dir: Path, *, address: str = "", placement: RayPlacement | None = None,
-                 num_cpus: int | None = None, max_restarts: int = 0, **kwargs: Any) -> None:  # fmt: skip
+                 num_cpus: int | None = None, max_restarts: int = 0, job: JobReservation | None = None,
+                 start_timeout_s: float = 180.0, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(run_dir, **kwargs)
         self.ray = import_ray(local=not address)
         self.address = address
         self.placement = placement or RayPlacement()
+        self.start_timeout_s = start_timeout_s
         self._started_ray = False
-        if not self.ray.is_initialized():
-            options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
-            if address:
-                self.ray.init(address=address, **options)
-            else:
-                self.ray.init(num_cpus=num_cpus, **options)
-                self._started_ray = True
+        connect = not self.ray.is_initialized()
+        if connect:
+            self._init_ray(num_cpus, job)
+        if job is not None:
+            self._check_fit(job, disconnect=connect)
         self.node_ip = str(self.ray.util.get_node_ip_address())
         self._host_class = host_actor_class(self.ray)
         self._restarted_class = host_actor_class(self.ray, max_restarts)  # RAY_RESTARTED_TIERS' workers
@@ -191,6 +216,43 @@ class RayFleet(EmbeddedFleet):
         self.outside_url: str | None = None
         self.logins: dict[str, NatsConnection] = {}
         """Each worker tier's login on the outside server (:meth:`join_nats`)."""
+
+    def _init_ray(self, num_cpus: int | None, job: JobReservation | None) -> None:
+        """Join the cluster at :attr:`address`, or start a local Ray sized for ``job`` (module docstring)."""
+        options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+        if self.address:
+            self.ray.init(address=self.address, **options)
+            return
+        note = ""
+        if num_cpus is None and job is not None:
+            cores, reserved = machine_cpus(), job.total().get("CPU", 0.0)
+            num_cpus = local_ray_cpus(reserved, cores)
+            if num_cpus is not None:
+                note = (f"local Ray started with {num_cpus} logical CPUs for {cores} cores: "
+                        f"the job reserves {reserved:g}")  # fmt: skip
+        self.ray.init(num_cpus=num_cpus, **options)
+        self._started_ray = True
+        if note:
+            logger.info("%s", note)
+
+    def _check_fit(self, job: JobReservation, *, disconnect: bool) -> None:
+        """Refuse ``job`` (:class:`RayJobDoesNotFit`) when the cluster cannot hold it, first leaving
+        a Ray this fleet connected to (``disconnect``; a local one stops); warn when it fits but is
+        not all free now (other work holds the rest)."""
+        local = not self.address
+        where = f"the {'local ' if local else ''}Ray cluster at {self.ray.get_runtime_context().gcs_address}"
+        cluster = read_capacity(self.ray, where, local=local)
+        problem = fit_problem(job, cluster)
+        if problem is not None:
+            if disconnect:
+                self.ray.shutdown()
+                self._started_ray = False
+            raise RayJobDoesNotFit(problem, job.total(), cluster.total)
+        free = self.ray.available_resources()
+        busy = {key: value for key, value in job.total().items() if value > free.get(key, 0.0) + EPSILON}
+        if busy:
+            logger.warning("%s; %s has only %s free now: its workers wait for the rest (startup_timeout_s)",
+                           job.describe(), where, {key: free.get(key, 0.0) for key in busy})  # fmt: skip
 
     nats_host = "0.0.0.0"
     """The run's nats-server listens on every interface of this node; :attr:`url` names its IP."""
@@ -230,7 +292,8 @@ class RayFleet(EmbeddedFleet):
                   "work_dir": str(self.run_dir / "workers"), "name": spec.worker_id}  # fmt: skip
         host = self._restarted_class if spec.tier in RAY_RESTARTED_TIERS else self._host_class
         actor = host.options(name=None, **options).remote(launch)  # starts the process (again on a restart)
-        started = self.ray.get(actor.describe.remote(), timeout=300)
+        started = self._placed(actor.describe.remote(), f"{spec.worker_id}'s Ray actor", resources.bundle(),
+                               on_timeout=lambda: self.ray.kill(actor))  # fmt: skip
         logger.info("ray placed %s worker %s on %s (%s), pid %d, CUDA_VISIBLE_DEVICES=%r", spec.tier,
                     spec.worker_id, started["host"], started["node_ip"], started["pid"],
                     started["cuda_visible_devices"])  # fmt: skip
@@ -278,12 +341,26 @@ class RayFleet(EmbeddedFleet):
     def _rank_group(self, tier: str, world: int, resources: TierResources) -> Any:
         group = self._groups.get(tier)
         if group is None:
-            from ray.util.placement_group import placement_group
+            from ray.util.placement_group import placement_group, remove_placement_group
 
             group = placement_group([resources.bundle() for _ in range(world)], strategy="STRICT_PACK")
-            self.ray.get(group.ready(), timeout=300)
+            together = {key: value * world for key, value in resources.bundle().items()}
+            self._placed(group.ready(), f"the {tier}'s placement group ({world} ranks on one node)", together,
+                         on_timeout=lambda: remove_placement_group(group))  # fmt: skip
             self._groups[tier] = group
         return group
+
+    def _placed(
+        self, ref: Any, what: str, reserves: dict[str, float], on_timeout: Callable[[], object]
+    ) -> Any:
+        """``ref``'s value once Ray placed ``what``; past :attr:`start_timeout_s`, ``on_timeout()``
+        (drop the pending request) and :class:`WorkerStartTimeout`."""
+        try:
+            return self.ray.get(ref, timeout=self.start_timeout_s)
+        except self.ray.exceptions.GetTimeoutError:
+            available = {str(k): float(v) for k, v in self.ray.available_resources().items()}
+            on_timeout()
+            raise WorkerStartTimeout(what, self.start_timeout_s, reserves, available) from None
 
     def _record(self, worker: Any) -> dict[str, Any]:
         record = super()._record(worker)
@@ -328,3 +405,23 @@ def placement_for(config: Any) -> RayPlacement:
         gpus = {"trainer": 0.5 if colocated else 1.0,
                 "rollout": 0.5 if colocated else float(config.rollout.tensor_parallel_size)}  # fmt: skip
     return RayPlacement.from_settings(config.ray_resources, gpus=gpus)
+
+
+def job_reservation(config: Any, specs: list[WorkerSpec]) -> JobReservation:
+    """What ``specs`` (every worker the run starts) reserve on Ray under ``config``'s placement
+    (:func:`placement_for`): a trainer's ranks (``RANK`` set) as one group on one node, and the
+    rollout tier at the most workers its ``rollout_scale`` schedule reaches."""
+    placement = placement_for(config)
+    counts: dict[str, int] = {}
+    for spec in specs:
+        counts[spec.tier] = counts.get(spec.tier, 0) + 1
+    if counts.get("rollout"):
+        sizes, peak = dict(config.pool_sizes()), sum(config.pool_sizes().values())
+        for step in sorted(config.rollout_scale):
+            sizes.update(config.rollout_scale[step])
+            peak = max(peak, sum(sizes.values()))
+        counts["rollout"] += peak - sum(config.pool_sizes().values())
+    packed = {spec.tier for spec in specs if "RANK" in spec.env}
+    order = sorted(counts, key=lambda tier: (TIER_ORDER + (tier,)).index(tier))
+    return JobReservation([TierNeed(tier, counts[tier], placement.of(tier).bundle(), tier in packed)
+                           for tier in order])  # fmt: skip

@@ -155,13 +155,14 @@ class FleetRun:
         try:
             url, auth, env = cfg.nats_url, cfg.nats_auth, None
             if url is None or cfg.launcher == "ray":  # ray with nats_url: tiers placed, on that server
-                self.launcher = build_launcher(cfg, self.output_dir / "fleet")  # embedded or ray
+                specs = self.worker_specs()  # ray: the job must fit its cluster before anything starts
+                self.launcher = build_launcher(cfg, self.output_dir / "fleet", specs)  # embedded or ray
                 self.supervisor.attach(self.launcher)
                 if url is None:
                     url = self.launcher.start_nats(self.cluster)
                     auth, env = self.launcher.connection("controller"), {}  # not the shell's RLFLEET_NATS_*
                     self._write_join_config(url)
-                for spec in self.worker_specs():
+                for spec in specs:
                     self.launcher.spawn(spec)
             self.loop.run(self._connect(url, auth, env))
             if self.resume_path is not None:
