@@ -2,6 +2,7 @@
 
     uv run --extra cpu python benchmarks/chaos.py                       # 40 steps, a fault every 6
     uv run --extra cpu python benchmarks/chaos.py --steps 20 --every 4
+    uv run --extra cpu python benchmarks/chaos.py --smoke               # 4 steps, one fault (CI's check)
 
 ``python -m rlfleet.controller.cli train JOB max_steps=N save_every=5 ...`` runs as a subprocess.
 This script watches its ``output_dir/metrics.jsonl`` (one line per step, with the step's end time)
@@ -39,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import smoke
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,7 +68,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--phase-timeout", type=float, default=180.0, help="give up waiting for a step after this")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("overrides", nargs="*", help="more key=value job overrides")
-    return p.parse_args()
+    p.add_argument("--smoke", action="store_true", help=smoke.HELP)
+    return smoke.parse(p, None, {"steps": 4, "every": 2, "save_every": 2, "phase_timeout": 120.0})
 
 
 class Watch:

@@ -1,6 +1,11 @@
 """Colocated weight sync on one GPU: a trainer's publish + a vLLM engine's load by CUDA IPC.
 
     python3 benchmarks/colocated_sync.py --out $OUT/colocated_sync.json        # on a CUDA machine
+    uv run --extra cpu python benchmarks/colocated_sync.py --smoke    # without CUDA: checks, runs nothing
+
+``--smoke`` on a CUDA machine runs the tiny preset, one 1 MB bucket size, one round. Without CUDA
+it checks what comes before the GPU (the arguments, main's imports, the model's config and the
+actor's settings) and exits 0 saying so: every stage of the sync needs the GPU.
 
 A Qwen2.5-0.5B-shaped model (random init; 494M parameters, 0.99 GB in bf16) is loaded by the
 real trainer :class:`~rlfleet.trainer.actor.Actor` (float32 master weights, as a trainer rank
@@ -29,9 +34,15 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import smoke
 import torch
+
+if TYPE_CHECKING:
+    from transformers import Qwen2Config
+
+    from rlfleet.common.schema.trainer import ModelSettings
 
 RESULTS = Path(__file__).parent / "results" / "colocated_sync_h200.json"
 QWEN25_05B = {
@@ -54,18 +65,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=Path("/tmp/rlfleet-colocated"))
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--out", type=Path, default=RESULTS)
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help=smoke.HELP)
+    return smoke.parse(p, argv, {"preset": "tiny", "bucket_mb": "1", "reps": 1})
+
+
+def model_config(preset: str) -> Qwen2Config:
+    """The Qwen2 config of ``preset`` (bf16, tied embeddings)."""
+    from transformers import Qwen2Config
+
+    shape = QWEN25_05B if preset == "qwen2.5-0.5b" else TINY
+    return Qwen2Config(**shape, tie_word_embeddings=True, max_position_embeddings=2048, rope_theta=1e6,
+                       rms_norm_eps=1e-6, torch_dtype="bfloat16")  # fmt: skip
+
+
+def actor_settings() -> ModelSettings:
+    """The trainer's model settings: float32 master weights, bf16 compute (as a trainer rank holds them)."""
+    from rlfleet.common.schema.trainer import ModelSettings
+
+    return ModelSettings(param_dtype="float32", mixed_precision="bf16")
 
 
 def write_model(preset: str, path: Path, seed: int) -> Path:
     """A random-init Qwen2-style model of ``preset`` (bf16, tied) with a character tokenizer."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     from rlfleet.controller.tokenizers import build_char_tokenizer
 
-    shape = QWEN25_05B if preset == "qwen2.5-0.5b" else TINY
-    config = Qwen2Config(**shape, tie_word_embeddings=True, max_position_embeddings=2048, rope_theta=1e6,
-                         rms_norm_eps=1e-6, torch_dtype="bfloat16")  # fmt: skip
+    config = model_config(preset)
     torch.manual_seed(seed)
     with torch.device("cuda"):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
@@ -151,12 +177,30 @@ def summarize(rounds: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def check_without_cuda(args: argparse.Namespace) -> int:
+    """``--smoke`` without CUDA: what runs before the GPU (main's imports, the bucket sizes, the model's
+    config, the actor's settings); nothing is timed or written."""
+    from rlfleet.common.control.messages import SamplingParams  # noqa: F401  (greedy's)
+    from rlfleet.rollout.engines.vllm import VLLMEngine  # noqa: F401
+    from rlfleet.trainer.actor import Actor  # noqa: F401
+    from rlfleet.trainer.distributed import init_distributed  # noqa: F401
+    from rlfleet.trainer.ipc_share import share_bucket  # noqa: F401  (sync_ipc's)
+
+    sizes = [float(x) for x in args.bucket_mb.split(",")]
+    config, settings = model_config(args.preset), actor_settings()
+    print(f"smoke without CUDA: {args.preset} ({config.num_hidden_layers} layers, {settings.param_dtype} "
+          f"master weights), buckets {sizes} MB; skipped the sync itself: CUDA IPC between the trainer "
+          "and vLLM on one GPU needs CUDA at every stage")  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
+        if args.smoke:
+            return check_without_cuda(args)
         print("colocated_sync needs a CUDA GPU", file=sys.stderr)
         return 2
-    from rlfleet.common.schema.trainer import ModelSettings
     from rlfleet.rollout.engines.vllm import VLLMEngine
     from rlfleet.trainer.actor import Actor
     from rlfleet.trainer.distributed import init_distributed
@@ -165,8 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     served = write_model(args.preset, args.workdir / "served", seed=0)
     trained = write_model(args.preset, args.workdir / "trained", seed=1)
     ctx = init_distributed("cuda")
-    model = ModelSettings(param_dtype="float32", mixed_precision="bf16")
-    actor = Actor(trained, model, ctx, device="cuda", learning_rate=1e-6)
+    actor = Actor(trained, actor_settings(), ctx, device="cuda", learning_rate=1e-6)
     t0 = time.perf_counter()
     engine = VLLMEngine(served, dtype="bfloat16", device="cuda", enforce_eager=True, max_model_len=2048,
                         gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip

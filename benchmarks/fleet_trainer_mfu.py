@@ -2,6 +2,7 @@
 
     python3 benchmarks/fleet_trainer_mfu.py --models qwen2-0.5b,qwen2-1.5b \\
         --variants eager-mb8,compile-mb8,compile-mb16
+    uv run --extra cpu python benchmarks/fleet_trainer_mfu.py --smoke   # CPU, tiny, eager-mb2-kl-ragged (CI)
 
 Where ``benchmarks/trainer.py`` times ``train_loop`` on a bare policy loss, this script runs what
 ``trainer.step`` runs, in-process (one rank, or torchrun's ranks): the models come from
@@ -41,6 +42,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
+import smoke  # noqa: E402  (this folder's helper module)
 from trainer import PEAK_BF16, PRESETS, matmul_tflops, sync, update_flops, write_model  # noqa: E402
 
 from rlfleet.common.schema.batch import RolloutBatch  # noqa: E402
@@ -50,6 +52,9 @@ from rlfleet.trainer.ranks import build_models  # noqa: E402
 from rlfleet.trainer.service import merge_batch, run_step  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "fleet_trainer_mfu_h200.json"
+SMOKE = {"models": "tiny", "variants": "eager-mb2-kl-ragged", "rows": 4, "group": 2, "seq_len": 32,
+         "prompt_len": 16, "warmup": 0, "steps": 1, "device": "cpu"}  # fmt: skip
+"""``--smoke``: one step of the tiny preset on CPU, with the reference model and ragged rows."""
 KL_COEF = 0.05
 
 
@@ -70,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", default="/tmp/rlfleet-bench")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--profile", default="", help="model:variant: profile one more step (table beside --out)")
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help=smoke.HELP)
+    return smoke.parse(p, argv, SMOKE)
 
 
 def parse_variant(name: str) -> dict[str, Any]:

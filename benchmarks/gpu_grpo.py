@@ -2,6 +2,7 @@
 
     python3 benchmarks/gpu_grpo.py --jobs tiny,qwen2.5-0.5b --out $OUT/gpu_grpo.json   # a CUDA machine
     uv run --extra cpu python benchmarks/gpu_grpo.py --jobs tiny --device cpu          # the same, on CPU
+    uv run --extra cpu python benchmarks/gpu_grpo.py --smoke      # tiny on CPU, 1 step (CI's check)
 
 Each job runs as a user runs it: ``rlfleet train job.yaml`` (the embedded launcher: a private
 nats-server, the trainer, one vLLM rollout worker and the reward worker as processes). On CUDA the
@@ -38,7 +39,8 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_memory import GpuMemory  # noqa: E402  (this folder's helper module)
+import smoke  # noqa: E402  (this folder's helper modules)
+from gpu_memory import GpuMemory  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results" / "gpu_grpo_h200.json"
@@ -65,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--rescore", type=Path, help="score a result file's held-out answers here (relevance, "
                    "answer checks) and add the target verdicts; no job runs")  # fmt: skip
-    args = p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help=smoke.HELP)
+    args = smoke.parse(p, argv, {"jobs": "tiny", "device": "cpu", "steps": 1, "timeout": 180.0})
     unknown = set(args.jobs.split(",")) - set(JOBS)
     if unknown:
         p.error(f"unknown job(s) {', '.join(sorted(unknown))}; expected any of {', '.join(JOBS)}")
@@ -81,7 +84,8 @@ def console_scripts(bin_dir: Path) -> None:
             continue
         script = bin_dir / name
         script.write_text(
-            f"#!{sys.executable}\nimport runpy\nrunpy.run_module({module!r}, run_name='__main__')\n"
+            f"#!{sys.executable}\nimport runpy\n\nif __name__ == '__main__':  # not in a spawned child\n"
+            f"    runpy.run_module({module!r}, run_name='__main__')\n"
         )
         script.chmod(0o755)
     os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"

@@ -2,7 +2,8 @@
 
     uv run --extra cpu python benchmarks/launch.py                      # 6 steps, each launcher once
     uv run --extra cpu python benchmarks/launch.py --steps 8 --repeats 2
-    uv run --extra cpu python benchmarks/launch.py --quick              # 3 steps, a smoke run
+    uv run --extra cpu python benchmarks/launch.py --quick              # 3 steps, one repeat
+    uv run --extra cpu python benchmarks/launch.py --smoke              # 2 steps, one repeat (CI's check)
 
 Each run is the real CLI, ``rlfleet train <job> launcher=<name>``, as a subprocess (the venv's
 ``rlfleet`` script, no ``uv run`` in the timing), with ``max_steps``, a fresh ``output_dir`` and
@@ -27,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import smoke
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "launch.json"
 BIN = Path(sys.executable).parent
@@ -43,7 +46,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("overrides", nargs="*", help="key=value job overrides, for both launchers")
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help=smoke.HELP)
+    args = smoke.parse(p, None, {"steps": 2, "repeats": 1, "timeout": 180.0})
     if args.quick:
         args.steps, args.repeats = 3, 1
     if args.steps < 2:

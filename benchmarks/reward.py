@@ -2,6 +2,7 @@
 
     uv run python benchmarks/reward.py                   # rule and MiniLM endpoints, ~2 minutes
     uv run python benchmarks/reward.py --seconds 3 --samples 16
+    uv run python benchmarks/reward.py --smoke           # both endpoints, 1 client, 0.5 s (CI's check)
 
 A real setup on one machine: a nats-server, ``rlfleet-reward serve`` as its own process with a
 tenant (token checked on every request) and two endpoints, ``rule`` (``0.7*concise + 0.3*relevance``)
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import smoke
 import yaml
 
 from rlfleet.common.control.embedded_nats import EmbeddedNats
@@ -153,7 +155,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="concurrent clients")
     parser.add_argument("--endpoints", nargs="+", default=list(ENDPOINTS), choices=list(ENDPOINTS))
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON results")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help=smoke.HELP)
+    args = smoke.parse(parser, None, {"seconds": 0.5, "samples": 4, "clients": [1]})
     script = Path(sys.executable).parent / "rlfleet-reward"
     with EmbeddedNats() as nats, tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "reward.yaml"

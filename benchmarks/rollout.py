@@ -2,6 +2,7 @@
 
     uv run --extra cpu python benchmarks/rollout.py                      # tiny model, CPU
     uv run --extra cpu python benchmarks/rollout.py --model smollm2 --prompts 16 --max-tokens 64
+    uv run --extra cpu python benchmarks/rollout.py --smoke              # 2 prompts x 2, 1 round (CI)
     uv run --extra gpu python benchmarks/rollout.py --model PATH --device cuda --prompts 256
 
 Both paths run the rollout worker's default engine settings (CUDA graphs on CUDA, eager on CPU;
@@ -45,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+import smoke
 import yaml
 
 from rlfleet.common.control.embedded_nats import EmbeddedNats
@@ -93,7 +95,8 @@ def parse_args() -> argparse.Namespace:
         "--eager", action="store_true", help="no torch.compile / CUDA graphs on CUDA (both paths)"
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="the result JSON")
-    return parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help=smoke.HELP)
+    return smoke.parse(parser, None, {"prompts": 2, "n": 2, "max_tokens": 8, "reps": 1})
 
 
 def make_prompts(tokenizer: Any, count: int) -> list[list[int]]:

@@ -2,6 +2,7 @@
 
     uv run --extra cpu python benchmarks/security_overhead.py           # 256 MiB, tiny_grpo steps
     uv run --extra cpu python benchmarks/security_overhead.py --mb 64 --reps 3 --steps 6 --skip-step
+    uv run --extra cpu python benchmarks/security_overhead.py --smoke   # 32 MiB, 1 round, 1 step (CI)
 
 Tensor plane: a producer process serves the same tensors from three TensorStores. ``plain``: no
 TLS and no checks (the benchmark swaps the store's guard for one that lets every call through:
@@ -41,6 +42,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import smoke
 import torch
 from step_overhead import PHASES, build
 from tensor_stream import CPU, _timed, crcs, make_payload, payload_bytes, with_producer
@@ -318,7 +320,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-step", action="store_true", help="only the tensor part")
     p.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON results")
     p.add_argument("overrides", nargs="*", help="key=value job overrides")
-    return p.parse_args()
+    p.add_argument("--smoke", action="store_true", help=smoke.HELP)
+    return smoke.parse(p, None, {"mb": 32, "reps": 1, "small": 2, "steps": 1, "warmup": 0})
 
 
 def main() -> int:

@@ -2,6 +2,7 @@
 
     uv run --extra cpu python benchmarks/step_overhead.py                                  # the main job
     uv run --extra cpu python benchmarks/step_overhead.py --job examples/tiny_grpo.yaml --steps 5
+    uv run --extra cpu python benchmarks/step_overhead.py --smoke      # the tiny job, 1 step a path (CI)
 
 The design's target: NATS + gRPC add under 5% to a step, against the same work in one process.
 
@@ -26,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import smoke
+
 RESULTS = Path(__file__).parent / "results" / "step_overhead.json"
 PHASES = ("generate", "score", "train", "publish")
 
@@ -37,7 +40,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("overrides", nargs="*", help="key=value job overrides")
-    return p.parse_args()
+    p.add_argument("--smoke", action="store_true", help=smoke.HELP)
+    return smoke.parse(p, None, {"job": "examples/tiny_grpo.yaml", "steps": 1, "warmup": 0})
 
 
 def build(args: argparse.Namespace, output_dir: Path) -> Any:
@@ -46,7 +50,7 @@ def build(args: argparse.Namespace, output_dir: Path) -> Any:
 
     overrides = [*args.overrides, f"output_dir={output_dir}", "sample_table_size=0", "loggers=[jsonl]",
                  "save_every=0", f"max_steps={args.warmup + args.steps}"]  # fmt: skip
-    return build_trainer(_load_job(args.job, overrides))
+    return build_trainer(_load_job(Path(args.job), overrides))
 
 
 def fleet_steps(args: argparse.Namespace, out: Path) -> list[dict[str, float]]:

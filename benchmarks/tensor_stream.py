@@ -3,6 +3,7 @@ TensorStore gRPC service and over a plain TCP socket, in the same run.
 
     uv run python benchmarks/tensor_stream.py                # 512 MiB, bf16 + fp32 tensors
     uv run python benchmarks/tensor_stream.py --mb 128 --reps 3
+    uv run python benchmarks/tensor_stream.py --smoke        # 64 MiB, one timed round (CI's check)
 
 A producer process holds the payload in a TensorStoreServer (``put_local``) and also serves the
 same bytes on a raw TCP socket. The consumer (this process) takes turns: ``TensorStoreClient.get``
@@ -33,8 +34,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TypeVar
 
+import smoke
 import torch
 
+from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.tensors.codec import DTYPES, dtype_name, empty_bytes, tensor_buffer
 from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer
 
@@ -141,10 +144,12 @@ async def _produce(
 ) -> None:
     server = TensorStoreServer(capacity_bytes=8 << 30, ttl_s=3600.0, chunk_bytes=chunk_bytes)
     address = await server.start()
-    server.put_local(KEY, tensors)
+    ref = server.put_local(KEY, tensors)
     conn.send(
         {
             "address": address,
+            "key": ref.key,  # KEY plus the store's random suffix
+            "secret": server.secret,  # the consumer gets, puts and deletes as the store's owner
             "raw_port": raw_port,
             "crcs": crcs(tensors),
             "nbytes": payload_bytes(tensors),
@@ -201,10 +206,11 @@ async def consume(info: dict, mb: int, reps: int, chunk_bytes: int, with_put: bo
     expected = info["crcs"]
     upload = make_payload(mb, seed=1) if with_put else {}
     nbytes = info["nbytes"]
-    client = TensorStoreClient(info["address"], chunk_bytes=chunk_bytes)
+    client = TensorStoreClient(info["address"], secret=info["secret"], chunk_bytes=chunk_bytes)
     port = info["raw_port"]
     peer = info["pid"]
-    got = await client.get(KEY)
+    key = info["key"]
+    got = await client.get(key)
     raw = await asyncio.to_thread(_raw_get, port)
     if crcs(got) != expected or crcs(raw) != expected:
         raise AssertionError("payload damaged in transit")
@@ -212,12 +218,13 @@ async def consume(info: dict, mb: int, reps: int, chunk_bytes: int, with_put: bo
     rounds: dict[str, list[float]] = {"grpc_get": [], "raw_get": [], "grpc_put": [], "raw_put": []}
     for rep in range(reps + 1):
         sample = {
-            "grpc_get": await _timed("grpc_get", lambda: client.get(KEY), nbytes, peer),
+            "grpc_get": await _timed("grpc_get", lambda: client.get(key), nbytes, peer),
             "raw_get": await _timed("raw_get", lambda: asyncio.to_thread(_raw_get, port), nbytes, peer),
         }
         if with_put:
-            sample["grpc_put"] = await _timed("grpc_put", lambda: client.put("upload", upload), nbytes, peer)
-            await client.delete("upload")
+            stored: list[TensorRef] = []
+            sample["grpc_put"] = await _timed("grpc_put", lambda: _put(client, upload, stored), nbytes, peer)  # noqa: B023
+            await client.delete(stored.pop())
             sample["raw_put"] = await _timed(
                 "raw_put", lambda: asyncio.to_thread(_raw_put, port, upload), nbytes, peer
             )
@@ -227,6 +234,11 @@ async def consume(info: dict, mb: int, reps: int, chunk_bytes: int, with_put: bo
         print(f"round {rep}: " + "  ".join(f"{k} {v:7.0f} MB/s" for k, v in sample.items()), flush=True)
     await client.close()
     return rounds
+
+
+async def _put(client: TensorStoreClient, tensors: dict[str, torch.Tensor], stored: list[TensorRef]) -> None:
+    """``client.put``, keeping the ref (the stored key has a random suffix) to delete it by."""
+    stored.append(await client.put("upload", tensors))
 
 
 def with_producer(target: Callable[..., None], args: tuple, consume: Callable[[dict], Awaitable[T]]) -> T:
@@ -256,7 +268,8 @@ def main() -> None:
     )
     parser.add_argument("--no-put", action="store_true", help="time only the get direction")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON results")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help=smoke.HELP)
+    args = smoke.parse(parser, None, {"mb": 64, "reps": 1})  # 64: enough CPU ticks to divide by
     logging.basicConfig(level=logging.WARNING)
     from rlfleet.common.tensors.codec import DEFAULT_CHUNK_BYTES
 

@@ -2,6 +2,7 @@
 
     python3 -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/trainer.py \\
         --model qwen2-0.5b --variants eager,compile
+    uv run --extra cpu python benchmarks/trainer.py --smoke     # one process, the tiny preset (CI's check)
 
 Each rank builds nothing itself: rank 0 writes a Qwen2-style model with random weights (from a
 preset config, bf16) to ``--workdir``, then every rank loads it through the real
@@ -40,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import smoke
 import torch
 import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -63,6 +65,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
 RESULTS = Path(__file__).parent / "results" / "trainer_h200.json"
+SMOKE = {"model": "tiny", "variants": "eager", "rows": 2, "micro_batch": 1, "seq_len": 32, "prompt_len": 16,
+         "warmup": 0, "steps": 1, "bucket_mb": 0.0625}  # fmt: skip
+"""``--smoke``: the tiny preset, 2 rows of 32 tokens, one update, then the publish path in 64 KiB buckets."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,7 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-publish", action="store_true")
     p.add_argument("--profile", type=Path, default=None, help="profile one more update; kernel table here")
     p.add_argument("--profile-publish", type=Path, default=None, help="cProfile one gather round; stats here")
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help=smoke.HELP)
+    return smoke.parse(p, argv, SMOKE)
 
 
 def sync(ctx: DistContext) -> None:

@@ -2,6 +2,7 @@
 
     python3 -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/trainer_algorithms.py
     python3 -m torch.distributed.run --standalone --nproc_per_node=1 benchmarks/trainer_algorithms.py
+    uv run --extra cpu python benchmarks/trainer_algorithms.py --smoke    # tiny preset, one process (CI)
 
 Every rank builds the trainer's models exactly as a trainer worker does (``build_models`` of
 ``rlfleet.trainer.ranks``: the actor, and for PPO the critic, both FSDP2-sharded over the ranks)
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
+import smoke  # noqa: E402  (this folder's helper module)
 from trainer import PRESETS, sync, write_model  # noqa: E402  (benchmarks/trainer.py)
 
 from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig  # noqa: E402
@@ -49,7 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
     p.add_argument("--workdir", default="/tmp/rlfleet-bench")
     p.add_argument("--out", type=Path, default=RESULTS)
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help=smoke.HELP)
+    settings = {"model": "tiny", "rows": 2, "micro_batch": 1, "prompt_len": 8, "response_len": 8, "steps": 1}
+    return smoke.parse(p, argv, settings)
 
 
 def random_batch(args: argparse.Namespace, algorithm: str, vocab: int) -> dict[str, torch.Tensor]:

@@ -1,7 +1,13 @@
 """Side by side with TRL: rlfleet's GRPO and TRL's GRPOTrainer on the same job, on one machine.
 
     uv run --extra cpu --group bench python benchmarks/vs_trl.py               # 10 steps each side
-    uv run --extra cpu --group bench python benchmarks/vs_trl.py --steps 1 --only trl   # a smoke run
+    uv run --extra cpu --group bench python benchmarks/vs_trl.py --steps 1 --only trl   # one side, 1 step
+    uv run --extra cpu --group bench python benchmarks/vs_trl.py --smoke   # both built, none trained (CI)
+
+``--smoke`` trains nothing (one step of SmolLM2 takes minutes on CPU): it runs ``prepare`` (the job with
+the benchmark's overrides, validated, and the prompts in rlfleet's order), validates the CUDA mode's
+overrides too, and runs TRL's side as its subprocess under the memory sampler, which builds TRL's
+GRPOTrainer from the GRPOConfig and calls the rlfleet reward once, then stops before training.
 
 Both sides train SmolLM2-135M-Instruct (the local folder rlfleet's ``smollm2`` alias resolves to)
 with the main job's settings (examples/smollm2_concise.yaml: reward spec, learning rate, KL
@@ -53,7 +59,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_memory import GpuMemory  # noqa: E402  (this folder's helper modules)
+import smoke  # noqa: E402  (this folder's helper modules)
+from gpu_memory import GpuMemory  # noqa: E402
 from tree_memory import GIB, TreeMemory  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,7 +95,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)  # internal: run TRL's side
     p.add_argument("--eval-child", type=Path, help=argparse.SUPPRESS)  # internal: held-out answers
     p.add_argument("--one-micro-batch", action="store_true", help=argparse.SUPPRESS)  # internal, with it
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help=smoke.HELP)
+    args = smoke.parse(p, None, {"steps": 1})
     if args.out == RESULTS and args.device == "cuda":
         args.out = RESULTS.with_name("vs_trl_gpu.json")
     if args.steps < 1:
@@ -306,8 +314,9 @@ def engine_share(setup: dict[str, Any]) -> float:
                                   max_model_len=setup["max_cache_len"]).share  # fmt: skip
 
 
-def trl_child(workdir: Path, one_micro_batch: bool) -> int:
-    """TRL's side (a subprocess of the driver): train, writing each step's end time, reward, length."""
+def trl_child(workdir: Path, one_micro_batch: bool, build_only: bool = False) -> int:
+    """TRL's side (a subprocess of the driver): train, writing each step's end time, reward, length.
+    ``build_only`` (``--smoke``): build the trainer and call the reward once, train nothing."""
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
@@ -330,9 +339,15 @@ def trl_child(workdir: Path, one_micro_batch: bool) -> int:
                                         "reward": logs["reward"], "length": length})  # fmt: skip
 
     config = trl_config(setup, workdir, one_micro_batch)
-    trainer = GRPOTrainer(model=setup["model_dir"], reward_funcs=trl_reward_fn(setup, tokenizer), args=config,
+    reward_fn = trl_reward_fn(setup, tokenizer)
+    trainer = GRPOTrainer(model=setup["model_dir"], reward_funcs=reward_fn, args=config,
                           train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                           callbacks=[StepClock()])  # fmt: skip
+    if build_only:
+        first = rows[0]
+        scores = reward_fn([first[key]], ["Short."], **{k: [v] for k, v in first.items() if k != key})
+        print(f"smoke: GRPOTrainer built; the reward of one answer: {scores}")
+        return 0
     trainer.train()
     if setup["device"] == "cuda":  # the trained model, for the held-out answers
         trainer.save_model(str(trl_model_dir(workdir, one_micro_batch)))
@@ -358,6 +373,8 @@ def eval_child(workdir: Path) -> int:
     rows = [json.loads(line) for line in HELDOUT.read_text(encoding="utf-8").splitlines() if line.strip()]
     system = [{"role": "system", "content": setup["system_prompt"]}] if setup["system_prompt"] else []
     tokenizer = AutoTokenizer.from_pretrained(setup["model_dir"], padding_side="left")
+    if tokenizer.pad_token is None:  # SmolLM2's tokenizer has none; rlfleet's engines pad with EOS too
+        tokenizer.pad_token = tokenizer.eos_token
     questions = [r[setup["prompt_key"]] for r in rows]
     texts = [tokenizer.apply_chat_template([*system, {"role": "user", "content": q}], tokenize=False,
                                            add_generation_prompt=True) for q in questions]  # fmt: skip
@@ -447,15 +464,40 @@ def print_table(report: dict[str, Any]) -> None:
           f"machine: {m['cpu_count']} cores, {m['cpu']}, {m['memory_gib']} GiB")  # fmt: skip
 
 
+def smoke_check(args: argparse.Namespace) -> int:
+    """``--smoke`` (see the module docstring): both sides' setup and TRL's trainer built, nothing trained."""
+    from rlfleet.common.schema.config import load_config
+    from rlfleet.controller.config import JobConfig
+
+    report: dict[str, Any] = {"command": " ".join(["python", *sys.argv]), "smoke": True, "machine": machine()}
+    with tempfile.TemporaryDirectory(prefix="vs-trl-", ignore_cleanup_errors=True) as tmp:
+        workdir = Path(tmp)
+        setup = prepare(args, workdir)
+        cuda = bench_overrides(args.steps, workdir / "prompts.jsonl", workdir / "rlfleet", "cuda")
+        load_config(JobConfig, args.job, cuda)  # the CUDA mode's overrides are valid too
+        command = [sys.executable, str(Path(__file__).resolve()), "--trl-child", str(workdir), "--smoke"]
+        report["trl_built"] = run_side("trl", command, workdir, args)
+        report["setup"] = {k: setup[k] for k in ("model_dir", "overrides", "order", "reward", "settings")}
+        rlfleet = [rlfleet_command(workdir), "train", setup["job_file"], *setup["overrides"]]
+        report["rlfleet_command"] = " ".join(rlfleet)  # the side's command, as run_rlfleet runs it
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print("smoke: prepared both sides and built TRL's GRPOTrainer; trained neither (a step of SmolLM2 "
+          f"takes minutes on CPU); wrote {args.out}")  # fmt: skip
+    return 0
+
+
 def main() -> int:
     args = parse_args()
     if args.trl_child is not None:
-        return trl_child(args.trl_child, args.one_micro_batch)
+        return trl_child(args.trl_child, args.one_micro_batch, build_only=args.smoke)
     if args.eval_child is not None:
         return eval_child(args.eval_child)
     if args.rescore is not None:
         rescore_report(args.rescore)
         return 0
+    if args.smoke:
+        return smoke_check(args)
     report: dict[str, Any] = {
         "command": " ".join(["python", *sys.argv]),
         "steps": args.steps,
