@@ -51,7 +51,8 @@ NUMERIC_HELDOUT = "examples/data/arith_words_test.jsonl"
 PHASES = ("generate_s", "score_s", "train_s", "sync_s")
 SPLIT = {"generate_s": "time/generate_s", "score_s": "time/score_s", "train_s": "time/train_s",
          "sync_s": "time/publish_s", "step_s": "time/step_s", "gen_tok_s": "throughput/gen_tok_s",
-         "publish_s": "publish/trainer_s", "load_s": "rollout/load_s_max"}  # fmt: skip
+         "publish_s": "publish/trainer_s", "load_s": "rollout/load_s_max",
+         "update_s": "time/update_s"}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -220,6 +221,7 @@ def run_job(name: str, args: argparse.Namespace, timeout: float) -> dict[str, An
     result["reward_last"] = rows[-1].get("reward/mean")
     result["step_end_s"] = [round(r["time"] - started, 1) for r in rows if "time" in r]
     result["per_step"] = [{k: round(r[m], 4) for k, m in SPLIT.items() if m in r} for r in rows]
+    result["rows"] = rows  # every metric of every step (the trainer's time/update_s, memory/*, ...)
     return result
 
 
@@ -281,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         report["jobs"][name] = run_job(name, args, min(args.timeout, left))
         result = report["jobs"][name]
         failed = failed or result.get("exit_code") != 0
-        shown = {k: v for k, v in result.items() if k not in ("job", "per_step", "evals")}
+        shown = {k: v for k, v in result.items() if k not in ("job", "per_step", "evals", "rows")}
         print(name, json.dumps(shown), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(

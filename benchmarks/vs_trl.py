@@ -197,7 +197,7 @@ def step_figures(ends: list[float], first_step_s: float, rewards: list[float], l
     }  # fmt: skip
 
 
-PHASES = ("generate_s", "score_s", "train_s", "publish_s")
+PHASES = ("generate_s", "score_s", "train_s", "update_s", "publish_s")
 """rlfleet's ``time/*`` metrics of a step, averaged over steps 2..N in the result."""
 
 
@@ -220,7 +220,7 @@ def run_rlfleet(setup: dict[str, Any], workdir: Path, args: argparse.Namespace) 
     figures = step_figures([r["time"] for r in rows], rows[0]["time/step_s"], rewards, lengths)
     timed = rows[1:] or rows  # the first step (warm-up) left out, as in s/step
     phases = {name: round(statistics.fmean(r[f"time/{name}"] for r in timed), 2) for name in PHASES}
-    return {**figures, "phases_mean": phases, **measured, "command": " ".join(command)}
+    return {**figures, "phases_mean": phases, **measured, "command": " ".join(command), "rows": rows}
 
 
 def trl_model_dir(workdir: Path, one_micro_batch: bool) -> Path:
