@@ -13,7 +13,7 @@ import signal
 import pytest
 
 from rlfleet.common.control.embedded_nats import EmbeddedNats
-from rlfleet.common.control.heartbeat import Heartbeater
+from rlfleet.common.control.membership import Heartbeater
 from rlfleet.common.control.messages import WorkerAnnounce
 from rlfleet.common.control.nats_transport import NatsTransport
 
@@ -29,7 +29,7 @@ async def test_a_worker_stops_without_raising_when_its_server_does_not_answer(
         await asyncio.sleep(0.5)
         os.kill(server.pid, signal.SIGSTOP)  # this test's own nats-server, by its pid
         try:
-            with caplog.at_level(logging.WARNING, logger="rlfleet.common.control.heartbeat"):
+            with caplog.at_level(logging.WARNING, logger="rlfleet.common.control.membership"):
                 await beat.stop("sigterm")  # the leave's flush is never answered (5 s)
         finally:
             os.kill(server.pid, signal.SIGCONT)

@@ -7,7 +7,6 @@ import pytest
 from rlfleet.reward.composite import CompositeReward, ScoreBatch
 from rlfleet.reward.errors import (
     BadRewardArgument,
-    MissingRewardArgument,
     RewardFunctionError,
     RewardInputError,
     RewardSpecError,
@@ -108,8 +107,8 @@ def test_a_rule_failing_on_one_sample_names_it() -> None:
         ("concise:decay=cubic", BadRewardArgument, "decay='cubic'"),
         ("regex:pattern='('", BadRewardArgument, "not a valid regular expression"),
         ("length_penalty:max_words=3,min_words=4", BadRewardArgument, "min_words"),
-        ("keyword:mode=all", MissingRewardArgument, "needs the argument 'keywords'"),
-        ("regex", MissingRewardArgument, "'pattern'"),
+        ("keyword:mode=all", BadRewardArgument, "needs the argument 'keywords'"),
+        ("regex", BadRewardArgument, "'pattern'"),
         ("nosuchrule", UnknownReward, "unknown reward 'nosuchrule'"),
     ],
 )

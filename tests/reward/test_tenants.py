@@ -20,6 +20,7 @@ from rlfleet.reward.errors import (
     QuotaExceeded,
 )
 from rlfleet.reward.quota_store import TokenBucket
+from rlfleet.reward.registry import parse_reward_spec
 from rlfleet.reward.tenants import TenantConfig, TenantTable, TokenSource
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "reward.yaml"
@@ -118,6 +119,26 @@ def test_max_batch() -> None:
     with pytest.raises(BatchTooLarge, match="sent 9 samples.*max_batch is 8") as big:
         t.check_batch(a, 9)
     assert big.value.code == "batch_too_large"
+
+
+def test_code_stores_and_concurrency_are_refused_with_their_wire_codes_fields() -> None:
+    tenant = TenantConfig(name="a", token="token-aa", endpoints=["a/1"], concurrency=1, stores=["10.0.*:*"])
+    t = TenantTable([tenant], allowed_modules=["my_rewards"])
+    a = t.identify("token-aa", "x")
+    with pytest.raises(ForbiddenOperation, match="code 'os:system'.*allowed_modules.*my_rewards") as code:
+        t.check_spec(a, parse_reward_spec("os:system"))
+    assert code.value.code == "forbidden" and code.value.allowed == ["my_rewards"]
+    t.check_spec(a, parse_reward_spec("my_rewards:score"))
+    with pytest.raises(ForbiddenOperation, match=r"rollouts from '10.1.0.1:5'; its stores: \['10.0") as store:
+        t.check_store(a, "10.1.0.1:5")
+    assert store.value.code == "forbidden" and store.value.allowed == ["10.0.*:*"]
+    t.check_store(a, "10.0.3.4:5")
+    with t.slot(a), pytest.raises(QuotaExceeded, match="already has 1 requests in progress") as busy:
+        with t.slot(a):
+            pass
+    assert busy.value.code == "quota_exceeded" and busy.value.retryable and busy.value.quota == "concurrency"
+    assert busy.value.retry_after_s == 0.0
+    assert a.refused == {"code_not_allowed": 1, "forbidden_store": 1, "tenant_busy": 1}
 
 
 def test_token_sources_are_checked() -> None:

@@ -14,7 +14,7 @@ import torch
 
 from rlfleet.common.control.messages import SamplingParams
 from rlfleet.rollout.engines import Engine, HFEngine
-from rlfleet.rollout.errors import ContextTooLong, EngineUnavailable, InvalidPrompt
+from rlfleet.rollout.errors import EngineUnavailable, InvalidPrompt
 from rlfleet.rollout.service import to_rollout_tensors
 
 pytest.importorskip("vllm", reason="vLLM is not installed (uv sync --extra cpu)")
@@ -134,8 +134,9 @@ def test_without_logprobs_and_into_rollout_tensors(engine: VLLMEngine) -> None:
 
 @pytest.mark.timeout(120)
 def test_requests_beyond_the_context_cap_are_refused(engine: VLLMEngine) -> None:
-    with pytest.raises(ContextTooLong, match=r"prompt 1 has 120 tokens; with max_tokens=12 .* 132 > .* 128"):
+    with pytest.raises(InvalidPrompt, match=r"prompt 1: has 120 tokens; .*max_tokens=12 .*132 > .*128") as t:
         engine.generate([[5, 6], [7] * 120], GREEDY)
+    assert (t.value.index, t.value.prompt_len, t.value.max_tokens, t.value.cap) == (1, 120, 12, 128)
     assert len(engine.generate([[7] * 116], GREEDY)[0].token_ids) == 12  # exactly at the cap
     with pytest.raises(InvalidPrompt, match="prompt 1: is empty"):
         engine.generate([[5], []], GREEDY)

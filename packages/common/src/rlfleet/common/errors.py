@@ -184,6 +184,21 @@ class NatsServerError(Failure, RuntimeError):
     """The embedded nats-server could not be found, started or reached."""
 
 
+class WorkerDraining(Failure):
+    """A request reached a worker that is stopping: it was not started; another worker can take it."""
+
+    code = "unavailable"
+    retryable = True
+
+    def __init__(self, tier: str, worker_id: str, kind: str) -> None:
+        self.tier = tier
+        self.worker_id = worker_id
+        self.kind = kind
+        super().__init__(
+            f"{tier} worker {worker_id} is draining (stopping): {kind} not started; send it to another worker"
+        )
+
+
 # --- data plane -----------------------------------------------------------------------------
 
 

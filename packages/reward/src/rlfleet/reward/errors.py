@@ -11,6 +11,7 @@ tenant may not use, a quota overrun) carry a ``code`` that the transport sends a
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Literal
 
 from rlfleet.common.errors import Failure, UserError
 
@@ -54,27 +55,28 @@ class UnknownRewardArgument(RewardError, ValueError):
         super().__init__(f"reward {reward!r} takes no argument {argument!r} (it accepts: {listed})")
 
 
-class MissingRewardArgument(RewardError, ValueError):
-    """A rule's required argument is not given."""
-
-    def __init__(self, reward: str, argument: str) -> None:
-        self.reward = reward
-        self.argument = argument
-        super().__init__(f"reward {reward!r} needs the argument {argument!r}, e.g. '{reward}:{argument}=...'")
-
-
 class BadRewardArgument(RewardError, ValueError):
-    """An argument's value is of the wrong type or out of range."""
+    """An argument's value is missing, of the wrong type or out of range.
 
-    def __init__(self, reward: str, argument: str, value: object, reason: str) -> None:
+    ``missing``: the rule needs ``argument`` and it was not given (``value`` and ``reason`` unused);
+    an empty ``argument`` is a check across several arguments (``value``: all of them).
+    """
+
+    def __init__(
+        self, reward: str, argument: str, value: object = None, reason: str = "", *, missing: bool = False
+    ) -> None:
         self.reward = reward
         self.argument = argument
         self.value = value
         self.reason = reason
-        if argument:
-            super().__init__(f"reward {reward!r}: argument {argument}={value!r} is invalid: {reason}")
-        else:  # a check across several arguments
-            super().__init__(f"reward {reward!r}: arguments {value!r} are invalid: {reason}")
+        self.missing = missing
+        if missing:
+            message = f"reward {reward!r} needs the argument {argument!r}, e.g. '{reward}:{argument}=...'"
+        elif argument:
+            message = f"reward {reward!r}: argument {argument}={value!r} is invalid: {reason}"
+        else:
+            message = f"reward {reward!r}: arguments {value!r} are invalid: {reason}"
+        super().__init__(message)
 
 
 class RewardImportError(RewardError, ValueError):
@@ -207,30 +209,54 @@ class ForbiddenEndpoint(RewardError, PermissionError):
 
 
 class ForbiddenOperation(RewardError, PermissionError):
-    """A tenant asked for something only the admin token (or a tenant allowed to update) may do."""
+    """A caller asked for something it may not do: a swap by a tenant without ``can_update``, a
+    ``Shutdown`` without the admin token, a tenant's spec naming code of a module the server does
+    not admit (``allowed_modules``), a request naming a TensorStore outside the tenant's ``stores``.
+
+    ``allowed`` (with ``allowed_what``, what they are) lists what the tenant may use instead; without
+    it the message sends the caller to the server's operator.
+    """
 
     code = "forbidden"
 
-    def __init__(self, tenant: str, operation: str) -> None:
+    def __init__(
+        self, tenant: str, operation: str, allowed: Iterable[str] | None = None, allowed_what: str = ""
+    ) -> None:
         self.tenant = tenant
         self.operation = operation
-        super().__init__(f"tenant {tenant!r} may not {operation}; ask the reward server's operator")
+        self.allowed = None if allowed is None else sorted(allowed)
+        self.allowed_what = allowed_what
+        if self.allowed is None:
+            advice = "ask the reward server's operator"
+        else:
+            advice = f"{allowed_what or 'allowed'}: {self.allowed}"
+        super().__init__(f"tenant {tenant!r} may not {operation}; {advice}")
 
 
 class QuotaExceeded(RewardError, RuntimeError):
-    """A tenant sent requests faster than its ``requests_per_s`` quota; retry after ``retry_after_s``."""
+    """A tenant is over one of its quotas for now: its ``requests_per_s`` rate (``limit`` requests a
+    second; retry after ``retry_after_s``) or its ``concurrency`` (``limit`` requests in progress;
+    retry when one finishes)."""
 
     code = "quota_exceeded"
     retryable = True
 
-    def __init__(self, tenant: str, requests_per_s: float, retry_after_s: float) -> None:
+    def __init__(
+        self,
+        tenant: str,
+        quota: Literal["requests_per_s", "concurrency"],
+        limit: float,
+        retry_after_s: float = 0.0,
+    ) -> None:
         self.tenant = tenant
-        self.requests_per_s = requests_per_s
+        self.quota = quota
+        self.limit = limit
         self.retry_after_s = retry_after_s
-        super().__init__(
-            f"tenant {tenant!r} is over its quota of {requests_per_s:g} requests/s; "
-            f"retry in {retry_after_s:.2f}s"
-        )
+        if quota == "concurrency":
+            detail = f"already has {limit:g} requests in progress (its concurrency); retry when one finishes"
+        else:
+            detail = f"is over its quota of {limit:g} requests/s; retry in {retry_after_s:.2f}s"
+        super().__init__(f"tenant {tenant!r} {detail}")
 
 
 class QuotaStoreMissing(RewardError, RuntimeError):
@@ -277,49 +303,4 @@ class BatchTooLarge(RewardError, ValueError):
         super().__init__(
             f"tenant {tenant!r} sent {samples} samples in one request; its max_batch is {max_batch}: "
             "split the batch"
-        )
-
-
-class CodeNotAllowed(RewardError, PermissionError):
-    """A tenant's spec names code to import (``module:function``) that the server does not admit."""
-
-    code = "forbidden"
-
-    def __init__(self, tenant: str, target: str, allowed: Iterable[str]) -> None:
-        self.tenant = tenant
-        self.target = target
-        self.allowed = sorted(allowed)
-        admitted = f"admitted modules: {self.allowed}" if self.allowed else "no module is admitted"
-        super().__init__(
-            f"tenant {tenant!r} may not load code {target!r} on this shared reward server: tenants' specs "
-            f"use built-in rules only ({admitted}; the operator lists modules in allowed_modules)"
-        )
-
-
-class TenantBusy(RewardError, RuntimeError):
-    """A tenant already has ``concurrency`` requests in progress; retry when one finishes."""
-
-    code = "quota_exceeded"
-    retryable = True
-
-    def __init__(self, tenant: str, concurrency: int) -> None:
-        self.tenant = tenant
-        self.concurrency = concurrency
-        super().__init__(
-            f"tenant {tenant!r} already has {concurrency} requests in progress (its concurrency); "
-            "retry when one finishes"
-        )
-
-
-class ForbiddenStore(RewardError, PermissionError):
-    """A tenant's request names a TensorStore address outside the tenant's ``stores``."""
-
-    code = "forbidden"
-
-    def __init__(self, tenant: str, address: str, allowed: Iterable[str]) -> None:
-        self.tenant = tenant
-        self.address = address
-        self.allowed = sorted(allowed)
-        super().__init__(
-            f"tenant {tenant!r} may not fetch rollouts from {address!r}; its stores are {self.allowed}"
         )

@@ -20,7 +20,6 @@ from rlfleet.reward.base import BatchRewardFn, ModelComponent, RewardFn, Rule
 from rlfleet.reward.composite import Component, CompositeReward
 from rlfleet.reward.errors import (
     BadRewardArgument,
-    MissingRewardArgument,
     RewardSpecError,
     UnknownReward,
     UnknownRewardArgument,
@@ -107,7 +106,7 @@ def build_rule(name: str, args: Mapping[str, Any]) -> Rule | ModelComponent:
         if err["type"] == "extra_forbidden":
             raise UnknownRewardArgument(name, arg, factory.model_fields) from exc
         if err["type"] == "missing":
-            raise MissingRewardArgument(name, arg) from exc
+            raise BadRewardArgument(name, arg, missing=True) from exc
         raise BadRewardArgument(name, arg, args.get(arg) if arg else dict(args), err["msg"]) from exc
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlfleet.common.control.messages import (
     AnyMessage,
@@ -41,6 +41,7 @@ from rlfleet.common.control.reply_cache import ReplyCache
 from rlfleet.common.control.transport import TOKEN_HEADER, request_headers, subject
 from rlfleet.common.control.worker import Worker
 from rlfleet.common.errors import WrongMessageKind
+from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.reward import RewardWorkerConfig
 from rlfleet.reward.endpoints import Endpoints, EndpointVersion
 from rlfleet.reward.errors import ForbiddenOperation
@@ -48,6 +49,9 @@ from rlfleet.reward.loading import allow_remote_code
 from rlfleet.reward.quota_store import open_quotas
 from rlfleet.reward.registry import parse_reward_spec
 from rlfleet.reward.tenants import Tenant, TenantTable
+
+if TYPE_CHECKING:
+    from rlfleet.common.tensors.client import ClientPool
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +78,8 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         allow_remote_code(cfg.trust_remote_code)  # the server's own setting, never a tenant's
         self.endpoints = Endpoints(cfg.state_dir)
         await self.endpoints.start(cfg.endpoints)
-        self._clients: dict[str, Any] = {}
+        self._stores: ClientPool | None = None  # made on the first fetch (the tensor plane imports torch)
         self.replies = ReplyCache()  # a repeated score (same tenant, job id and request): its first reply
-        self._closing: set[asyncio.Task[None]] = set()
         self._saver: asyncio.Task[None] | None = None
         if cfg.state_dir:
             self._saver = asyncio.create_task(self._save_periodically(), name="reward-state-saver")
@@ -166,7 +169,7 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         done = False
         try:
             if tenant is not None and tenant.config.max_batch is not None:  # before any text is fetched
-                counted = await self._client(request.rollout.address).fetch(request.rollout, ["group_index"])
+                counted = await self._fetch(request.rollout, ["group_index"])
                 self.tenants.check_batch(tenant, int(counted["group_index"].numel()))
             prompts, responses, groups = await self._texts(request)
             self.tenants.check_batch(tenant, len(responses))
@@ -204,26 +207,19 @@ class RewardWorker(Worker[RewardWorkerConfig]):
     async def _texts(self, request: ScoreRequest) -> tuple[list[str], list[str], list[int]]:
         from rlfleet.common.schema.batch import unpack_texts
 
-        got = await self._client(request.rollout.address).fetch(request.rollout, names=TEXT_TENSORS)
+        got = await self._fetch(request.rollout, TEXT_TENSORS)
         prompts = unpack_texts(got["prompt_text"], got["prompt_text_offsets"])
         responses = unpack_texts(got["response_text"], got["response_text_offsets"])
         return prompts, responses, [int(g) for g in got["group_index"].tolist()]
 
-    def _client(self, address: str) -> Any:
-        """The TensorStoreClient of ``address`` (kept open; the least recently used closes past the cap)."""
-        from rlfleet.common.tensors.store import worker_client
+    async def _fetch(self, ref: TensorRef, names: list[str]) -> dict[str, Any]:
+        """The tensors ``names`` of ``ref``, through one open client per store (the least recently
+        used closes past :data:`MAX_STORE_CLIENTS`)."""
+        if self._stores is None:
+            from rlfleet.common.tensors.client import ClientPool
 
-        client = self._clients.pop(address, None)
-        if client is None:
-            client = worker_client(address, self.config)
-            while len(self._clients) >= MAX_STORE_CLIENTS:
-                oldest = next(iter(self._clients))
-                stale = self._clients.pop(oldest)
-                task = asyncio.create_task(stale.close(), name=f"close-store-client-{oldest}")
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
-        self._clients[address] = client  # last: most recently used
-        return client
+            self._stores = ClientPool(self.config, max_clients=MAX_STORE_CLIENTS)
+        return await self._stores.fetch(ref, names)
 
     async def _save_periodically(self) -> None:
         while True:
@@ -235,6 +231,5 @@ class RewardWorker(Worker[RewardWorkerConfig]):
             self._saver.cancel()
             await asyncio.gather(self._saver, return_exceptions=True)
         self.endpoints.save()
-        for client in self._clients.values():
-            await client.close()
-        self._clients.clear()
+        if self._stores is not None:
+            await self._stores.close()

@@ -15,8 +15,8 @@ its quota cannot take every slot from the others. A token is given in the config
 :class:`TenantTable` answers "who is this token?" by comparing SHA-256 digests with
 ``hmac.compare_digest`` against every tenant (no early exit), so the answer takes the same time
 whichever tenant matches, or none. A server with no tenants is *open*: every request is accepted
-(the embedded default of a training run). Every refusal raises its own error and logs a line
-naming the tenant, never the token.
+(the embedded default of a training run). Every refusal raises the error of its wire code and logs
+a line naming the tenant, never the token.
 """
 
 from __future__ import annotations
@@ -34,14 +34,11 @@ from dataclasses import dataclass, field
 from rlfleet.common.schema.reward import TenantConfig, TokenSource, token_digest
 from rlfleet.reward.errors import (
     BatchTooLarge,
-    CodeNotAllowed,
     ForbiddenEndpoint,
     ForbiddenOperation,
-    ForbiddenStore,
     InvalidToken,
     MissingToken,
     QuotaExceeded,
-    TenantBusy,
 )
 from rlfleet.reward.quota_store import ProcessQuotas, QuotaStore
 from rlfleet.reward.spec import RewardSpec
@@ -154,7 +151,8 @@ class TenantTable:
             raise self._refuse(tenant, error, error.code)
 
     def check_spec(self, tenant: Tenant | None, spec: RewardSpec) -> None:
-        """Raise :class:`CodeNotAllowed` if ``tenant`` (None: admin/open) names code to import in ``spec``.
+        """Raise :class:`ForbiddenOperation` if ``tenant`` (None: admin/open) names code to import
+        in ``spec``.
 
         ``module:function`` components are the only spec form that imports by name (rules and
         model components are built-ins; model directories load with ``local_files_only`` and no
@@ -164,26 +162,29 @@ class TenantTable:
             return
         for comp in spec.components:
             if comp.is_user_function and comp.name.partition(":")[0] not in self.allowed_modules:
-                error = CodeNotAllowed(tenant.name, comp.name, self.allowed_modules)
+                what = (f"load code {comp.name!r} on this shared reward server (tenants' specs use built-in "
+                        "rules and the modules the operator lists in allowed_modules)")  # fmt: skip
+                error = ForbiddenOperation(tenant.name, what, self.allowed_modules, "admitted modules")
                 raise self._refuse(tenant, error, "code_not_allowed")
 
     def check_store(self, tenant: Tenant | None, address: str) -> None:
-        """Raise :class:`ForbiddenStore` unless ``address`` matches one of the tenant's ``stores`` globs."""
+        """Raise :class:`ForbiddenOperation` unless ``address`` matches one of the tenant's ``stores``."""
         if tenant is None or not tenant.config.stores:
             return
         if not any(fnmatch.fnmatchcase(address, pattern) for pattern in tenant.config.stores):
-            error = ForbiddenStore(tenant.name, address, tenant.config.stores)
+            what = f"fetch rollouts from {address!r}"
+            error = ForbiddenOperation(tenant.name, what, tenant.config.stores, "its stores")
             raise self._refuse(tenant, error, "forbidden_store")
 
     @contextmanager
     def slot(self, tenant: Tenant | None) -> Iterator[None]:
-        """Hold one of the tenant's ``concurrency`` slots; :class:`TenantBusy` when all are taken."""
+        """Hold one of the tenant's ``concurrency`` slots; :class:`QuotaExceeded` when all are taken."""
         if tenant is None:
             yield
             return
         with self._slots_lock:
             if tenant.in_flight >= tenant.concurrency:
-                error = TenantBusy(tenant.name, tenant.concurrency)
+                error = QuotaExceeded(tenant.name, "concurrency", tenant.concurrency)
                 raise self._refuse(tenant, error, "tenant_busy")
             tenant.in_flight += 1
         try:
@@ -202,7 +203,7 @@ class TenantTable:
             return
         wait = await self.quotas.take(tenant.name, tenant.rate, tenant.capacity)
         if wait > 0:
-            error = QuotaExceeded(tenant.name, tenant.rate, wait)
+            error = QuotaExceeded(tenant.name, "requests_per_s", tenant.rate, wait)
             raise self._refuse(tenant, error, error.code)
 
     def check_batch(self, tenant: Tenant | None, samples: int) -> None:

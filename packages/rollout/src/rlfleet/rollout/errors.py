@@ -23,10 +23,27 @@ class UnknownEngine(UserError, ValueError):
 
 
 class InvalidPrompt(UserError, ValueError):
-    """A prompt given to ``generate`` is empty or holds token ids outside the vocabulary."""
+    """A prompt given to ``generate`` cannot be generated from: it is empty, holds token ids outside
+    the vocabulary (``reason`` says which), or with ``max_tokens`` does not fit the engine's context
+    cap (``cap``: ``rollout.max_cache_len``, bounded by the model's ``max_position_embeddings``).
 
-    def __init__(self, index: int, reason: str) -> None:
+    A long prompt is refused, never truncated: a truncated prompt would silently train on text the
+    user did not write. Shorten prompts (``max_prompt_length``) or raise the cap.
+    """
+
+    def __init__(
+        self, index: int, reason: str = "", *, prompt_len: int = 0, max_tokens: int = 0, cap: int = 0
+    ) -> None:
         self.index = index
+        self.prompt_len = prompt_len
+        self.max_tokens = max_tokens
+        self.cap = cap
+        if cap:
+            reason = (
+                f"has {prompt_len} tokens; with max_tokens={max_tokens} it needs {prompt_len + max_tokens} > "
+                f"the context cap of {cap} tokens (rollout.max_cache_len, bounded by the model's "
+                "max_position_embeddings); shorten prompts or raise the cap"
+            )
         self.reason = reason
         super().__init__(f"prompt {index}: {reason}")
 
@@ -100,25 +117,6 @@ class StaleWeights(Failure, RuntimeError):
         self.asked = asked
         super().__init__(
             f"rollout worker {worker_id} holds weight version {held}, the request asks for {asked}"
-        )
-
-
-class ContextTooLong(UserError, ValueError):
-    """A prompt plus ``max_tokens`` does not fit the engine's context cap (``rollout.max_cache_len``).
-
-    The policy is to refuse, never to truncate: a truncated prompt would silently train on text
-    the user did not write. Shorten prompts (``max_prompt_length``) or raise the cap.
-    """
-
-    def __init__(self, index: int, prompt_len: int, max_tokens: int, cap: int) -> None:
-        self.index = index
-        self.prompt_len = prompt_len
-        self.max_tokens = max_tokens
-        self.cap = cap
-        super().__init__(
-            f"prompt {index} has {prompt_len} tokens; with max_tokens={max_tokens} it needs "
-            f"{prompt_len + max_tokens} > the context cap of {cap} tokens (rollout.max_cache_len, "
-            "bounded by the model's max_position_embeddings); shorten prompts or raise the cap"
         )
 
 

@@ -47,7 +47,7 @@ from rlfleet.common.errors import ConfigError, WrongMessageKind
 from rlfleet.common.remote_code import refused_remote_code, remote_code_reason
 from rlfleet.common.schema.batch import pack_texts, pad_left, pad_right
 from rlfleet.common.schema.rollout import RolloutWorkerConfig
-from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer, worker_client, worker_store
+from rlfleet.common.tensors.store import ClientPool, TensorStoreServer, worker_store
 from rlfleet.rollout.catch_up import catch_up
 from rlfleet.rollout.engines.base import Completion
 from rlfleet.rollout.engines.registry import make_engine, resolve_engine_name
@@ -137,7 +137,7 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         )  # noqa: E501
         self.data_address = self.store.address
         self._batches: list[tuple[int, str]] = []  # (weight version, key) of the batches in the store
-        self._clients: dict[str, TensorStoreClient] = {}
+        self._stores = ClientPool(cfg)  # one client per trainer store the weights come from
         self._gpu = asyncio.Lock()  # one engine call at a time: generation and weight loads never overlap
         self.replies = ReplyCache()  # a repeated generate or load (same job_id) gets its first reply
         # late join: hold the trainer's current version before the first announce (never serve stale)
@@ -215,10 +215,7 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
             if carrier == "cuda_ipc":
                 await asyncio.to_thread(self.engine.load_ipc, message.ipc_buckets)
             for ref in message.buckets if carrier == "grpc" else ():
-                client = self._clients.get(ref.address)
-                if client is None:
-                    client = self._clients[ref.address] = worker_client(ref.address, self.config)
-                bucket = await client.fetch(ref)
+                bucket = await self._stores.fetch(ref)
                 await asyncio.to_thread(self.engine.load_weights, bucket)
             self.engine.set_weight_version(message.weight_version)
             self.weight_version = message.weight_version
@@ -240,7 +237,6 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         self._batches = kept
 
     async def teardown(self) -> None:
-        for client in self._clients.values():
-            await client.close()
+        await self._stores.close()
         await self.store.stop()
         self.engine.close()

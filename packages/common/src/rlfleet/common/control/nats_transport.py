@@ -9,9 +9,14 @@ Outages (issue 12): ``url`` may name several servers, the nodes of one NATS clus
 (``nats://a:4222,nats://b:4222``), and the client fails over between them. A reply sent while the
 asker was cut off is lost, so a request that is safe to repeat (it carries a ``job_id``, which the
 worker answers once, or is idempotent by what it says) is sent again as soon as the connection
-returns, within the same deadline (:mod:`~rlfleet.common.control.nats_reconnect`). A connection
-down for longer than ``outage_grace_s`` fails the requests waiting on it with
-:class:`NatsServerError`, which names the servers and how long; closing it then does not raise.
+returns, within the same deadline (:func:`resendable`); a request nobody took within
+:data:`REJOIN_S` of a reconnect is sent again until a peer is back. A connection down for longer
+than ``outage_grace_s`` fails the requests waiting on it with :class:`NatsServerError`, which
+names the servers and how long; closing it then does not raise.
+
+Each subscription (:class:`NatsSubscriptionHandle`) runs its messages through a
+:class:`~rlfleet.common.control.transport.Dispatcher`, sends replies back on the message's reply
+subject, and can be drained (nothing already sent is dropped) before it ends.
 
 Credentials and TLS come from a :class:`~rlfleet.common.schema.connection.NatsConnection` (its
 unset fields from ``RLFLEET_NATS_*``); URLs are logged and reported with their credentials masked.
@@ -30,17 +35,49 @@ import nats
 import nats.errors
 from nats.aio.client import Client, Server
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription as NatsSubscription
 
 from rlfleet.common.control.messages import MAX_MESSAGE_BYTES, AnyMessage, Message, decode
-from rlfleet.common.control.nats_reconnect import POLL_S, REJOIN_S, backoff_delay, resendable
-from rlfleet.common.control.nats_subscription import NatsSubscriptionHandle
-from rlfleet.common.control.transport import Dispatcher, Handler, Subscriptions, outgoing, raise_for_reply
+from rlfleet.common.control.transport import (
+    Dispatcher,
+    Handler,
+    ReplyFn,
+    Subscriptions,
+    outgoing,
+    raise_for_reply,
+)
 from rlfleet.common.errors import NatsServerError, NoResponders, RequestTimeout, TransportClosed
 from rlfleet.common.schema.connection import NatsConnection, mask_url, server_urls
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NatsSubscriptionHandle", "NatsTransport", "backoff_delay"]  # the first and last live next door
+POLL_S = 0.25
+"""How often a waiting request looks at the connection (came back after a drop, down for too long)."""
+
+REJOIN_S = 20.0
+"""After a reconnect, how long "no responders" means "not back yet": the peers reconnect on their
+own backoff, so a request nobody took is sent again (safe: nobody got it) until this has passed."""
+
+IDEMPOTENT_KINDS = frozenset({"trainer.configure", "trainer.latest", "reward.stats"})
+"""Requests without a ``job_id`` that a worker may get twice with the same effect as once."""
+
+
+def resendable(message: Message) -> bool:
+    """Whether ``message`` may be sent again when its reply may have been lost in an outage: it
+    carries a ``job_id`` (its worker answers a repeat with the first reply, or does the same work
+    again) or its kind is in :data:`IDEMPOTENT_KINDS`."""
+    return bool(getattr(message, "job_id", "")) or message.kind in IDEMPOTENT_KINDS
+
+
+def backoff_delay(attempt: int, base: float, cap: float, jitter: float, rng: random.Random) -> float:
+    """Seconds before reconnect attempt ``attempt`` (0: at once), then ``base * 2**(attempt-1)``.
+
+    Capped at ``cap`` and scaled by a random factor in ``[1 - jitter, 1 + jitter]``.
+    """
+    if attempt <= 0:
+        return 0.0
+    delay = min(cap, base * 2 ** min(attempt - 1, 30))
+    return delay * rng.uniform(1.0 - jitter, 1.0 + jitter)
 
 
 def _is_refusal(exc: BaseException) -> bool:
@@ -350,3 +387,58 @@ class NatsTransport:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+class NatsSubscriptionHandle:
+    """A NATS subscription whose messages run through a :class:`Dispatcher`."""
+
+    def __init__(self, client: Client, subject: str, queue: str | None, dispatcher: Dispatcher) -> None:
+        self.subject = subject
+        self.queue = queue
+        self.active = True
+        self._client = client
+        self._dispatcher = dispatcher
+        self._sub: NatsSubscription | None = None
+
+    async def start(self) -> None:
+        """Subscribe on the server."""
+        self._sub = await self._client.subscribe(self.subject, queue=self.queue or "", cb=self._on_msg)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        # nats-py awaits this callback before the next message of the subscription, so waiting
+        # for a free handler slot here holds later messages back in arrival order.
+        await self._dispatcher.deliver(msg.data, self._reply_fn(msg.reply), msg.headers)
+
+    def _reply_fn(self, reply: str) -> ReplyFn | None:
+        if not reply:
+            return None
+        client = self._client
+
+        async def send(payload: bytes) -> None:
+            try:
+                await client.publish(reply, payload)
+            except (nats.errors.ConnectionClosedError, nats.errors.OutboundBufferLimitError) as exc:
+                raise ConnectionError(f"reply to {reply!r} not sent: {exc!r}") from exc
+
+        return send
+
+    async def unsubscribe(self, *, drain_timeout: float = 0.0) -> None:
+        """Stop delivery; give running handlers ``drain_timeout`` s, then cancel them.
+
+        With a ``drain_timeout`` the subscription is drained: the server stops sending at once and
+        the messages it had sent already still reach the handler (none is dropped), within the bound.
+        """
+        if not self.active:
+            return
+        self.active = False
+        deadline = time.monotonic() + drain_timeout
+        if self._sub is not None and not self._client.is_closed:
+            try:
+                if drain_timeout > 0:
+                    await asyncio.wait_for(self._sub.drain(), drain_timeout)
+                else:
+                    await self._sub.unsubscribe()
+            except (nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError,
+                    nats.errors.ConnectionDrainingError, TimeoutError) as exc:  # fmt: skip
+                logger.debug("unsubscribe %s: %r", self.subject, exc)
+        await self._dispatcher.stop(max(0.0, deadline - time.monotonic()))

@@ -8,10 +8,11 @@ membership subject, send heartbeats, answer :class:`Ping` with a fresh announce,
 Work subscriptions (:meth:`Worker.subscribe`) and the worker's own subject run their requests
 inside :class:`~rlfleet.common.control.activity.InFlight`: heartbeats carry the oldest one as the
 worker's activity (``"score job step3-0"``, for how long). Stopping drains: the worker refuses
-requests that have not started yet with :class:`WorkerDraining` (retryable: the requester sends it
-to another replica), leaves its queue groups (the server sends it nothing new; what it sent already
-is still answered), lets what it took finish for up to ``drain_s`` seconds, and only then says
-goodbye and releases its resources. A request still running at the bound is cancelled.
+requests that have not started yet with :class:`~rlfleet.common.errors.WorkerDraining`
+(retryable: the requester sends it to another replica), leaves its queue groups (the server sends
+it nothing new; what it sent already is still answered), lets what it took finish for up to
+``drain_s`` seconds, and only then says goodbye and releases its resources. A request still
+running at the bound is cancelled.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from rlfleet.common.control.messages import (
 from rlfleet.common.control.transport import Handler, Subscription, Transport, worker_subject
 from rlfleet.common.control.wire_skew import release_of
 from rlfleet.common.control.worker_metrics import Health, MetricsServer, WorkerMetrics, serve_metrics
-from rlfleet.common.errors import Failure, WrongMessageKind
+from rlfleet.common.errors import WorkerDraining, WrongMessageKind
 from rlfleet.common.schema.connection import NatsConnection
 from rlfleet.common.schema.worker import ServiceConfig
 
@@ -53,19 +54,6 @@ USER_ERROR_EXIT = 2
 
 
 C = TypeVar("C", bound=ServiceConfig)
-
-
-class WorkerDraining(Failure):
-    """A request reached a worker that is stopping: it was not started; another worker can take it."""
-
-    code = "unavailable"
-    retryable = True
-
-    def __init__(self, tier: str, worker_id: str, kind: str) -> None:
-        self.worker_id = worker_id
-        super().__init__(
-            f"{tier} worker {worker_id} is draining (stopping): {kind} not started; send it to another worker"
-        )
 
 
 class Worker(Generic[C]):

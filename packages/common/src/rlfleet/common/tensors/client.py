@@ -7,6 +7,10 @@ damaged on the way, ``TensorStoreUnavailable`` for a server that cannot be reach
 ``TensorAccessDenied`` for a call without the capability or secret it needs,
 ``TensorStoreTimeout`` past a call's deadline, ``TensorStoreBusy`` from a server at its RPC cap.
 
+A process that reads from many stores keeps one client per address in a :class:`ClientPool`
+(made on first use, from the worker's tensor plane settings by :func:`worker_client`, kept open,
+the least recently used closed past a cap).
+
 Every call has a deadline (issue 12, point 6): a stream (Put, Get) gets ``timeout_s`` plus the
 time its bytes take at ``MIN_BYTES_PER_S`` (so a large transfer is not cut off by a deadline made
 for a small one), Delete and Stat at most ``UNARY_TIMEOUT_S``. A stream that stops moving (no chunk
@@ -17,8 +21,9 @@ arrives, or the server takes none) for ``idle_timeout_s`` is cut off at once wit
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 import grpc
@@ -26,6 +31,7 @@ import torch
 
 from rlfleet.common.errors import MessageTooLarge, TensorStoreTimeout, TensorStoreUnavailable, TransportClosed
 from rlfleet.common.schema.refs import TensorRef
+from rlfleet.common.schema.worker import TensorPlaneSettings
 from rlfleet.common.tensors._gen import tensors_pb2 as pb
 from rlfleet.common.tensors.codec import (
     CHUNK_HINT,
@@ -123,7 +129,7 @@ class TensorStoreClient:
             request_serializer=pb.StatRequest.SerializeToString,
             response_deserializer=pb.StatReply.FromString,
         )
-        self._peers: dict[str, TensorStoreClient] = {}
+        self._peers = ClientPool(connect=self._new_peer)
         self._limit: int | None = None
         self._closed = False
 
@@ -218,26 +224,23 @@ class TensorStoreClient:
         """The tensors a :class:`TensorRef` points to, from whichever server holds them (the ref's
         size lengthens the deadline when all its tensors are read)."""
         nbytes = ref.nbytes if not names else 0
-        client = self if ref.address == self.address else self._peer(ref.address)
+        client = self if ref.address == self.address else self._peers.get(ref.address)
         return await client.get(ref.key, names, capability=ref.capability, nbytes=nbytes)
 
-    def _peer(self, address: str) -> TensorStoreClient:
+    def _new_peer(self, address: str) -> TensorStoreClient:
         """A client for another store, with this one's limits, deadline and TLS (never its secret)."""
-        peer = self._peers.get(address)
-        if peer is None:
-            tls_ca, tls_cert, tls_key = self._tls
-            peer = self._peers[address] = TensorStoreClient(
-                address,
-                chunk_bytes=self.chunk_bytes,
-                max_message_bytes=self.max_message_bytes,
-                max_get_bytes=self.max_get_bytes,
-                timeout_s=self.timeout_s,
-                idle_timeout_s=self.idle_timeout_s,
-                tls_ca=tls_ca,
-                tls_cert=tls_cert,
-                tls_key=tls_key,
-            )
-        return peer
+        tls_ca, tls_cert, tls_key = self._tls
+        return TensorStoreClient(
+            address,
+            chunk_bytes=self.chunk_bytes,
+            max_message_bytes=self.max_message_bytes,
+            max_get_bytes=self.max_get_bytes,
+            timeout_s=self.timeout_s,
+            idle_timeout_s=self.idle_timeout_s,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+        )
 
     def _owner(self) -> tuple[tuple[str, str], ...]:
         return bearer_metadata(self.secret) if self.secret else ()
@@ -316,9 +319,7 @@ class TensorStoreClient:
         if self._closed:
             return
         self._closed = True
-        for peer in self._peers.values():
-            await peer.close()
-        self._peers.clear()
+        await self._peers.close()
         await self._channel.close()
 
     async def __aenter__(self) -> TensorStoreClient:
@@ -337,6 +338,79 @@ class TensorStoreClient:
     def _check_open(self) -> None:
         if self._closed:
             raise TransportClosed(f"TensorStoreClient for {self.address}")
+
+
+def worker_client(address: str, settings: TensorPlaneSettings) -> TensorStoreClient:
+    """A client for another tier's store, speaking TLS when the worker trusts a CA (``tensor_tls_ca``),
+    with ``tensor_tls_cert``/``tensor_tls_key`` as its own certificate for stores that ask for one."""
+    if not settings.tensor_tls_ca:
+        return TensorStoreClient(address)
+    return TensorStoreClient(
+        address,
+        tls_ca=settings.tensor_tls_ca,
+        tls_cert=settings.tensor_tls_cert,
+        tls_key=settings.tensor_tls_key,
+    )
+
+
+class ClientPool:
+    """One open :class:`TensorStoreClient` per store address, made on first use.
+
+    Clients come from ``connect`` (default: :func:`worker_client` with ``settings``, so they speak
+    TLS when the worker trusts a CA). With ``max_clients``, making one more closes the least
+    recently used first (a shared reward server meets many tenants' stores); a fetch still running
+    on it then fails. :meth:`close` closes every client; the pool can be used again after it.
+    Use it inside the event loop its clients run in.
+    """
+
+    def __init__(
+        self,
+        settings: TensorPlaneSettings | None = None,
+        *,
+        max_clients: int | None = None,
+        connect: Callable[[str], TensorStoreClient] | None = None,
+    ) -> None:
+        if max_clients is not None and max_clients < 1:
+            raise ValueError(f"max_clients must be at least 1 (or None: no cap), got {max_clients}")
+        plane = settings or TensorPlaneSettings()
+        self._connect = connect or functools.partial(worker_client, settings=plane)
+        self.max_clients = max_clients
+        self._clients: dict[str, TensorStoreClient] = {}  # least recently used first
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def __len__(self) -> int:
+        return len(self._clients)
+
+    def __contains__(self, address: object) -> bool:
+        return address in self._clients
+
+    def get(self, address: str) -> TensorStoreClient:
+        """The client of ``address``: the open one, or a new one (closing the least recently used
+        past ``max_clients``)."""
+        client = self._clients.pop(address, None)
+        if client is None:
+            client = self._connect(address)
+            while self.max_clients is not None and len(self._clients) >= self.max_clients:
+                oldest = next(iter(self._clients))
+                self._close_later(oldest, self._clients.pop(oldest))
+        self._clients[address] = client  # last: the most recently used
+        return client
+
+    async def fetch(self, ref: TensorRef, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """The tensors ``ref`` names (all of them without ``names``), from the store that holds them."""
+        return await self.get(ref.address).fetch(ref, names)
+
+    def _close_later(self, address: str, client: TensorStoreClient) -> None:
+        task = asyncio.create_task(client.close(), name=f"close-store-client-{address}")
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        """Close every client (and wait for those closed past the cap); safe to call twice."""
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            await client.close()
+        await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 async def _initial_metadata(call: grpc.aio.StreamUnaryCall) -> tuple[tuple[str, str | bytes], ...]:

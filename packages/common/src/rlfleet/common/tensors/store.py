@@ -6,14 +6,15 @@ the :class:`TensorRef` over the control plane, and a consumer streams the tensor
 the producer's store with :meth:`TensorStoreClient.fetch`; the controller never holds the bytes.
 
 :func:`worker_store` and :func:`worker_client` build both ends from a worker's
-:class:`~rlfleet.common.schema.worker.TensorPlaneSettings` (bind and advertised host, TLS files).
+:class:`~rlfleet.common.schema.worker.TensorPlaneSettings` (bind and advertised host, TLS files);
+a :class:`ClientPool` keeps one client per store address.
 """
 
 from __future__ import annotations
 
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.worker import TensorPlaneSettings
-from rlfleet.common.tensors.client import TensorStoreClient
+from rlfleet.common.tensors.client import ClientPool, TensorStoreClient, worker_client
 from rlfleet.common.tensors.local import LocalTensorStore, StoreStat, TensorInfo
 from rlfleet.common.tensors.server import TensorStoreServer
 
@@ -35,20 +36,8 @@ async def worker_store(
     return store
 
 
-def worker_client(address: str, settings: TensorPlaneSettings) -> TensorStoreClient:
-    """A client for another tier's store, speaking TLS when the worker trusts a CA (``tensor_tls_ca``),
-    with ``tensor_tls_cert``/``tensor_tls_key`` as its own certificate for stores that ask for one."""
-    if not settings.tensor_tls_ca:
-        return TensorStoreClient(address)
-    return TensorStoreClient(
-        address,
-        tls_ca=settings.tensor_tls_ca,
-        tls_cert=settings.tensor_tls_cert,
-        tls_key=settings.tensor_tls_key,
-    )
-
-
 __all__ = [
+    "ClientPool",
     "LocalTensorStore",
     "StoreStat",
     "TensorInfo",

@@ -23,7 +23,7 @@ KV cache: ``enable_prefix_caching`` turns on vLLM's prefix cache (blocks of shar
 are reused across requests and evicted least-recently-used); it is reset after every weight
 load, since cached keys/values belong to the old weights. ``max_model_len`` caps a request's
 context (prompt + ``max_tokens``); it is clamped to the model's ``max_position_embeddings``. A
-longer request raises :class:`~rlfleet.rollout.errors.ContextTooLong` before anything runs:
+longer request raises :class:`~rlfleet.rollout.errors.InvalidPrompt` (its ``cap``) before anything runs:
 prompts are never truncated.
 
 Weights: ``load_weights(bucket)`` validates HF names and shapes against the checkpoint, stages
@@ -73,7 +73,6 @@ from rlfleet.rollout.engines.vllm.runtime import (
 from rlfleet.rollout.engines.vllm.weights import WeightStager, encode_bucket, resolve_tied
 from rlfleet.rollout.engines.weights import validate
 from rlfleet.rollout.errors import (
-    ContextTooLong,
     EngineClosed,
     IncompleteWeights,
     InvalidPrompt,
@@ -367,7 +366,7 @@ class VLLMEngine:
             if bad:
                 raise InvalidPrompt(i, f"token ids {bad[:5]} outside the vocabulary [0, {vocab})")
             if len(prompt) + max_tokens > self.max_model_len:
-                raise ContextTooLong(i, len(prompt), max_tokens, self.max_model_len)
+                raise InvalidPrompt(i, prompt_len=len(prompt), max_tokens=max_tokens, cap=self.max_model_len)
 
     def _sleep(self) -> None:
         if not self._can_sleep:

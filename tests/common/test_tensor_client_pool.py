@@ -1,0 +1,71 @@
+"""ClientPool: one TensorStore client per store address, kept open, the least recently used closed
+past its cap; real stores on port 0."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from rlfleet.common.errors import TransportClosed
+from rlfleet.common.schema.worker import TensorPlaneSettings
+from rlfleet.common.tensors.client import ClientPool, TensorStoreClient
+from rlfleet.common.tensors.server import TensorStoreServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def stores() -> AsyncIterator[list[TensorStoreServer]]:
+    servers = [TensorStoreServer(capacity_bytes=1 << 20) for _ in range(3)]
+    for server in servers:
+        await server.start()
+    yield servers
+    for server in servers:
+        await server.stop()
+
+
+async def test_one_client_per_address_fetches_from_every_store(stores: list[TensorStoreServer]) -> None:
+    pool = ClientPool(TensorPlaneSettings())
+    refs = [s.put_local(f"k{i}", {"x": torch.full((4,), float(i))}) for i, s in enumerate(stores)]
+    for _ in range(2):
+        for i, ref in enumerate(refs):
+            got = await pool.fetch(ref)
+            assert torch.equal(got["x"], torch.full((4,), float(i)))
+    assert len(pool) == 3
+    assert pool.get(stores[0].address) is pool.get(stores[0].address)
+    client = pool.get(stores[1].address)
+    await pool.close()
+    assert len(pool) == 0
+    with pytest.raises(TransportClosed):
+        await client.fetch(refs[1])
+    assert torch.equal((await pool.fetch(refs[1]))["x"], torch.full((4,), 1.0))  # usable again
+    await pool.close()
+    await pool.close()  # twice is fine
+
+
+async def test_past_its_cap_the_least_recently_used_client_is_closed(stores: list[TensorStoreServer]) -> None:
+    made: list[TensorStoreClient] = []
+
+    def connect(address: str) -> TensorStoreClient:
+        made.append(TensorStoreClient(address))
+        return made[-1]
+
+    pool = ClientPool(max_clients=2, connect=connect)
+    first, second, third = (s.address for s in stores)
+    pool.get(first)
+    pool.get(second)
+    pool.get(first)  # now the second is the least recently used
+    pool.get(third)
+    assert first in pool and third in pool and second not in pool
+    assert [c.address for c in made] == [first, second, third]
+    await pool.close()  # also waits for the second's close
+    for client in made:
+        with pytest.raises(TransportClosed):
+            await client.stat()
+
+
+def test_a_cap_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_clients"):
+        ClientPool(max_clients=0)
