@@ -48,7 +48,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlfleet.common.schema.trainer import ModelSettings, StepSettings
 from rlfleet.trainer.actor import Actor
-from rlfleet.trainer.algorithms.ppo_family import policy_plan
+from rlfleet.trainer.algorithms.grpo import policy_plan
 from rlfleet.trainer.distributed import DistContext, init_distributed, setup_nccl
 from rlfleet.trainer.loop import train_loop
 from rlfleet.trainer.weights import iter_weight_buckets

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import smoke  # noqa: E402  (this folder's helper module)
 from trainer import PRESETS, sync, write_model  # noqa: E402  (benchmarks/trainer.py)
 
+from rlfleet.common.schema.algorithms import ALGORITHMS  # noqa: E402
 from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig  # noqa: E402
 from rlfleet.trainer.distributed import setup_nccl  # noqa: E402
 from rlfleet.trainer.ranks import build_models  # noqa: E402
@@ -69,7 +70,7 @@ def random_batch(args: argparse.Namespace, algorithm: str, vocab: int) -> dict[s
 
     prompt = {"prompt_ids": torch.randint(0, vocab, (n, p), generator=gen),
               "prompt_mask": torch.ones((n, p), dtype=torch.int64)}  # fmt: skip
-    if algorithm == "dpo":
+    if not ALGORITHMS[algorithm].online:  # preference pairs
         (chosen, chosen_mask), (rejected, rejected_mask) = responses(), responses()
         return {**prompt, "chosen_ids": chosen, "chosen_mask": chosen_mask,
                 "rejected_ids": rejected, "rejected_mask": rejected_mask}  # fmt: skip
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace, path: Path, vocab: int, algorithm: str) -> dic
     ctx, actor, critic = build_models(cfg)
     batch = merge_batch(algorithm, [random_batch(args, algorithm, vocab)])
     gen = torch.Generator().manual_seed(3)
-    scores = [] if algorithm == "dpo" else torch.randn(args.rows, generator=gen).tolist()
+    scores = torch.randn(args.rows, generator=gen).tolist() if ALGORITHMS[algorithm].online else []
     settings = StepSettings.of(cfg)  # the worker's own: algorithm, micro-batch, kl_coef 0.05...
     on_gpu = ctx.device.type == "cuda"
     times, metrics, peak_gib = [], {}, 0.0

@@ -28,7 +28,7 @@ def test_the_seed_configs_build() -> None:
 @pytest.mark.parametrize(
     ("settings", "needle"),
     [
-        ({"algorithm": "a2c"}, "'ppo', 'grpo', 'rloo', 'reinforce_pp' or 'dpo'"),
+        ({"algorithm": "a2c"}, "'ppo', 'grpo', 'dr_grpo', 'rloo', 'reinforce_pp' or 'dpo'"),
         ({"algorithm": "rloo", "group_size": 1}, "group_size must be greater than or equal to 2 for rloo"),
         ({"kl_ctrl": "adaptive", "kl_coef": 0.1}, "needs kl_target > 0 and kl_coef > 0"),
         ({"kl_ctrl": "adaptive", "kl_target": 0.05, "kl_coef": 0.0}, "needs kl_target > 0 and kl_coef > 0"),

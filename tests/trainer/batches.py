@@ -13,7 +13,7 @@ import torch
 
 from rlfleet.common.schema.trainer import StepSettings
 from rlfleet.trainer.actor import Actor
-from rlfleet.trainer.algorithms.ppo_family import policy_plan
+from rlfleet.trainer.algorithms.grpo import policy_plan
 from rlfleet.trainer.loop import train_loop
 
 VOCAB = 64

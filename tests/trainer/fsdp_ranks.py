@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlfleet.common.schema.trainer import ModelSettings, StepSettings
 from rlfleet.trainer.actor import Actor
-from rlfleet.trainer.algorithms.ppo_family import PolicyObjective, prepare
+from rlfleet.trainer.algorithms.grpo import PolicyObjective, prepare
 from rlfleet.trainer.distributed import init_distributed
 from rlfleet.trainer.loop import accumulate
 

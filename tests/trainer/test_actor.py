@@ -15,11 +15,10 @@ from pydantic import ValidationError
 
 from rlfleet.common.schema.trainer import ModelSettings, StepSettings
 from rlfleet.trainer.actor import Actor
-from rlfleet.trainer.algorithms import LOSS_AGG_MODES
-from rlfleet.trainer.algorithms.ppo_family import PolicyObjective, prepare
-from rlfleet.trainer.forward import build_policy_inputs
+from rlfleet.trainer.algorithms.grpo import LOSS_AGG_MODES, PolicyObjective, prepare
 from rlfleet.trainer.loop import accumulate, batch_sizes
 from rlfleet.trainer.model_io import disable_dropout, load_causal_lm
+from rlfleet.trainer.policy import build_policy_inputs, compute_logprobs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -72,10 +71,10 @@ def test_update_moves_the_logprob_of_the_advantaged_sample(
     actor = _actor(tiny_model_dir, lr=1e-2)
     batch = make_batch(PROMPTS, RESPONSES)
     inputs = build_policy_inputs(batch)
-    before = actor.compute_logprobs(inputs, micro_batch_size=5)[0].sum().item()
+    before = compute_logprobs(actor, inputs, micro_batch_size=5)[0].sum().item()
     adv = torch.tensor([sign, 0.0, 0.0, 0.0, 0.0])
     metrics = update(actor, batch, adv, micro_batch_size=2)
-    after = actor.compute_logprobs(inputs, micro_batch_size=5)[0].sum().item()
+    after = compute_logprobs(actor, inputs, micro_batch_size=5)[0].sum().item()
     assert sign * (after - before) > 0.05
     # first step of an update: the policy is the sampling policy, so nothing is clipped
     assert metrics["clip_frac"] == 0.0
@@ -95,13 +94,13 @@ def test_bf16_autocast_on_cpu_keeps_fp32_weights_and_updates_in_the_advantaged_d
     fp32, bf16 = _actor(tiny_model_dir, lr=1e-2), _actor(tiny_model_dir, lr=1e-2, mixed_precision="bf16")
     batch = make_batch(PROMPTS, RESPONSES)
     inputs = build_policy_inputs(batch)
-    exact = fp32.compute_logprobs(inputs, micro_batch_size=5)
-    before = bf16.compute_logprobs(inputs, micro_batch_size=5)
+    exact = compute_logprobs(fp32, inputs, micro_batch_size=5)
+    before = compute_logprobs(bf16, inputs, micro_batch_size=5)
     assert before.dtype == torch.float32
     mask = batch["response_mask"].bool()
     assert 0 < (before - exact)[mask].abs().max().item() < 0.1  # computed in bf16, close to fp32
     metrics = update(bf16, batch, torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0]), micro_batch_size=2)
-    after = bf16.compute_logprobs(inputs, micro_batch_size=5)
+    after = compute_logprobs(bf16, inputs, micro_batch_size=5)
     assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
     assert after[0].sum().item() - before[0].sum().item() > 0.05
     assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
@@ -110,7 +109,7 @@ def test_bf16_autocast_on_cpu_keeps_fp32_weights_and_updates_in_the_advantaged_d
 def test_rollout_logprob_diff_reports_engine_drift(tiny_model_dir: Path, make_batch: Callable) -> None:
     actor = _actor(tiny_model_dir, lr=1e-9)
     batch = make_batch(PROMPTS, RESPONSES)
-    exact = actor.compute_logprobs(build_policy_inputs(batch), micro_batch_size=5)
+    exact = compute_logprobs(actor, build_policy_inputs(batch), micro_batch_size=5)
     metrics = update(actor, dict(batch, rollout_logprobs=exact), torch.zeros(5), micro_batch_size=5)
     assert metrics["rollout_logprob_diff"] == pytest.approx(0.0, abs=1e-6)
     metrics = update(

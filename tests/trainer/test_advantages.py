@@ -7,15 +7,19 @@ import math
 import pytest
 import torch
 
-from rlfleet.trainer.algorithms import (
-    ADVANTAGES,
-    broadcast_to_tokens,
-    dr_grpo_advantages,
-    grpo_advantages,
-    reinforce_pp_advantages,
-    reinforce_pp_baseline_advantages,
-    rloo_advantages,
-)
+from rlfleet.trainer.algorithms import TRAINER_ALGORITHMS
+from rlfleet.trainer.algorithms.dr_grpo import dr_grpo_advantages
+from rlfleet.trainer.algorithms.grpo import broadcast_to_tokens, grpo_advantages
+from rlfleet.trainer.algorithms.reinforce_pp import reinforce_pp_advantages, reinforce_pp_baseline_advantages
+from rlfleet.trainer.algorithms.rloo import rloo_advantages
+
+OUTCOME = {
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
+}
+"""The algorithms with one outcome advantage per sample, and their estimators."""
 
 
 def test_grpo_normalizes_per_group_and_zeroes_identical_groups() -> None:
@@ -99,12 +103,15 @@ def test_broadcast_to_tokens_masks_padding() -> None:
         broadcast_to_tokens(torch.zeros(3), mask)
 
 
-def test_registry_names_every_estimator_with_one_signature() -> None:
+def test_every_estimator_has_one_signature_and_each_algorithm_uses_its_own() -> None:
     rewards = torch.tensor([0.0, 1.0, 3.0, 3.0])
     groups = torch.tensor([0, 0, 1, 1])
-    assert set(ADVANTAGES) == {"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}
-    for name, fn in ADVANTAGES.items():
+    assert {
+        name for name, algorithm in TRAINER_ALGORITHMS.items() if hasattr(algorithm, "advantages")
+    } == set(OUTCOME)
+    for name, fn in [*OUTCOME.items(), ("reinforce_pp_baseline", reinforce_pp_baseline_advantages)]:
         adv = fn(rewards, groups)
         assert adv.shape == (4,), name
         assert torch.isfinite(adv).all(), name
-    torch.testing.assert_close(ADVANTAGES["grpo"](rewards, groups), grpo_advantages(rewards, groups))
+    for name, fn in OUTCOME.items():
+        torch.testing.assert_close(TRAINER_ALGORITHMS[name].advantages(rewards, groups), fn(rewards, groups))

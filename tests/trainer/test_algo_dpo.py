@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlfleet.trainer.algorithms import DPO_LOSS_TYPES, DPO_LOSSES, dpo_loss, sequence_logprobs
+from rlfleet.trainer.algorithms.dpo import DPO_LOSS_TYPES, DPO_LOSSES, dpo_loss, sequence_logprobs
 
 # two pairs, beta = 0.5
 PI_C = torch.tensor([-1.0, -4.0])

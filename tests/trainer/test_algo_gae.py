@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlfleet.trainer.algorithms import (
+from rlfleet.trainer.algorithms.grpo import (
     discounted_returns,
-    gae_advantages,
     last_token_index,
     masked_whiten,
     token_level_rewards,
 )
+from rlfleet.trainer.algorithms.ppo import gae_advantages
 
 
 def test_last_token_index_handles_holes_and_empty_rows() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlfleet.trainer.algorithms import clipped_value_loss, explained_variance, value_loss
+from rlfleet.trainer.algorithms.ppo import clipped_value_loss, explained_variance, value_loss
 
 # token 0: v moves 1.0 away from old 0.0 towards R 2.0; clipping holds it at 0.2 -> clipped branch
 # token 1: v 2.0 below old 2.5, clipped up to 2.3, further from R 0.0 -> clipped branch

@@ -16,12 +16,12 @@ from batches import update  # this folder's helper module (conftest puts it on s
 
 from rlfleet.common.schema.trainer import StepSettings
 from rlfleet.trainer.actor import Actor
-from rlfleet.trainer.algorithms.ppo_family import ValueObjective
+from rlfleet.trainer.algorithms.ppo import ValueObjective
 from rlfleet.trainer.checkpoint import load_checkpoint, load_training_state, save_checkpoint
 from rlfleet.trainer.critic import Critic
 from rlfleet.trainer.errors import CheckpointError
-from rlfleet.trainer.forward import build_policy_inputs
 from rlfleet.trainer.loop import accumulate
+from rlfleet.trainer.policy import build_policy_inputs
 
 PROMPTS, RESPONSES = [3, 5, 2, 4], [4, 2, 5, 3]
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from rlfleet.common.schema.trainer import StepSettings
-from rlfleet.trainer.algorithms.ppo_family import ValueObjective
+from rlfleet.trainer.algorithms.ppo import ValueObjective
 from rlfleet.trainer.critic import Critic
 from rlfleet.trainer.errors import ModelLoadError
-from rlfleet.trainer.forward import build_policy_inputs
 from rlfleet.trainer.loop import accumulate
+from rlfleet.trainer.policy import build_policy_inputs
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -23,10 +23,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlfleet.common.schema.trainer import StepSettings
 from rlfleet.trainer.actor import Actor
-from rlfleet.trainer.algorithms.ppo_family import PolicyObjective, prepare
-from rlfleet.trainer.distributed import build_mesh, init_distributed, local_rows, resolve_sharding, setup_nccl
+from rlfleet.trainer.algorithms.grpo import PolicyObjective, prepare
+from rlfleet.trainer.distributed import build_mesh, init_distributed, resolve_sharding, setup_nccl
 from rlfleet.trainer.loop import accumulate
 from rlfleet.trainer.model_io import load_causal_lm
+from rlfleet.trainer.policy import local_rows
 
 RANKS_SCRIPT = Path(__file__).with_name("fsdp_ranks.py")
 PROMPTS, RESPONSES = [3, 5, 2, 4, 5], [4, 2, 6, 1, 3]  # 5 rows: rank 1 pads one micro-batch row

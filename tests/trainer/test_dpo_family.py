@@ -13,10 +13,9 @@ from rlfleet.common.errors import BatchContractError
 from rlfleet.common.schema.batch import check_pairs, merge_preferences, pairs_as_rollouts
 from rlfleet.common.schema.trainer import StepSettings
 from rlfleet.trainer.actor import Actor
-from rlfleet.trainer.algorithms import dpo_family
-from rlfleet.trainer.algorithms.dpo_family import reference_logps
-from rlfleet.trainer.forward import build_policy_inputs
+from rlfleet.trainer.algorithms.dpo import DPO, reference_logps
 from rlfleet.trainer.loop import train_loop
+from rlfleet.trainer.policy import build_policy_inputs
 from rlfleet.trainer.service import merge_batch, run_step
 
 pytestmark = pytest.mark.timeout(180)
@@ -48,7 +47,7 @@ def _actor(path: Path, lr: float = 1e-3) -> Actor:
 def _dpo(actor: Actor, batch: dict[str, torch.Tensor], **settings: object) -> dict[str, float]:
     """One DPO step's plan through the update loop (no learning-rate change: the actor's own)."""
     step = StepSettings(algorithm="dpo", **settings)  # type: ignore[arg-type]
-    return train_loop(dpo_family.plan(actor, None, batch, torch.zeros(0), step))
+    return train_loop(DPO().plan(actor, None, batch, torch.zeros(0), step))
 
 
 def test_pairs_become_2n_sequences_chosen_first() -> None:

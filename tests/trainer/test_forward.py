@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from rlfleet.common.errors import BatchContractError
-from rlfleet.trainer.algorithms import entropy_from_logits
-from rlfleet.trainer.forward import (
+from rlfleet.trainer.model_io import load_causal_lm
+from rlfleet.trainer.policy import (
     build_policy_inputs,
+    entropy_from_logits,
     logprobs_from_logits,
     position_ids_from_mask,
     token_logprobs,
 )
-from rlfleet.trainer.model_io import load_causal_lm
 
 
 def test_chunked_reduction_matches_log_softmax() -> None:

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from rlfleet.trainer.algorithms import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3
+from rlfleet.trainer.algorithms.grpo import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3
 
 
 def test_estimators_on_one_token() -> None:

@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from rlfleet.common.errors import ConfigError
-from rlfleet.trainer.algorithms import (
+from rlfleet.trainer.algorithms.grpo import (
     LOSS_AGG_MODES,
     aggregate,
     approx_kl,
-    entropy_from_logits,
     masked_entropy,
     masked_mean,
     ppo_clip_loss,
     ppo_policy_loss,
 )
+from rlfleet.trainer.policy import entropy_from_logits
 
 # ratios 1.5, 0.5, 1.5, 0.5, 1.1 with advantages +1, +1, -1, -1, +2
 RATIOS = torch.tensor([[1.5, 0.5, 1.5, 0.5, 1.1]])
@@ -65,6 +65,7 @@ EXPECTED = {
     "token-mean": 7.0 / 3.0,  # (1 + 2 + 4) / 3
     "seq-mean-token-sum": 3.5,  # ((1 + 2) + 4) / 2
     "seq-mean-token-mean": 2.75,  # (1.5 + 4) / 2
+    "seq-mean-token-sum-norm": 7.0 / 6.0,  # ((1 + 2) / 3 + 4 / 3) / 2: every sequence over the width 3
 }
 
 

@@ -3,21 +3,30 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
 
-from rlfleet.trainer.algorithms import grpo_advantages, reinforce_pp_advantages
-from rlfleet.trainer.algorithms.ppo_family import online_advantages
+from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.trainer.algorithms import TRAINER_ALGORITHMS
+from rlfleet.trainer.algorithms.grpo import grpo_advantages
+from rlfleet.trainer.algorithms.reinforce_pp import reinforce_pp_advantages
 
 FULL = torch.ones(1, 3, dtype=torch.int64)
 
 
+def _settings(algorithm: str, **kwargs: Any) -> StepSettings:
+    """A step's settings without a KL term unless ``kl_coef`` is given."""
+    return StepSettings(algorithm=algorithm, **{"kl_coef": 0.0, **kwargs})
+
+
 def test_ppo_puts_the_score_last_and_the_kl_on_every_token() -> None:
     # rewards = [-0.5*0.1, -0.5*0.2, -0.5*0.3 + 1] = [-0.05, -0.1, 0.85]; V = 0, gamma = lam = 1
-    out = online_advantages(
-        "ppo", torch.tensor([1.0]), torch.tensor([0]), FULL, kl=torch.tensor([[0.1, 0.2, 0.3]]), kl_coef=0.5,
-        kl_in_reward=True, values=torch.zeros(1, 3), gamma=1.0, lam=1.0, whiten=False,
+    settings = _settings("ppo", kl_coef=0.5, kl_mode="reward", gamma=1.0, lam=1.0, whiten_advantages=False)
+    out = TRAINER_ALGORITHMS["ppo"].token_advantages(
+        torch.tensor([1.0]), torch.tensor([0]), FULL, settings, kl=torch.tensor([[0.1, 0.2, 0.3]]),
+        values=torch.zeros(1, 3),
     )  # fmt: skip
     torch.testing.assert_close(out.token_rewards, torch.tensor([[-0.05, -0.1, 0.85]]))
     torch.testing.assert_close(out.advantages, torch.tensor([[0.7, 0.75, 0.85]]))
@@ -26,8 +35,9 @@ def test_ppo_puts_the_score_last_and_the_kl_on_every_token() -> None:
 
 def test_ppo_with_lambda_zero_is_the_td_error() -> None:
     values = torch.tensor([[0.5, 0.2, -0.1]])
-    out = online_advantages("ppo", torch.tensor([2.0]), torch.tensor([0]), FULL, values=values, gamma=0.9,
-                            lam=0.0, whiten=False)  # fmt: skip
+    settings = _settings("ppo", gamma=0.9, lam=0.0, whiten_advantages=False)
+    out = TRAINER_ALGORITHMS["ppo"].token_advantages(torch.tensor([2.0]), torch.tensor([0]), FULL, settings,
+                                                     values=values)  # fmt: skip
     # delta_t = r_t + 0.9 * V_{t+1} - V_t, V after the end = 0; r = [0, 0, 2]
     expected = torch.tensor([[0.9 * 0.2 - 0.5, 0.9 * -0.1 - 0.2, 2.0 + 0.1]])
     torch.testing.assert_close(out.advantages, expected)
@@ -36,8 +46,8 @@ def test_ppo_with_lambda_zero_is_the_td_error() -> None:
 
 def test_ppo_whitens_over_real_tokens_and_zeroes_padding() -> None:
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    out = online_advantages(
-        "ppo", torch.tensor([1.0, -1.0]), torch.tensor([0, 1]), mask, values=torch.zeros(2, 3)
+    out = TRAINER_ALGORITHMS["ppo"].token_advantages(
+        torch.tensor([1.0, -1.0]), torch.tensor([0, 1]), mask, _settings("ppo"), values=torch.zeros(2, 3)
     )
     real = out.advantages[mask.bool()]
     assert abs(real.mean().item()) < 1e-6 and real.std().item() == pytest.approx(1.0, abs=1e-3)
@@ -46,8 +56,9 @@ def test_ppo_whitens_over_real_tokens_and_zeroes_padding() -> None:
 
 def test_rloo_adds_each_tokens_future_kl_penalty_to_the_leave_one_out_advantage() -> None:
     kl = torch.tensor([[0.2, 0.2], [0.1, 0.0]])
-    out = online_advantages("rloo", torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), torch.ones(2, 2), kl=kl,
-                            kl_coef=1.0, kl_in_reward=True)  # fmt: skip
+    settings = _settings("rloo", kl_coef=1.0, kl_mode="reward")
+    out = TRAINER_ALGORITHMS["rloo"].token_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]),
+                                                      torch.ones(2, 2), settings, kl=kl)  # fmt: skip
     # rloo: [1 - 0, 0 - 1] = [1, -1]; future penalties: row 0 [-0.4, -0.2], row 1 [-0.1, 0]
     torch.testing.assert_close(out.advantages, torch.tensor([[0.6, 0.8], [-1.1, -1.0]]))
 
@@ -55,9 +66,8 @@ def test_rloo_adds_each_tokens_future_kl_penalty_to_the_leave_one_out_advantage(
 def test_grpo_without_a_reward_kl_is_its_outcome_advantage_on_every_token() -> None:
     scores, groups = torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.tensor([0, 0, 1, 1])
     mask = torch.tensor([[1, 1], [1, 0], [1, 1], [0, 0]])
-    out = online_advantages(
-        "grpo", scores, groups, mask, kl=torch.ones(4, 2), kl_coef=0.3, kl_in_reward=False
-    )
+    settings = _settings("grpo", kl_coef=0.3, kl_mode="loss")
+    out = TRAINER_ALGORITHMS["grpo"].token_advantages(scores, groups, mask, settings, kl=torch.ones(4, 2))
     expected = grpo_advantages(scores, groups)[:, None] * mask
     torch.testing.assert_close(out.advantages, expected)
     assert out.returns is None
@@ -65,8 +75,8 @@ def test_grpo_without_a_reward_kl_is_its_outcome_advantage_on_every_token() -> N
 
 def test_reinforce_pp_whitens_returns_over_tokens_with_the_kl_in_the_reward() -> None:
     mask = torch.tensor([[1, 1], [1, 0]])
-    out = online_advantages(
-        "reinforce_pp", torch.tensor([1.0, 0.0]), torch.tensor([0, 1]), mask, kl_in_reward=True
+    out = TRAINER_ALGORITHMS["reinforce_pp"].token_advantages(
+        torch.tensor([1.0, 0.0]), torch.tensor([0, 1]), mask, _settings("reinforce_pp", kl_mode="reward")
     )
     # returns on real tokens [1, 1, 0]: mean 2/3, unbiased var 1/3
     s = math.sqrt(1 / 3)
@@ -76,8 +86,8 @@ def test_reinforce_pp_whitens_returns_over_tokens_with_the_kl_in_the_reward() ->
 
 def test_reinforce_pp_with_the_kl_in_the_loss_whitens_per_sample() -> None:
     scores = torch.tensor([1.0, 0.0, 3.0])
-    out = online_advantages(
-        "reinforce_pp", scores, torch.tensor([0, 1, 2]), torch.ones(3, 4), kl_in_reward=False
+    out = TRAINER_ALGORITHMS["reinforce_pp"].token_advantages(
+        scores, torch.tensor([0, 1, 2]), torch.ones(3, 4), _settings("reinforce_pp", kl_mode="loss")
     )
     per_sample = reinforce_pp_advantages(scores, torch.tensor([0, 1, 2]))
     torch.testing.assert_close(out.advantages, per_sample[:, None] * torch.ones(3, 4))
@@ -85,10 +95,11 @@ def test_reinforce_pp_with_the_kl_in_the_loss_whitens_per_sample() -> None:
 
 def test_missing_inputs_are_errors() -> None:
     with pytest.raises(ValueError, match="critic's values"):
-        online_advantages("ppo", torch.tensor([1.0]), torch.tensor([0]), FULL)
-    with pytest.raises(ValueError, match="needs the per-token kl"):
-        online_advantages(
-            "rloo", torch.tensor([1.0]), torch.tensor([0]), FULL, kl_coef=0.1, kl_in_reward=True
+        TRAINER_ALGORITHMS["ppo"].token_advantages(
+            torch.tensor([1.0]), torch.tensor([0]), FULL, _settings("ppo")
         )
-    with pytest.raises(ValueError, match="no advantage estimator"):
-        online_advantages("dpo", torch.tensor([1.0]), torch.tensor([0]), FULL)
+    with pytest.raises(ValueError, match="needs the per-token kl"):
+        TRAINER_ALGORITHMS["rloo"].token_advantages(
+            torch.tensor([1.0]), torch.tensor([0]), FULL, _settings("rloo", kl_coef=0.1, kl_mode="reward")
+        )
+    assert not hasattr(TRAINER_ALGORITHMS["dpo"], "token_advantages")  # no advantage estimator

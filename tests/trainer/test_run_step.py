@@ -15,12 +15,11 @@ from pydantic import ValidationError
 from rlfleet.common.errors import BatchContractError
 from rlfleet.common.schema.trainer import StepSettings
 from rlfleet.trainer.actor import Actor
-from rlfleet.trainer.algorithms import grpo_advantages
-from rlfleet.trainer.algorithms.ppo_family import PolicyObjective, prepare
+from rlfleet.trainer.algorithms.grpo import PolicyObjective, grpo_advantages, prepare
 from rlfleet.trainer.critic import Critic
 from rlfleet.trainer.errors import SettingsConflict
-from rlfleet.trainer.forward import build_policy_inputs
 from rlfleet.trainer.loop import batch_sizes
+from rlfleet.trainer.policy import build_policy_inputs, compute_logprobs
 from rlfleet.trainer.service import run_step
 
 pytestmark = pytest.mark.timeout(180)
@@ -47,7 +46,7 @@ def _critic(path: Path) -> Critic:
 
 def _seq_logprobs(actor: Actor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     inputs = build_policy_inputs(batch)
-    return actor.compute_logprobs(inputs, micro_batch_size=4).sum(dim=-1)
+    return compute_logprobs(actor, inputs, micro_batch_size=4).sum(dim=-1)
 
 
 def test_grpo_with_the_kl_in_the_loss_is_the_policy_update_on_its_advantages(

@@ -10,17 +10,18 @@ from batches import contract_batch
 
 from rlfleet.common.schema.trainer import ModelSettings, StepSettings
 from rlfleet.trainer.actor import Actor
-from rlfleet.trainer.algorithms.ppo_family import PolicyObjective, prepare
-from rlfleet.trainer.forward import build_policy_inputs, token_logprobs
+from rlfleet.trainer.algorithms.grpo import PolicyObjective, prepare
 from rlfleet.trainer.loop import accumulate
 from rlfleet.trainer.model_io import disable_dropout, load_causal_lm
-from rlfleet.trainer.shared_prompt import (
+from rlfleet.trainer.policy import (
     PromptLayout,
+    build_policy_inputs,
     can_pack,
     group_rows,
     pack_rows,
     packing_works,
     prompt_key,
+    token_logprobs,
 )
 
 # three prompts of different lengths (left padding differs), answered 3, 1 and 2 times, and

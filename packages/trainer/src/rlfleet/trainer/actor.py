@@ -1,19 +1,15 @@
-"""The actor: a trainable HF causal LM, its frozen reference, and their token log-probabilities.
+"""The actor: a trainable HF causal LM, its optimizer and its frozen reference, loaded and held.
 
-The actor holds the models and the optimizer; what a step does with them is its algorithm
-family's (:mod:`rlfleet.trainer.algorithms.ppo_family`, :mod:`~rlfleet.trainer.algorithms.dpo_family`)
-and the update loop's (:mod:`rlfleet.trainer.loop`)::
-
-    compute_logprobs(inputs)   no grad, micro-batched, every row  -> (N, R)  old / reference logprobs
-    logprobs(micro-batch)      with grad, one micro-batch          -> (B, R)  the loss's logprobs
-    optimizer_step()           clip, AdamW, schedule  (:class:`~rlfleet.trainer.loop.Trainable`)
+The actor holds the models; a step runs them elsewhere: the policy's forward (token logprobs with
+and without grad, each rank's rows) is :mod:`rlfleet.trainer.policy`, the losses are the
+algorithms' (:mod:`rlfleet.trainer.algorithms`) and the update loop, with the clipped AdamW step,
+is :mod:`rlfleet.trainer.loop` (:class:`~rlfleet.trainer.loop.Trainable`). Nothing here runs
+during a step, except loading the reference the first time a step needs it.
 
 Dropout is disabled: the first step's ratio is then exactly 1.
 
 Ranks: with a :class:`~rlfleet.trainer.distributed.DistContext` of W > 1 ranks the policy and the
-reference are sharded with FSDP2 (:mod:`rlfleet.trainer.distributed`). Every rank holds the whole batch
-(token ids are small); no-grad logprobs are computed rank-wise and summed over ranks, so every
-rank ends with all of them.
+reference are sharded with FSDP2 (:mod:`rlfleet.trainer.distributed`).
 """
 
 from __future__ import annotations
@@ -28,8 +24,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from rlfleet.common.schema.trainer import ModelSettings
-from rlfleet.trainer.distributed import DistContext, forward_rows, save_hf_sharded, shard_model, shared_seed
-from rlfleet.trainer.forward import DEFAULT_CHUNK_ROWS, PolicyInputs, token_logprobs
+from rlfleet.trainer.distributed import DistContext, save_hf_sharded, shard_model, shared_seed
 from rlfleet.trainer.loop import Trainable, placement
 from rlfleet.trainer.model_io import (
     compile_blocks,
@@ -40,7 +35,7 @@ from rlfleet.trainer.model_io import (
     set_seed,
     train_top_layers,
 )
-from rlfleet.trainer.shared_prompt import PromptLayout
+from rlfleet.trainer.policy import DEFAULT_CHUNK_ROWS
 from rlfleet.trainer.weights import iter_weight_buckets
 
 logger = logging.getLogger(__name__)
@@ -137,60 +132,6 @@ class Actor(Trainable):
             shard_model(ref, self.dist, bf16=self.bf16, reshard_after_forward=self._reshard)
             self.ref_model = ref
         return self.ref_model
-
-    def logprobs(
-        self,
-        mb: PolicyInputs,
-        *,
-        temperature: float,
-        entropy: bool = True,
-        entropy_grad: bool = True,
-        model: PreTrainedModel | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
-        """Logprobs (and entropy) of one micro-batch's response tokens: (B, P + R) -> (B, R) float32.
-
-        With grad when grad is enabled; the entropy only with ``entropy_grad`` (otherwise a metric,
-        whose backward costs nothing). ``model`` defaults to the policy. Values at padding are
-        meaningless (mask them).
-        """
-        with self.autocast():
-            return token_logprobs(
-                model if model is not None else self.model, mb.input_ids, mb.attention_mask, mb.response_len,
-                position_ids=mb.position_ids, temperature=temperature, compute_entropy=entropy,
-                entropy_grad=entropy_grad, chunk_rows=self.logprob_chunk_rows, compiled=self.compiled,
-                share_prompts=self.share_prompts,
-            )  # fmt: skip
-
-    @torch.no_grad()
-    def compute_logprobs(
-        self,
-        inputs: PolicyInputs,
-        *,
-        micro_batch_size: int,
-        temperature: float = 1.0,
-        reference: bool = False,
-    ) -> Tensor:
-        """Logprobs of the response tokens without grad: inputs (N, P+R) -> (N, R) float32, 0 at padding.
-
-        Under FSDP each rank computes its rows and the results are summed over ranks
-        (:func:`~rlfleet.trainer.distributed.forward_rows`), so every rank returns all N rows.
-        """
-        model = self.reference() if reference else self.model
-        model.eval()
-
-        def forward(mb: PolicyInputs) -> Tensor:
-            return self.logprobs(mb, temperature=temperature, entropy=False, model=model)[0]
-
-        return forward_rows(inputs, micro_batch_size, self.dist, forward, self.prompt_layout(inputs))
-
-    def prompt_layout(self, inputs: PolicyInputs) -> PromptLayout | None:
-        """Which prompt each row of ``inputs`` has, to order micro-batches by; None when this actor
-        does not pack the rows of a prompt (:mod:`rlfleet.trainer.shared_prompt`)."""
-        if not self.share_prompts:
-            return None
-        return PromptLayout.of(
-            inputs.input_ids, inputs.attention_mask, inputs.position_ids, inputs.response_len
-        )
 
     def iter_weight_buckets(
         self,

@@ -9,12 +9,12 @@ state in which token t was chosen), exactly as the logits that give its logprob:
 The backbone is ``AutoModel`` loaded from a causal-LM checkpoint (the actor's, or another one): the
 LM head is dropped, the value head (H -> 1) is new, initialised from ``seed`` with a small normal
 (std ``1 / (H + 1)``, as OpenRLHF) and a zero bias. The critic has its own AdamW; its steps run in
-the update loop (:mod:`rlfleet.trainer.loop`) with the ppo family's clipped value loss
-(:class:`~rlfleet.trainer.algorithms.ppo_family.ValueObjective`), micro-batched like the policy's.
+the update loop (:mod:`rlfleet.trainer.loop`) with PPO's clipped value loss
+(:class:`~rlfleet.trainer.algorithms.ppo.ValueObjective`), micro-batched like the policy's.
 
 Under several trainer ranks the critic is sharded with FSDP2 like the actor (each decoder block a
 unit, the root holding embeddings, final norm and value head): every rank holds the whole batch,
-computes the values and gradients of its share of the rows (:func:`~rlfleet.trainer.distributed.local_rows`),
+computes the values and gradients of its share of the rows (:func:`~rlfleet.trainer.policy.local_rows`),
 and the results are summed over ranks, so W ranks produce what one process would.
 """
 
@@ -29,10 +29,10 @@ from torch import Tensor, nn
 from transformers import AutoModel, PreTrainedModel
 
 from rlfleet.common.schema.trainer import ModelSettings
-from rlfleet.trainer.distributed import DistContext, forward_rows, shard_model
-from rlfleet.trainer.forward import PolicyInputs, pad_response, trim_response_padding
+from rlfleet.trainer.distributed import DistContext, shard_model
 from rlfleet.trainer.loop import Trainable, placement
 from rlfleet.trainer.model_io import disable_dropout, load_pretrained
+from rlfleet.trainer.policy import PolicyInputs, forward_rows, pad_response, trim_response_padding
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +91,8 @@ def load_value_model(
 
 
 class Critic(Trainable):
-    """A value model with its own AdamW and warm-up schedule; its loss is the ppo family's
-    (:class:`~rlfleet.trainer.algorithms.ppo_family.ValueObjective`).
+    """A value model with its own AdamW and warm-up schedule; its loss is PPO's
+    (:class:`~rlfleet.trainer.algorithms.ppo.ValueObjective`).
 
     Args:
         model_path: local directory of a causal LM (``save_pretrained``) for the backbone.

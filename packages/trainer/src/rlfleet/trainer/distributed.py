@@ -1,4 +1,4 @@
-"""Trainer ranks: NCCL, the process group and device mesh, FSDP2 sharding, and each rank's rows.
+"""Trainer ranks: NCCL, the process group and device mesh, FSDP2 sharding, saving a sharded model.
 
 A trainer of W ranks runs one process per rank (per GPU), started by ``torchrun``, by the
 embedded launcher, or by any orchestrator that sets the torchrun variables::
@@ -22,18 +22,16 @@ parameters for compute with float32 gradient reduction and float32 master weight
 state; on CPU everything stays float32 (CPU matmuls in bf16 gain little under gloo and lose
 exactness).
 
-Rows: the whole batch is on every rank; rank r takes rows ``order[r::W]`` where ``order`` sorts
-the rows by length (longest first, ties by index), so ranks get similar token counts and a
-micro-batch holds rows of similar length. All ranks must run the same number of forwards (each
-one all-gathers), so a rank with fewer rows pads with copies of a real row of weight 0.
+All of it runs when the ranks start and when a model is loaded (the reference: in the first step
+that needs it) or saved, not in the steps: which rows each rank runs in a step, and the sums over
+ranks a step needs, are the policy forward's (:mod:`rlfleet.trainer.policy`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
@@ -45,9 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from rlfleet.common.schema.trainer import Sharding
-from rlfleet.trainer.forward import PolicyInputs
 from rlfleet.trainer.model_io import decoder_layers, save_hf
-from rlfleet.trainer.shared_prompt import PromptLayout
 from rlfleet.trainer.weights import iter_weight_buckets
 
 logger = logging.getLogger(__name__)
@@ -108,6 +104,8 @@ class DistContext:
         mesh: the FSDP mesh (1-D ``("shard",)`` or 2-D ``("replicate", "shard")``); None when
             ``world_size == 1``.
         sharding: the resolved strategy (``full``, ``hybrid`` or ``none``).
+        distributed: True with more than one rank (then the models are under FSDP); set from
+            ``world_size`` (the ranks do not change while they run).
     """
 
     rank: int = 0
@@ -117,11 +115,10 @@ class DistContext:
     device: torch.device = torch.device("cpu")
     mesh: DeviceMesh | None = None
     sharding: Literal["full", "hybrid", "none"] = "none"
+    distributed: bool = field(init=False)
 
-    @property
-    def distributed(self) -> bool:
-        """True with more than one rank (then the model is under FSDP)."""
-        return self.world_size > 1
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "distributed", self.world_size > 1)
 
     @property
     def is_main(self) -> bool:
@@ -214,13 +211,6 @@ def init_distributed(device: str = "auto", sharding: Sharding = "auto") -> DistC
     return DistContext(rank, world_size, local_rank, local_world_size, where, mesh, resolved)
 
 
-def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
-    """Sum ``tensor`` over all ranks in place (a no-op with one rank); returns it."""
-    if ctx.distributed:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
-
-
 def shared_seed(seed: int | None, ctx: DistContext) -> int:
     """``seed``, or (None) a random seed drawn on rank 0 and broadcast, so every rank agrees."""
     if seed is not None:
@@ -231,7 +221,7 @@ def shared_seed(seed: int | None, ctx: DistContext) -> int:
     return int(drawn.item())
 
 
-# --- FSDP2: sharding a model, and each rank's rows ------------------------------------------------
+# --- FSDP2: sharding a model, saving it -----------------------------------------------------------
 
 
 def mixed_precision_policy(device: torch.device, bf16: bool) -> MixedPrecisionPolicy:
@@ -257,87 +247,6 @@ def shard_model(
     for block in decoder_layers(model):
         fully_shard(block, mesh=ctx.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=ctx.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-
-
-@dataclass(frozen=True)
-class LocalRows:
-    """One rank's share of a set of batch rows.
-
-    Attributes:
-        rows: (K,) int64 row indices into the batch, padded to the same K on every rank.
-        weights: (K,) float32, 1 for the rank's own rows, 0 for padding copies.
-    """
-
-    rows: Tensor
-    weights: Tensor
-
-    @property
-    def real(self) -> Tensor:
-        """(K,) bool: the rows that are this rank's own (not padding)."""
-        return self.weights > 0
-
-
-def local_rows(
-    rows: Tensor,
-    lengths: Tensor,
-    rank: int,
-    world_size: int,
-    prompts: PromptLayout | None = None,
-    micro_batch_size: int = 1,
-) -> LocalRows:
-    """Rank ``rank``'s rows of ``rows`` (M,) given every row's token count ``lengths`` (N,).
-
-    The rows are sorted by length, longest first (stable): consecutive micro-batches then hold
-    rows of similar length, so each runs at its own width (the padding columns that none of its
-    rows uses are dropped, :meth:`~rlfleet.trainer.forward.PolicyInputs.select` and
-    :func:`~rlfleet.trainer.forward.trim_response_padding`). With one rank that is all; otherwise
-    they are dealt out ``rank::world_size``, and every rank gets ``ceil(M / world_size)`` rows, the
-    last ones padding (weight 0) where M does not divide. With ``prompts`` (a forward that packs the
-    rows of a prompt) one process keeps a prompt's rows in one micro-batch of ``micro_batch_size``
-    instead where that runs fewer positions (:meth:`PromptLayout.order`).
-    """
-    order = torch.sort(lengths[rows].cpu(), descending=True, stable=True).indices
-    if world_size == 1:
-        mine = rows[order.to(rows.device)]
-        if prompts is not None:
-            mine = prompts.order(mine, micro_batch_size)
-        return LocalRows(mine, torch.ones(len(rows), dtype=torch.float32, device=rows.device))
-    if len(rows) == 0:
-        raise ValueError("cannot split an empty set of rows over ranks")
-    mine = rows[order.to(rows.device)][rank::world_size]
-    target = -(-len(rows) // world_size)
-    weights = torch.ones(target, dtype=torch.float32, device=rows.device)
-    if len(mine) < target:
-        weights[len(mine) :] = 0.0
-        filler = rows[:1].expand(target - len(mine))
-        mine = torch.cat([mine, filler])
-    return LocalRows(mine, weights)
-
-
-@torch.no_grad()
-def forward_rows(
-    inputs: PolicyInputs,
-    micro_batch_size: int,
-    ctx: DistContext,
-    forward: Callable[[PolicyInputs], Tensor],
-    prompts: PromptLayout | None = None,
-) -> Tensor:
-    """``forward`` of every row without grad: inputs (N, P + R) -> (N, R) float32, 0 at padding.
-
-    Each rank runs its rows (:func:`local_rows`; the same number of forwards on every rank) in
-    micro-batches, and the results are summed over ranks, so every rank returns all N rows
-    (``prompts``: see :func:`local_rows`).
-    """
-    device = inputs.input_ids.device
-    share = local_rows(torch.arange(inputs.num_samples, device=device), inputs.attention_mask.sum(dim=-1),
-                       ctx.rank, ctx.world_size, prompts, micro_batch_size)  # fmt: skip
-    out = torch.zeros(inputs.response_mask.shape, dtype=torch.float32, device=device)
-    for chunk, weight in zip(share.rows.split(micro_batch_size), share.weights.split(micro_batch_size),
-                             strict=True):  # fmt: skip
-        mb = inputs.select(chunk)
-        real = weight > 0
-        out[chunk[real]] = (forward(mb) * mb.response_mask)[real]
-    return all_reduce_sum(out, ctx)
 
 
 def save_hf_sharded(

@@ -1,13 +1,13 @@
 """One train step's update: the models' optimizers (AdamW, warm-up, clipped step) and the update loop.
 
-One loop serves the policy, the critic and DPO: an algorithm family
-(:mod:`rlfleet.trainer.algorithms.ppo_family`, ``dpo_family``) turns a batch into a :class:`Plan`:
-one :class:`Objective` per model it trains (a loss over micro-batches of *items*: samples, or DPO
-pairs) and the metrics it measured before. :func:`train_loop` runs it::
+The loop runs the losses it is given and never names an algorithm. An algorithm (one file each in
+:mod:`rlfleet.trainer.algorithms`) turns a batch into a :class:`Plan`: one :class:`Objective` per
+model it trains (its loss over micro-batches of *items*: samples, or preference pairs) and the
+metrics it measured before. :func:`train_loop` runs it::
 
     for epoch in ppo_epochs:
       for rows in mini-batches of the items (shuffled when there are several):   one optimizer step
-        for objective in plan.objectives:            (PPO: the critic's, then the policy's)
+        for objective in plan.objectives:            (with a critic: the critic's, then the policy's)
           share = this rank's rows of the mini-batch   (by length, or a prompt's rows together where
                                                         its forward shares prompts; padding copies weigh 0)
           for chunk in share, micro_batch_size at a time:           gradient accumulation
@@ -44,8 +44,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from rlfleet.common.schema.trainer import ModelSettings, StepSettings, resolve_precision
-from rlfleet.trainer.distributed import DistContext, all_reduce_sum, local_rows
-from rlfleet.trainer.shared_prompt import PromptLayout
+from rlfleet.trainer.distributed import DistContext
+from rlfleet.trainer.policy import PromptLayout, all_reduce_sum, local_rows
 
 logger = logging.getLogger(__name__)
 
@@ -169,11 +169,14 @@ class Divisors:
 
     Attributes:
         num_tokens: real response tokens of the mini-batch (token-mean), at least 1.
-        num_seqs: its items (seq-mean; DPO: pairs).
+        num_seqs: its items (seq-mean; preference pairs).
+        response_width: R, the response width of the whole batch (the constant of
+            ``seq-mean-token-sum-norm``).
     """
 
     num_tokens: float
     num_seqs: float
+    response_width: float = 1.0
 
 
 class Objective(Protocol):
@@ -216,10 +219,10 @@ class Objective(Protocol):
 
 @dataclass
 class Plan:
-    """One step's work for :func:`train_loop`, as an algorithm family prepared it.
+    """One step's work for :func:`train_loop`, as an algorithm prepared it.
 
     Attributes:
-        objectives: one per trained model, stepped in this order for every mini-batch.
+        objectives: the losses, one per trained model, stepped in this order for every mini-batch.
         settings: the step's settings (epochs, batch sizes, gradient clipping).
         num_items: N, the items (samples or pairs) of the batch.
         generator: shuffles the items between mini-batches; None keeps their order.

@@ -16,9 +16,9 @@ error; no rank exits for it. A rank that dies is reported within ``rank_silence_
 One train step (:func:`run_step`), as every rank runs it once the batch is merged::
 
     settings.learning_rate, weight_decay ──> the optimizers (actor; critic: critic_learning_rate)
-    FAMILIES[ALGORITHMS[settings.algorithm].policy_loss]          ppo_clip: ppo | grpo | rloo | reinforce_pp
-        (actor, critic, batch, scores, settings) ──> Plan           dpo: dpo
-    train_loop(plan) ──> metrics (+ time, throughput and the settings used)
+    TRAINER_ALGORITHMS[settings.algorithm].plan(actor, critic, batch, scores, settings)
+        ──> Plan: advantages and no-grad forwards done, the algorithm's losses  (algorithms/<name>.py)
+    train_loop(plan) ──> metrics (+ time, throughput and the settings used)      (loop.py)
 
     on a GPU, the peak memory of each phase (plan, update) and of the publish before the step
     (:mod:`rlfleet.trainer.memory_phases`): memory/<phase>_peak_{allocated,reserved}_gib
@@ -71,13 +71,13 @@ from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer, w
 from rlfleet.trainer import checkpoint as ckpt
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.admission import conflicts
-from rlfleet.trainer.algorithms import dpo_family, ppo_family
+from rlfleet.trainer.algorithms import TRAINER_ALGORITHMS
 from rlfleet.trainer.commands import CommandChannel, agree
 from rlfleet.trainer.critic import Critic
 from rlfleet.trainer.errors import CarrierUnavailable, SettingsConflict, UnexpectedMessage
 from rlfleet.trainer.idempotency import ReplyCache
 from rlfleet.trainer.ipc_share import gpu_uuid, share_bucket
-from rlfleet.trainer.loop import Plan, batch_sizes, train_loop
+from rlfleet.trainer.loop import batch_sizes, train_loop
 from rlfleet.trainer.memory_phases import CudaMemory, PhasePeaks
 from rlfleet.trainer.rank_liveness import RankWatch
 from rlfleet.trainer.ranks import build_models, use_rank_thread
@@ -122,11 +122,6 @@ async def fetch_batch(rank: Any, request: TrainStepRequest) -> dict[str, Tensor]
 
 # --- one train step, on every rank ----------------------------------------------------------------
 
-Family = Callable[[Actor, Critic | None, Mapping[str, Tensor], Tensor, StepSettings], Plan]
-
-FAMILIES: dict[str, Family] = {"ppo_clip": ppo_family.plan, "dpo": dpo_family.plan}
-"""An algorithm spec's ``policy_loss`` -> the family that plans its step."""
-
 
 def merge_batch(algorithm: str, chunks: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
     """One training batch from the fetched chunks: preference pairs for DPO, rollouts otherwise."""
@@ -160,7 +155,7 @@ def run_step(
         BatchContractError: the batch breaks its contract (a token id outside the vocabulary too), or
             the scores do not match it.
     """
-    spec = ALGORITHMS[settings.algorithm]
+    algorithm = TRAINER_ALGORITHMS[settings.algorithm]
     check_step(actor, critic, batch, settings)  # before any collective
     t0 = time.perf_counter()
     actor.set_rates(settings.learning_rate, settings.weight_decay)
@@ -168,10 +163,8 @@ def run_step(
         critic.set_rates(settings.critic_learning_rate or settings.learning_rate, settings.weight_decay)
     peaks = memory_peaks(actor.device)
     with _phase(peaks, "plan"):  # the no-grad forwards (old, reference logprobs; values), advantages
-        plan = FAMILIES[spec.policy_loss](
-            actor, critic, batch, torch.tensor(scores, dtype=torch.float32), settings
-        )
-    with _phase(peaks, "update"):  # forward, backward and optimizer steps
+        plan = algorithm.plan(actor, critic, batch, torch.tensor(scores, dtype=torch.float32), settings)
+    with _phase(peaks, "update"):  # forward, backward and optimizer steps: the algorithm's losses
         metrics = train_loop(plan)
     seconds = time.perf_counter() - t0
     tokens = float(sum(batch[key].sum().item() for key in batch if key.endswith("_mask")))

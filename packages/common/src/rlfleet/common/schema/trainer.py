@@ -27,7 +27,7 @@ from rlfleet.common.schema.config import ConfigModel
 from rlfleet.common.schema.worker import ModelLoading, ModelWorkerConfig
 
 KLEstimator = Literal["k1", "k2", "k3"]
-LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 Precision = Literal["auto", "none", "bf16"]
 Sharding = Literal["auto", "full", "hybrid", "none"]
 

@@ -1,131 +1,62 @@
-"""RL algorithm pieces as pure tensor functions, the registries that name them, and the families.
+"""The algorithms, one file each, and the table that names them.
 
-The math is here and in the modules beside this one. What a step of each family does with it
-(advantages, objectives for the update loop) is in ``ppo_family`` (ppo, grpo, rloo, reinforce_pp)
-and ``dpo_family``; they are not imported here (they need the models).
+Each file owns an algorithm's advantages and its loss, and turns a batch into a
+:class:`~rlfleet.trainer.loop.Plan` (:meth:`Algorithm.plan`) whose objectives are the losses the
+update loop (:mod:`rlfleet.trainer.loop`) runs; the loop names no algorithm:
 
-Registries are plain dicts keyed by the config's discriminator: ``ADVANTAGES["grpo"]`` is
-``grpo_advantages``. Every advantage function has the signature
-``fn(rewards (N,), group_index (N,), **kwargs) -> (N,)``; PPO's token-level GAE
-(``gae_advantages``) is named ``"gae"`` and lives apart because it needs a critic.
+- ``grpo``: group-normalised advantages and the clipped policy loss, with the pieces the others
+  share (the clipped surrogate, the aggregation modes, the KL estimators, the old and reference
+  logprobs of a step);
+- ``dr_grpo``: GRPO's step with group-centred advantages (Dr. GRPO);
+- ``rloo``: GRPO's step with leave-one-out advantages;
+- ``reinforce_pp``: GRPO's step with batch-whitened (token) returns;
+- ``ppo``: GAE over a critic, the critic's clipped value loss, GRPO's clipped policy loss;
+- ``dpo``: the DPO loss on preference pairs.
 
-- ``ALGORITHMS``: algorithm name -> :class:`AlgorithmSpec` (critic? reference? groups? loss?), the
-  shared table of :mod:`rlfleet.common.schema.algorithms`;
-- ``POLICY_LOSSES``: loss name -> function (``ppo_clip``, ``dpo``);
-- ``KL_ESTIMATORS``: ``k1 | k2 | k3`` (the KL controllers are the controller's, in
-  ``rlfleet.controller.online``);
-- ``DPO_LOSSES``: ``sigmoid | ipo``; ``LOSS_AGG_MODES``: the aggregation modes (all three and the
-  loss terms are in ``losses``).
+:data:`TRAINER_ALGORITHMS` is keyed by the config's ``algorithm``, like the torch-free table of
+what each algorithm needs (critic, reference, groups, online:
+:data:`rlfleet.common.schema.algorithms.ALGORITHMS`); ``tests/trainer/test_algo_registry.py``
+checks that the two have the same keys and that each algorithm's code does what its row says.
+Adding an algorithm is one file here and one row in each table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Protocol
 
 from torch import Tensor
 
-from rlfleet.trainer.algorithms.advantages import (
-    broadcast_to_tokens,
-    dr_grpo_advantages,
-    group_stats,
-    grpo_advantages,
-    reinforce_pp_advantages,
-    reinforce_pp_baseline_advantages,
-    rloo_advantages,
-)
-from rlfleet.trainer.algorithms.dpo import (
-    DPO_LOSS_TYPES,
-    DPO_LOSSES,
-    DPOLossType,
-    dpo_loss,
-    dpo_sigmoid_losses,
-    ipo_losses,
-    sequence_logprobs,
-)
-from rlfleet.trainer.algorithms.gae import (
-    discounted_returns,
-    gae_advantages,
-    last_token_index,
-    masked_whiten,
-    token_level_rewards,
-)
-from rlfleet.trainer.algorithms.losses import (
-    KL_ESTIMATORS,
-    LOSS_AGG_MODES,
-    LossAgg,
-    aggregate,
-    approx_kl,
-    entropy_from_logits,
-    kl_k1,
-    kl_k2,
-    kl_k3,
-    masked_entropy,
-    masked_mean,
-    masked_sum,
-    ppo_clip_loss,
-    ppo_policy_loss,
-)
-from rlfleet.trainer.algorithms.specs import (
-    ALGORITHM_NAMES,
-    ALGORITHMS,
-    GAE,
-    POLICY_LOSSES,
-    AlgorithmName,
-    AlgorithmSpec,
-)
-from rlfleet.trainer.algorithms.value import clipped_value_loss, explained_variance, value_loss
+from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.trainer.actor import Actor
+from rlfleet.trainer.algorithms.dpo import DPO
+from rlfleet.trainer.algorithms.dr_grpo import DrGRPO
+from rlfleet.trainer.algorithms.grpo import GRPO
+from rlfleet.trainer.algorithms.ppo import PPO
+from rlfleet.trainer.algorithms.reinforce_pp import ReinforcePP
+from rlfleet.trainer.algorithms.rloo import RLOO
+from rlfleet.trainer.critic import Critic
+from rlfleet.trainer.loop import Plan
 
-ADVANTAGES: dict[str, Callable[..., Tensor]] = {
-    "grpo": grpo_advantages,
-    "dr_grpo": dr_grpo_advantages,
-    "rloo": rloo_advantages,
-    "reinforce_pp": reinforce_pp_advantages,
-    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+
+class Algorithm(Protocol):
+    """One algorithm's step: its advantages and its losses, as a plan for the update loop."""
+
+    def plan(
+        self, actor: Actor, critic: Critic | None, batch: Mapping[str, Tensor], scores: Tensor,
+        settings: StepSettings,
+    ) -> Plan:  # fmt: skip
+        """The step on ``batch`` (a rollout batch and its scores (N,), or preference pairs) with
+        ``settings``: the no-grad forwards and advantages done, the losses ready to run."""
+        ...
+
+
+TRAINER_ALGORITHMS: dict[str, Algorithm] = {
+    "ppo": PPO(),
+    "grpo": GRPO(),
+    "dr_grpo": DrGRPO(),
+    "rloo": RLOO(),
+    "reinforce_pp": ReinforcePP(),
+    "dpo": DPO(),
 }
-"""Advantage estimator name -> ``fn(rewards (N,), group_index (N,), **kwargs) -> (N,)``."""
-
-__all__ = [
-    "ADVANTAGES",
-    "ALGORITHMS",
-    "ALGORITHM_NAMES",
-    "AlgorithmName",
-    "AlgorithmSpec",
-    "DPOLossType",
-    "DPO_LOSSES",
-    "DPO_LOSS_TYPES",
-    "GAE",
-    "KL_ESTIMATORS",
-    "LOSS_AGG_MODES",
-    "LossAgg",
-    "POLICY_LOSSES",
-    "aggregate",
-    "approx_kl",
-    "broadcast_to_tokens",
-    "clipped_value_loss",
-    "discounted_returns",
-    "dpo_loss",
-    "dpo_sigmoid_losses",
-    "dr_grpo_advantages",
-    "entropy_from_logits",
-    "explained_variance",
-    "gae_advantages",
-    "group_stats",
-    "grpo_advantages",
-    "ipo_losses",
-    "kl_k1",
-    "kl_k2",
-    "kl_k3",
-    "last_token_index",
-    "masked_entropy",
-    "masked_mean",
-    "masked_sum",
-    "masked_whiten",
-    "ppo_clip_loss",
-    "ppo_policy_loss",
-    "reinforce_pp_advantages",
-    "reinforce_pp_baseline_advantages",
-    "rloo_advantages",
-    "sequence_logprobs",
-    "token_level_rewards",
-    "value_loss",
-]
+"""Algorithm name (the config's ``algorithm``) -> its step."""
