@@ -92,7 +92,7 @@ def in_process_steps(args: argparse.Namespace, out: Path) -> list[dict[str, floa
     try:
         for step in range(args.warmup + args.steps):
             batch = next(batches)
-            trainer.fleet_run.global_step = step
+            trainer.fleet_run.state.global_step = step
             t0 = time.perf_counter()
             completions = engine.generate([it.token_ids for it in batch], trainer.online_step.sampling())
             tensors = to_rollout_tensors(completions, engine.pad_token_id, engine.tokenizer)

@@ -202,8 +202,8 @@ class TensorAttacks:
 
 def _watch(trainer: GRPOTrainer, attacks: TensorAttacks) -> list[Any]:
     """Run ``attacks`` inside each step (after generation; after the publish); the steps' batches."""
-    run = trainer.fleet_run
-    fleet, score, publish = run.fleet, run.fleet.score, run.publish
+    fleet = trainer.fleet
+    score, load = fleet.score, fleet.load_weights
     batches: list[Any] = []
 
     async def score_attacked(results: list[Any], *args: Any, **kwargs: Any) -> Any:
@@ -212,13 +212,13 @@ def _watch(trainer: GRPOTrainer, attacks: TensorAttacks) -> list[Any]:
             batches.append(results[0].ref)
         return await score(results, *args, **kwargs)
 
-    async def publish_attacked(*args: Any, **kwargs: Any) -> Any:
-        done = await publish(*args, **kwargs)
-        await attacks.on_publish(done[0].buckets[0])
+    async def load_attacked(published: Any) -> Any:  # the publish: the trainer's buckets, then every load
+        done = await load(published)
+        await attacks.on_publish(published.buckets[0])
         return done
 
     fleet.score = score_attacked  # type: ignore[method-assign]
-    run.publish = publish_attacked  # type: ignore[method-assign]
+    fleet.load_weights = load_attacked  # type: ignore[method-assign]
     return batches
 
 
@@ -253,7 +253,7 @@ def test_an_embedded_run_under_attack_trains_unharmed(tmp_path: Path, tiny_model
         assert {tier: [w.worker_id for w in registry.workers(tier)] for tier in WORKERS} == {
             tier: [worker] for tier, worker in WORKERS.items()
         }  # nothing forged joined, nothing real left
-        started = procs.launched(run.output_dir)
+        started = procs.launched(run.state.output_dir)
     finally:
         trainer.close()
     assert procs.survivors(started) == []

@@ -17,7 +17,7 @@ from rlfleet.controller.online import (
     ScheduledKLController,
     build_kl_controller,
 )
-from rlfleet.controller.run import KLController
+from rlfleet.controller.ports import KLController
 
 
 def test_fixed_controller_ignores_the_kl_and_can_be_set() -> None:

@@ -192,7 +192,7 @@ def test_a_chunk_lost_with_its_rollout_worker_is_generated_again(
             _check_once(trainer, second, box, "rollout-1")
             # a new worker joins at the current weights; step 3: released once the registry reaped it
             rollouts["rollout-2"] = serve_tier("rollout", url, {**rollout, "worker_id": "rollout-2"})
-            fleet, version = trainer.fleet, trainer.fleet_run.weight_version
+            fleet, version = trainer.fleet, trainer.weight_version
 
             async def both_current() -> None:
                 while len(fleet.rollout_workers(weight_version=version)) < 2:

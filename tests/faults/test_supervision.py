@@ -77,7 +77,7 @@ def test_the_trainer_and_a_refusal_are_not_restarted_by_the_launcher(tmp_path: P
         assert type(caught.value) is TierDied and caught.value.tier == "trainer"
         again = fleet.restart_tier("trainer", caught.value)  # the run asks: it restores the state
         assert [w.spec.worker_id for w in again] == ["trainer-0"] and procs.alive(again[0].pid)
-        assert fleet.restarts == {"trainer-0": 1}
+        assert fleet.processes.restarts == {"trainer-0": 1}
         refusing = [sys.executable, "-c", "import sys; sys.exit(2)"]
         fleet.spawn(WorkerSpec("reward", "reward-0", {}, command=refusing))
         with pytest.raises(Exception) as refused:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.controller.config import TrainerConfig
-from rlfleet.controller.launcher_settings import build_launcher
+from rlfleet.controller.run import build_launcher
 from rlfleet.controller.worker_configs import worker_specs
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]

@@ -84,8 +84,8 @@ def test_crashed_worker_is_reported_with_its_error_line(tmp_path: Path, procs) -
         assert recorded["workers"] == [
             {"tier": "reward", "worker_id": "reward-0", "pid": worker.pid, "log": str(worker.log_path)}
         ]
-        assert recorded["nats"]["pid"] == fleet.nats.pid
-        nats_pid = fleet.nats.pid
+        assert recorded["nats"]["pid"] == fleet.processes.nats.pid
+        nats_pid = fleet.processes.nats.pid
     assert procs.survivors([nats_pid]) == []
 
 

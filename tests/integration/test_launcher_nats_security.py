@@ -72,7 +72,7 @@ async def test_by_default_strangers_are_refused(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv("RLFLEET_NATS_TOKEN", "from-the-shell")  # no other variable loosens it
     with EmbeddedFleet(tmp_path) as fleet:
         url = fleet.start_nats("sec")
-        assert fleet.security == NatsSecurity() and fleet.credentials is not None
+        assert fleet.processes.security == NatsSecurity() and fleet.processes.credentials is not None
         assert not await _connects(url, NatsConnection())
         assert await _connects(url, fleet.connection("controller"))
 
@@ -83,7 +83,7 @@ async def test_open_takes_any_client_and_gives_workers_no_credentials(
     monkeypatch.setenv(BENCHMARK_NATS_ENV, "open")
     with EmbeddedFleet(tmp_path) as fleet:
         url = fleet.start_nats("sec")
-        assert fleet.credentials is None
+        assert fleet.processes.credentials is None
         assert await _connects(url, NatsConnection())
         script = "import os; print('NATS', sorted(k for k in os.environ if k.startswith('RLFLEET_NATS_')))"
         worker = fleet.spawn(WorkerSpec("rollout", "rollout-0", {}, command=[sys.executable, "-c", script]))

@@ -43,8 +43,8 @@ def test_an_embedded_run_is_locked_by_default(
         trainer.start()  # every worker announced over its own role's credential
         url, run = trainer.nats_url, trainer.fleet_run
         launcher = run.launcher
-        assert launcher is not None and launcher.credentials is not None
-        passwords = list(launcher.credentials.passwords.values())
+        assert launcher is not None and launcher.processes.credentials is not None  # type: ignore[attr-defined]
+        passwords = list(launcher.processes.credentials.passwords.values())  # type: ignore[attr-defined]
 
         async def attacks() -> None:
             with pytest.raises(NatsServerError, match="refused"):
@@ -67,12 +67,13 @@ def test_an_embedded_run_is_locked_by_default(
         asyncio.run(attacks())
         trainer.fleet_run.launcher.check()  # every worker still runs: nothing obeyed the intruder
         assert trainer.fleet.registry.get("trainer", "trainer-0") is not None
-        written = [run.output_dir / "config.yaml", run.output_dir / "fleet" / "processes.json",
-                   *(run.output_dir / "fleet" / "workers").iterdir()]  # fmt: skip
+        output_dir = run.state.output_dir
+        written = [output_dir / "config.yaml", output_dir / "fleet" / "processes.json",
+                   *(output_dir / "fleet" / "workers").iterdir()]  # fmt: skip
         for path in written:
             text = path.read_text(errors="replace")
             assert not any(password in text for password in passwords), path
-        started = procs.launched(run.output_dir)
+        started = procs.launched(output_dir)
     finally:
         trainer.close()
     assert procs.survivors(started) == []

@@ -106,4 +106,4 @@ def test_a_ray_placed_worker_joins_by_the_node_address_and_is_restarted(
     finally:
         fleet.stop(timeout=5)
     assert not any(_alive(pid) for pid in pids)
-    assert fleet.nats is None
+    assert fleet.processes.nats is None

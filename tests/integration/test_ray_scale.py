@@ -66,7 +66,7 @@ def test_rollout_scales_mid_run_and_a_killed_actor_comes_back(
         results += list(steps)
         after = _record(out, "rollout-0")
         back = trainer.fleet.registry.get("rollout", "rollout-0")
-        budget_used = dict(trainer.fleet_run.launcher.restarts)  # type: ignore[union-attr]
+        budget_used = dict(trainer.fleet_run.launcher.processes.restarts)  # type: ignore[union-attr]
         version = trainer.weight_version
     finally:
         trainer.close()

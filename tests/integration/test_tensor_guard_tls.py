@@ -165,17 +165,18 @@ def test_an_embedded_run_trains_over_mutual_tls(tmp_path: Path, tiny_model_dir: 
     )  # fmt: skip
     trainer = GRPOTrainer(str(tiny_model_dir), "charset:allowed=0123456789",
                           PromptDataset(str(data), max_prompt_length=32, seed=1), config)  # fmt: skip
-    run = trainer.fleet_run
     published = []
-    publish = run.publish
-
-    async def watched(*args, **kwargs):
-        done = await publish(*args, **kwargs)
-        published.append(done[0])
-        return done
-
-    run.publish = watched  # type: ignore[method-assign]
     try:
+        trainer.start()
+        fleet = trainer.fleet
+        publish = fleet.publish_weights
+
+        async def watched(*args, **kwargs):
+            done = await publish(*args, **kwargs)
+            published.append(done)
+            return done
+
+        fleet.publish_weights = watched  # type: ignore[method-assign]
         results = list(trainer.steps(max_steps=2))
         assert [r.step for r in results] == [1, 2] and [r.weight_version for r in results] == [1, 2]
         bucket = published[-1].buckets[0]
@@ -189,8 +190,8 @@ def test_an_embedded_run_trains_over_mutual_tls(tmp_path: Path, tiny_model_dir: 
 
         trainer.run(read())
         trainer.finish()  # the "after" sample table: the controller reads answers over mTLS
-        assert "Sample answers" in (run.output_dir / "samples.md").read_text()
-        started = procs.launched(run.output_dir)
+        assert "Sample answers" in (trainer.output_dir / "samples.md").read_text()
+        started = procs.launched(trainer.output_dir)
     finally:
         trainer.close()
     assert procs.survivors(started) == []

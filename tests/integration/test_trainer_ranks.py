@@ -90,9 +90,10 @@ class TwoRanks:
             for spec in specs:
                 self.fleet.spawn(spec)
             self.pids = [w.pid for w in self.fleet.workers]
-            assert self.fleet.credentials is not None  # the embedded server takes only the run's roles
+            credentials = self.fleet.processes.credentials
+            assert credentials is not None  # the embedded server takes only the run's roles
             self.transport = await NatsTransport.connect(
-                url, name="test", tier="controller", auth=self.fleet.credentials.connection("controller")
+                url, name="test", tier="controller", auth=credentials.connection("controller")
             )
         except BaseException:
             await self.__aexit__()

@@ -1,4 +1,5 @@
-"""The architecture holds: no import cycles, single-base classes, and every setting defined once.
+"""The architecture holds: no import cycles, single-base classes, no hub typed ``Any``, and every
+setting defined once.
 
 These read the source (``ast``) and the config classes themselves; they import nothing heavy.
 """
@@ -121,6 +122,74 @@ def test_trainer_and_service_classes_have_a_single_base() -> None:
             continue  # an error class: its rlfleet kind and its builtin kind
         many.append(f"{module}.{node.name}({', '.join(bases)})")
     assert many == []
+
+
+# --- ports, not the run ------------------------------------------------------------------------
+
+HUBS = frozenset({"run", "fleet", "launcher", "program"})
+"""Names that once held the whole run (or its fleet, launcher, step program) typed ``Any`` to dodge an
+import back; each now has a port in ``rlfleet.controller.ports``."""
+
+
+def _mentions_any(annotation: ast.expr | None) -> bool:
+    """Whether an annotation is, or has in it, ``Any`` (``Any``, ``Any | None``, ``typing.Any``,
+    ``"Any"``)."""
+    if annotation is None:
+        return False
+    for node in ast.walk(annotation):
+        if isinstance(node, ast.Name) and node.id == "Any":
+            return True
+        if isinstance(node, ast.Attribute) and node.attr == "Any":
+            return True
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            try:
+                if _mentions_any(ast.parse(node.value, mode="eval").body):
+                    return True
+            except SyntaxError:
+                continue
+    return False
+
+
+def _hubs_typed_any(tree: ast.AST) -> list[str]:
+    """``name: Any`` of a hub name in ``tree``: a parameter, a variable, an attribute (``self.fleet``)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            args = node.args
+            params = [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
+            found += [
+                f"{p.arg} (line {p.lineno})"
+                for p in params
+                if p is not None and p.arg in HUBS and _mentions_any(p.annotation)
+            ]
+        elif isinstance(node, ast.AnnAssign):
+            target = node.target
+            name = target.id if isinstance(target, ast.Name) else getattr(target, "attr", "")
+            if name in HUBS and _mentions_any(node.annotation):
+                found.append(f"{ast.unparse(target)} (line {node.lineno})")
+    return found
+
+
+def test_no_run_fleet_launcher_or_program_is_typed_any() -> None:
+    """A helper receives the typed ports it uses (issue 28): no parameter, variable or attribute named
+    ``run``, ``fleet``, ``launcher`` or ``program`` is annotated ``Any`` anywhere in the packages."""
+    found = {module: _hubs_typed_any(ast.parse(path.read_text())) for module, path in MODULES.items()}
+    assert {module: hits for module, hits in found.items() if hits} == {}
+
+
+def test_the_any_finder_finds_hubs_typed_any() -> None:
+    code = """
+class Helper:
+    def __init__(self, run: Any, fleet: "Any | None", *, launcher: typing.Any, program: StepProgram) -> None:
+        self.launcher: Any = launcher
+        self.fleet: FleetClient = fleet
+        config: Any = None
+
+async def step(batch: list[Any], fleet: FleetClient | None = None, *program: Any) -> Any: ...
+"""
+    assert sorted(_hubs_typed_any(ast.parse(code))) == [
+        "fleet (line 3)", "launcher (line 3)", "program (line 8)", "run (line 3)", "self.launcher (line 4)",
+    ]  # fmt: skip
 
 
 # --- every setting defined once ----------------------------------------------------------------

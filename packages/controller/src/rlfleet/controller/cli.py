@@ -76,11 +76,14 @@ def _load_job(path: Path, overrides: Sequence[str]) -> JobConfig:
 
 
 def build_trainer(job: JobConfig) -> TrainerBase:
-    """The trainer a job file describes, by ``algorithm`` (the model is resolved, nothing is started yet).
+    """The trainer a job file describes, by what its ``algorithm`` needs (the algorithm table; the
+    model is resolved, nothing is started yet).
 
-    ``dpo`` -> DPOTrainer on preference pairs; ``ppo`` -> PPOTrainer; grpo, rloo, reinforce_pp ->
-    GRPOTrainer (the same loop; the trainer computes each one's advantages).
+    An offline algorithm (dpo) -> DPOTrainer on preference pairs; one with a critic (ppo) ->
+    PPOTrainer; the others (grpo, rloo, reinforce_pp) -> GRPOTrainer (the same loop; the trainer
+    computes each one's advantages).
     """
+    from rlfleet.common.schema.algorithms import ALGORITHMS
     from rlfleet.controller.dataset import PromptDataset
     from rlfleet.controller.grpo import GRPOTrainer
 
@@ -90,7 +93,8 @@ def build_trainer(job: JobConfig) -> TrainerBase:
         "prompt_key": data.prompt_key, "seed": job.seed, "overlong": data.overlong,
         "system_prompt": data.system_prompt,
     }  # fmt: skip
-    if job.algorithm == "dpo":
+    algorithm = ALGORITHMS[job.algorithm]
+    if not algorithm.online:
         from rlfleet.controller.dpo import DPOTrainer
         from rlfleet.controller.preference import PreferenceDataset
 
@@ -98,7 +102,7 @@ def build_trainer(job: JobConfig) -> TrainerBase:
         pairs = PreferenceDataset(data.path, max_response_length=job.max_response_length, **keys, **common)
         return DPOTrainer(job.model, pairs, config)
     dataset = PromptDataset(data.path, **common)
-    if job.algorithm == "ppo":
+    if algorithm.needs_critic:
         from rlfleet.controller.ppo import PPOTrainer
 
         trainer = PPOTrainer(job.model, dataset=dataset, config=config, reward=job.reward)

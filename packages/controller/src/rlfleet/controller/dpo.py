@@ -18,18 +18,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlfleet.common.schema.algorithms import ALGORITHMS
 from rlfleet.common.schema.trainer import StepSettings
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptItem
 from rlfleet.controller.online import build_kl_controller
+from rlfleet.controller.own_store import OwnStore
+from rlfleet.controller.ports import FleetClient, KLController, RunState
 from rlfleet.controller.preference import PreferenceDataset
 from rlfleet.controller.run import FleetRun
 from rlfleet.controller.trainer_base import TrainerBase
 
 
 def dpo_config(config: TrainerConfig) -> TrainerConfig:
-    """``config`` with ``algorithm='dpo'``; an explicitly different algorithm is a mistake."""
-    if config.algorithm == "dpo":
+    """``config`` with an offline algorithm (one that trains on preference pairs: ``dpo`` unless it
+    names another); an online algorithm set explicitly is a mistake."""
+    if not ALGORITHMS[config.algorithm].online:
         return config
     if "algorithm" in config.model_fields_set:
         raise ValueError(f"DPOTrainer trains dpo but the config sets algorithm={config.algorithm!r}")
@@ -37,22 +41,28 @@ def dpo_config(config: TrainerConfig) -> TrainerConfig:
 
 
 class DPOStep:
-    """The DPO step program: a batch of pairs travels from the controller's own store to the trainer."""
+    """The DPO step program: a batch of ``pairs`` travels from the controller's own ``store`` to the
+    trainer, at ``state``'s step (the steps carry ``kl_controller``'s coefficient, which DPO's loss
+    does not use)."""
 
-    def __init__(self, run: FleetRun, pairs: PreferenceDataset) -> None:
-        self.run = run
+    def __init__(
+        self, state: RunState, store: OwnStore, kl_controller: KLController, pairs: PreferenceDataset
+    ) -> None:
+        self.state = state
+        self.store = store
+        self.kl_controller = kl_controller
         self.pairs = pairs
         self.last_routes: dict[str, Any] = {}  # DPO generates nothing: no routes
 
-    async def step(self, batch: list[PromptItem]) -> dict[str, float]:
-        run = self.run
-        store = await run.store.get()
+    async def step(self, batch: list[PromptItem], fleet: FleetClient) -> dict[str, float]:
+        state = self.state
+        store = await self.store.get()
         t0 = time.perf_counter()
-        key = f"dpo/{run.cluster}/{run.global_step + 1}"
+        key = f"dpo/{state.cluster}/{state.global_step + 1}"
         ref = store.put_local(key, self.pairs.collate(batch))
-        settings = StepSettings.of(run.config, kl_coef=run.kl_coef)
+        settings = StepSettings.of(state.config, kl_coef=self.kl_controller.value)
         try:
-            stepped = await run.fleet.train_step(run.global_step + 1, [ref], [], settings)
+            stepped = await fleet.train_step(state.global_step + 1, [ref], [], settings)
         finally:
             store.delete(ref.key)
         metrics = dict(stepped.metrics)
@@ -77,5 +87,7 @@ class DPOTrainer(TrainerBase):
             )  # fmt: skip
         kl_controller = build_kl_controller(config, config.kl_coef)  # steps carry it; DPO's loss has no KL
         fleet_run = FleetRun(actor_model_name, dataset, config, kl_controller=kl_controller)
-        super().__init__(fleet_run, DPOStep(fleet_run, dataset))
+        super().__init__(
+            fleet_run, DPOStep(fleet_run.state, fleet_run.store, fleet_run.kl_controller, dataset)
+        )
         self.preferences: PreferenceDataset = dataset

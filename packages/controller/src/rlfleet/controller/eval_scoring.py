@@ -24,7 +24,7 @@ import tempfile
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlfleet.common.control.messages import GenerateResult, ScoreResult
 from rlfleet.common.schema.reward import Spec
@@ -34,6 +34,11 @@ from rlfleet.controller.eval_metrics import CORRECT, RELEVANCE
 from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec
 from rlfleet.controller.own_store import OwnStore
 from rlfleet.controller.routing import text_batch
+
+if TYPE_CHECKING:
+    from rlfleet.common.control.transport import Transport
+    from rlfleet.controller.fleet import Fleet
+    from rlfleet.controller.reward_control import RewardControl
 
 QUESTION_KEY = "rlfleet_question"
 """Metadata key holding the question text, for the relevance component."""
@@ -61,11 +66,11 @@ def checks_answers(items: Sequence[PromptItem]) -> bool:
 
 
 async def score_answers(
-    control: Any, store: OwnStore, endpoint: str, items: Sequence[PromptItem], questions: Sequence[str],
-    answers: Sequence[Sequence[str]], tokenizer: Any,
+    control: RewardControl, store: OwnStore, endpoint: str, items: Sequence[PromptItem],
+    questions: Sequence[str], answers: Sequence[Sequence[str]], tokenizer: Any,
 ) -> ScoreResult:  # fmt: skip
-    """Score ``answers[i]`` (the samples of ``items[i]``) on ``endpoint`` of ``control`` (a
-    :class:`~rlfleet.controller.reward_control.RewardControl`); one result, item-major order."""
+    """Score ``answers[i]`` (the samples of ``items[i]``) on ``endpoint`` of ``control`` (a reward
+    tier); one result, item-major order."""
     server = await store.get()
     results: list[GenerateResult] = []
     metadata: list[list[dict[str, Any]]] = []
@@ -110,8 +115,8 @@ class EvalRewardTier:
         self._tmp = tempfile.TemporaryDirectory(prefix="rlfleet-eval-")
         self.launcher = EmbeddedFleet(Path(self._tmp.name))
         self.store = OwnStore(TensorPlaneSettings(), listen_all=False)
-        self.transport: Any = None
-        self.fleet: Any = None
+        self.transport: Transport | None = None
+        self.fleet: Fleet | None = None
 
     async def __aenter__(self) -> EvalRewardTier:
         try:
@@ -135,12 +140,12 @@ class EvalRewardTier:
         self.transport = await NatsTransport.connect(
             url, name="rlfleet-eval", tier="controller", auth=auth, env={}
         )
-        self.fleet = Fleet(self.transport, cluster)
-        await self.fleet.start()
-        self.fleet.reward = RewardControl(self.transport, cluster, self.fleet.registry, token="")
-        await self._wait_ready()
+        fleet = self.fleet = Fleet(self.transport, cluster)
+        await fleet.start()
+        fleet.reward = RewardControl(self.transport, cluster, fleet.registry, token="")
+        await self._wait_ready(fleet)
 
-    async def _wait_ready(self) -> None:
+    async def _wait_ready(self, fleet: Fleet) -> None:
         """Wait for the worker to announce, checking it did not exit (a refused spec) meanwhile."""
         from rlfleet.controller.errors import TierNotReady
 
@@ -149,7 +154,7 @@ class EvalRewardTier:
         while loop.time() < deadline:
             self.launcher.check()  # raises when the worker exited (code 2: it refused its endpoints)
             try:
-                await self.fleet.registry.wait_for("reward", 1, 0.5)
+                await fleet.registry.wait_for("reward", 1, 0.5)
                 return
             except TimeoutError:
                 continue
@@ -160,6 +165,9 @@ class EvalRewardTier:
         self, endpoint: str, items: Sequence[PromptItem], questions: Sequence[str],
         answers: Sequence[Sequence[str]], tokenizer: Any,
     ) -> ScoreResult:  # fmt: skip
+        assert self.fleet is not None and self.fleet.reward is not None, (
+            "async with EvalRewardTier(...) first"
+        )
         return await score_answers(
             self.fleet.reward, self.store, endpoint, items, questions, answers, tokenizer
         )

@@ -10,9 +10,11 @@ tier that produced them to the tier that consumes them.
         ▲                         └─────────(refs)──────────────────────────► train_step ──► trainer
         └──── load_weights(bucket refs) ◄── publish ◄─────────────────────────────────────────┘
 
-Prompts are split over the rollout fleet by capacity, and a request to a worker that goes is
-abandoned at once (:mod:`rlfleet.controller.dispatch`); a chunk whose producer is gone before the
-reward and trainer tiers fetched it is generated again (:mod:`rlfleet.controller.lost_chunks`).
+Prompts are split over the rollout fleet by capacity (:func:`split_by_capacity`), and a request to
+a worker that goes is abandoned at once (:class:`GoneWatch`); a chunk whose producer is gone before
+the reward and trainer tiers fetched it is generated again (:mod:`rlfleet.controller.lost_chunks`).
+:func:`publish` moves a run to the trainer's next weights. ``Fleet`` is the run's
+:class:`~rlfleet.controller.ports.FleetClient`.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ import itertools
 import logging
 import uuid
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from rlfleet.common.control.membership import WorkerRegistry
+from rlfleet.common.control.membership import WorkerInfo, WorkerRegistry
 from rlfleet.common.control.messages import (
     AnyMessage,
     CheckpointLoaded,
@@ -51,7 +53,6 @@ from rlfleet.common.schema.carriers import CarrierSetting, WeightCarrier, carrie
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.trainer import StepSettings
 from rlfleet.controller.deadlines import Deadlines
-from rlfleet.controller.dispatch import GoneWatch, split_by_capacity
 from rlfleet.controller.errors import (
     NoWorkerServed,
     RetriesExhausted,
@@ -60,17 +61,87 @@ from rlfleet.controller.errors import (
     WorkerGone,
 )
 from rlfleet.controller.fault_settings import FaultSettings
-from rlfleet.controller.lost_chunks import ChunkOrder, ChunkOrders
+from rlfleet.controller.lost_chunks import ChunkOrders
+from rlfleet.controller.ports import ChunkOrder, FleetClient, RunState
 from rlfleet.controller.retry import backoff_s, is_retryable, with_retries
 
+if TYPE_CHECKING:
+    from rlfleet.controller.reward_control import RewardControl
+
 logger = logging.getLogger(__name__)
+
+
+# --- sharing a step's prompts, noticing a worker going ----------------------------------------------
+
+
+def split_by_capacity(total: int, capacities: Sequence[int]) -> list[int]:
+    """Chunk sizes (summing to ``total``) proportional to ``capacities`` (largest remainder, so sizes
+    sum exactly); zero-size chunks kept."""
+    if not capacities:
+        raise ValueError("split_by_capacity needs at least one worker capacity")
+    weight = sum(capacities)
+    exact = [total * c / weight for c in capacities]
+    sizes = [int(e) for e in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda i: (sizes[i] - exact[i], i))
+    for i in by_remainder[: total - sum(sizes)]:
+        sizes[i] += 1
+    return sizes
+
+
+class GoneWatch:
+    """Which workers left or died since the controller started, as awaitable events: one per
+    worker, set when the registry sees a ``WorkerLeave`` or declares the worker dead.
+    :meth:`request` races a request against that event, so a chunk on a dying worker is
+    re-dispatched at once instead of after the full request timeout."""
+
+    def __init__(self) -> None:
+        self._gone: dict[str, asyncio.Event] = {}
+
+    def _event(self, worker_id: str) -> asyncio.Event:
+        return self._gone.setdefault(worker_id, asyncio.Event())
+
+    def mark_gone(self, info: WorkerInfo) -> None:
+        """Registry callback (``on_leave`` / ``on_dead``)."""
+        self._event(info.worker_id).set()
+
+    def mark_joined(self, info: WorkerInfo) -> None:
+        """Registry callback (``on_join``): a worker that comes back is usable again."""
+        self._gone.pop(info.worker_id, None)
+
+    def is_gone(self, worker_id: str) -> bool:
+        event = self._gone.get(worker_id)
+        return event is not None and event.is_set()
+
+    async def request(
+        self, transport: Transport, worker: WorkerInfo, message: Message, *, timeout: float, job_id: str = ""
+    ) -> AnyMessage:
+        """``transport.request`` to ``worker``'s own subject, abandoned with :class:`WorkerGone`
+        as soon as the worker leaves or is declared dead."""
+        gone = self._event(worker.worker_id)
+        if gone.is_set():
+            raise WorkerGone(worker.tier, worker.worker_id, job_id)
+        reply = asyncio.ensure_future(
+            transport.request(worker.subject, message, timeout=timeout, tier=worker.tier)
+        )
+        watch = asyncio.ensure_future(gone.wait())
+        try:
+            done, _ = await asyncio.wait({reply, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (reply, watch):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(reply, watch, return_exceptions=True)
+        if reply in done:
+            return reply.result()
+        raise WorkerGone(worker.tier, worker.worker_id, job_id)
 
 
 # --- the fleet ------------------------------------------------------------------------------------
 
 
 class Fleet:
-    """Requests to the rollout, reward and trainer tiers of one cluster."""
+    """Requests to the rollout, reward and trainer tiers of one cluster (the run's
+    :class:`~rlfleet.controller.ports.FleetClient`)."""
 
     def __init__(
         self, transport: Transport, cluster: str, *, request_timeout: float | None = None,
@@ -88,7 +159,7 @@ class Fleet:
         )  # fmt: skip
         self.published: WeightsPublished | None = None  # the last version every rollout worker must hold
         self._admitting: dict[tuple[str, int], asyncio.Task[None]] = {}
-        self.reward: Any = None  # a RewardControl (set by the runner): scores go through it, token and all
+        self.reward: RewardControl | None = None  # set by attach_reward: scores go through it, token and all
         self._jobs = itertools.count()
         self.orders = ChunkOrders()  # what each rollout chunk was asked for (lost_chunks.py)
         self._run = uuid.uuid4().hex[:8]
@@ -119,12 +190,12 @@ class Fleet:
     def _job_id(self, what: str) -> str:
         return f"{self._run}-{what}-{next(self._jobs)}"
 
-    def rollout_workers(self, pool: str | None = None, weight_version: int = -1) -> list[Any]:
+    def rollout_workers(self, pool: str | None = None, weight_version: int = -1) -> list[WorkerInfo]:
         """Live rollout workers (of ``pool``; at ``weight_version`` unless it is -1), by id."""
         workers = self.registry.workers("rollout", pool)
         return [w for w in workers if weight_version < 0 or w.weight_version == weight_version]
 
-    async def _admitted(self, pool: str | None, weight_version: int) -> list[Any]:
+    async def _admitted(self, pool: str | None, weight_version: int) -> list[WorkerInfo]:
         """Workers that may serve ``weight_version``; a stale one (joined late) is sent the published
         buckets in the background, and waited for only when nobody else can serve."""
         admitted = self.rollout_workers(pool, weight_version)
@@ -132,20 +203,22 @@ class Fleet:
         published = self.published
         if weight_version < 0 or not stale or published is None or published.weight_version != weight_version:
             return admitted
-        tasks = [self._admit(w, published) for w in stale]
+        tasks = [self.admit(w, published) for w in stale]
         if not admitted:
             await asyncio.gather(*tasks, return_exceptions=True)
             admitted = self.rollout_workers(pool, weight_version)
         return admitted
 
-    def _admit(self, worker: Any, published: WeightsPublished) -> asyncio.Task[None]:
+    def admit(self, worker: WorkerInfo, published: WeightsPublished) -> asyncio.Task[None]:
+        """Load ``published`` into a stale (late) rollout worker, in the background; one load per
+        worker and version, however often it is asked for."""
         key = (worker.worker_id, published.weight_version)
         task = self._admitting.get(key)
         if task is None:
             task = self._admitting[key] = asyncio.create_task(self._load_one(worker, published))
         return task
 
-    async def _load_one(self, worker: Any, published: WeightsPublished) -> None:
+    async def _load_one(self, worker: WorkerInfo, published: WeightsPublished) -> None:
         message = LoadWeights(weight_version=published.weight_version, buckets=published.buckets,
                               ipc_buckets=published.ipc_buckets, job_id=self._job_id("load"))  # fmt: skip
         try:
@@ -160,6 +233,18 @@ class Fleet:
         if info is not None:
             info.weight_version = reply.weight_version
         logger.info("rollout worker %s admitted at weight version %d", worker.worker_id, reply.weight_version)
+
+    def forget(self, tier: str, worker_id: str) -> None:
+        """Forget a worker that is gone (crashed, restarted, removed): requests in flight to it end
+        now with ``WorkerGone``, not at their deadline; a new process under its id is admitted when
+        it announces."""
+        info = self.registry.forget(tier, worker_id)
+        if info is not None:
+            self.gone.mark_gone(info)
+
+    def is_gone(self, worker_id: str) -> bool:
+        """Whether the registry saw ``worker_id`` leave or declared it dead (and it has not come back)."""
+        return self.gone.is_gone(worker_id)
 
     # --- rollout ----------------------------------------------------------------------------
 
@@ -280,7 +365,7 @@ class Fleet:
             raise NoWorkerServed(f"no rollout worker loaded weight version {published.weight_version}")
         return loaded
 
-    async def _load_request(self, worker: Any, message: LoadWeights) -> AnyMessage:
+    async def _load_request(self, worker: WorkerInfo, message: LoadWeights) -> AnyMessage:
         """One worker's weight load, retried on a retryable error while the worker lives (a gone
         worker is not waited for: it is admitted at the current version when it is back)."""
         return await with_retries(
@@ -394,3 +479,21 @@ class Fleet:
         )  # fmt: skip
         assert isinstance(reply, CheckpointLoaded), reply
         return reply
+
+
+# --- a run's weights out ----------------------------------------------------------------------------
+
+
+async def publish(
+    fleet: FleetClient, state: RunState, weight_version: int = -1
+) -> tuple[WeightsPublished, list[WeightsLoaded]]:
+    """Publish the trainer's weights (as ``weight_version``; -1: the next, in the run's
+    ``publish_dtype``) and have every rollout worker load them; the run (``state``) then generates at
+    that version."""
+    cfg = state.config
+    published = await fleet.publish_weights(
+        cfg.weight_bucket_mb, weight_version, carrier=cfg.weight_carrier, dtype=state.publish_dtype
+    )
+    loaded = await fleet.load_weights(published)
+    state.weight_version = published.weight_version
+    return published, loaded

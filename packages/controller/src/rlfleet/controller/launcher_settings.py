@@ -9,7 +9,8 @@ workers needs on its node: ``{rollout: {num_gpus: 1, resources: {rollout_node: 1
 one CPU each, and on CUDA one GPU per trainer rank and ``tensor_parallel_size`` per rollout
 worker). ``ray_max_restarts``: Ray restarts a rollout worker's actor that died that many times (the
 worker rejoins at the current weights). ``rollout_scale: {3: {default: 2}}`` grows or shrinks
-rollout pools as the run goes on (before step 3, ``default`` gets 2 workers).
+rollout pools as the run goes on (before step 3, ``default`` gets 2 workers). These are settings
+only: the run builds the launcher they name (:func:`rlfleet.controller.run.build_launcher`).
 
 NATS: without ``nats_url`` either launcher starts the run's own nats-server, with a generated
 login per role. With ``nats_url``, the embedded launcher starts nothing (the run joins a fleet
@@ -25,7 +26,6 @@ needs none. The logins reach the workers in their environment, never a file or a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -109,31 +109,6 @@ class LauncherSettings(ConfigModel):
             if step < 1 or any(n < 0 for n in sizes.values()):
                 raise ValueError(f"rollout_scale {step}: {sizes}: steps count from 1 and sizes from 0")
         return self
-
-
-def build_launcher(config: Any, run_dir: Any, specs: Sequence[Any] = ()) -> Any:
-    """The fleet that starts ``config``'s tiers under ``run_dir``: an ``EmbeddedFleet`` or a ``RayFleet``.
-
-    ``specs``: the workers the run will start (``WorkerSpec``); a ``RayFleet`` refuses at once a
-    job whose reservations its Ray cluster cannot hold, and sizes a local Ray it starts to them."""
-    budget, code = config.faults.restart_budget, config.python_path  # code: on every worker's PYTHONPATH
-    if config.launcher == "ray":
-        from rlfleet.controller.ray_launcher import RayFleet, job_reservation, placement_for
-
-        outside = config.nats_url  # the controller's login may come from RLFLEET_NATS_*: checked now
-        logins = worker_logins(config, config.nats_auth.resolved()) if outside is not None else {}
-        job = job_reservation(config, list(specs)) if specs else None
-        fleet = RayFleet(run_dir, address=config.ray_address, num_cpus=config.ray_num_cpus,
-                         placement=placement_for(config), restart_budget=budget, job=job,
-                         start_timeout_s=config.startup_timeout_s, max_restarts=config.ray_max_restarts,
-                         python_path=code)  # fmt: skip
-        if outside is not None:
-            fleet.join_nats(outside, logins)
-        return fleet
-    from rlfleet.controller.gpu_assignment import assignment_for
-    from rlfleet.controller.launcher import EmbeddedFleet
-
-    return EmbeddedFleet(run_dir, restart_budget=budget, gpus=assignment_for(config), python_path=code)
 
 
 def worker_logins(config: Any, controller: NatsConnection) -> dict[str, NatsConnection]:

@@ -37,14 +37,15 @@ import logging
 import re
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from rlfleet.common.control.messages import GenerateResult, SamplingParams, ScoreResult, TrainStepResult
+from rlfleet.common.control.messages import GenerateResult, ScoreResult, TrainStepResult
 from rlfleet.common.errors import RemoteError, TensorError
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.trainer import StepSettings
 from rlfleet.controller.errors import ChunkNotRegenerated, NoWorkerServed, RetriesExhausted
+from rlfleet.controller.ports import ChunkOrder as ChunkOrder  # re-exported: the fleet records them
+from rlfleet.controller.ports import ChunkOrderBook, FleetClient
 from rlfleet.controller.retry import is_retryable, with_retries
 
 logger = logging.getLogger(__name__)
@@ -56,26 +57,13 @@ FETCH_CODES = frozenset({"unavailable", "timeout", "internal"})
 """Error codes of a tier that could not fetch a chunk (unreachable store, stalled stream, unknown key)."""
 
 
-@dataclass(frozen=True)
-class ChunkOrder:
-    """What one rollout chunk was asked for, and the process that answered: enough to make it again."""
-
-    prompts: list[list[int]]
-    sampling: SamplingParams
-    weight_version: int
-    pool: str | None
-    worker_id: str
-    incarnation: str
-    """The answering process (its announce's incarnation): a worker back under the same id is another."""
-
-
 def _key(ref: TensorRef) -> str:
     return f"{ref.address}/{ref.key}"
 
 
 class ChunkOrders:
-    """The order of each chunk a fleet generated, by its result's ref (the oldest forgotten past
-    :data:`MAX_ORDERS`)."""
+    """The order (:class:`~rlfleet.controller.ports.ChunkOrder`) of each chunk a fleet generated, by
+    its result's ref (the oldest forgotten past :data:`MAX_ORDERS`)."""
 
     def __init__(self) -> None:
         self._orders: OrderedDict[str, ChunkOrder] = OrderedDict()
@@ -117,29 +105,26 @@ def names_chunk(exc: BaseException, ref: TensorRef) -> bool:
     return address or (bool(ref.key) and re.search(re.escape(ref.key) + r"(?![\w/-])", text) is not None)
 
 
-def producer_gone(fleet: Any, order: ChunkOrder) -> bool:
+def producer_gone(fleet: FleetClient, order: ChunkOrder) -> bool:
     """Whether the process that answered ``order`` is gone: left, declared dead, or replaced by a
     new process under its id (whose store never held the chunk)."""
     info = fleet.registry.get("rollout", order.worker_id)
-    if info is None or fleet.gone.is_gone(order.worker_id):
+    if info is None or fleet.is_gone(order.worker_id):
         return True
     return info.announce.incarnation != order.incarnation
 
 
 class StepChunks:
     """One step's rollout chunks (``results[i]`` answers the next ``num_prompts`` prompts, with
-    ``metadata[i]`` their metadata), scored and trained on, each lost one generated again.
-
-    ``fleet`` is the run's :class:`~rlfleet.controller.fleet.Fleet` (typed ``Any``: it imports this
-    module for its orders).
+    ``metadata[i]`` their metadata), scored and trained on by ``fleet``, each lost one generated again.
     """
 
     def __init__(
-        self, fleet: Any, results: Sequence[GenerateResult], metadata: Sequence[Sequence[dict[str, Any]]],
-        endpoint: str,
+        self, fleet: FleetClient, results: Sequence[GenerateResult],
+        metadata: Sequence[Sequence[dict[str, Any]]], endpoint: str,
     ) -> None:  # fmt: skip
         self.fleet = fleet
-        self.orders: ChunkOrders | None = getattr(fleet, "orders", None)  # none: nothing is regenerated
+        self.orders: ChunkOrderBook | None = getattr(fleet, "orders", None)  # none: nothing is regenerated
         self.results = list(results)
         self.metadata = [list(m) for m in metadata]
         self.endpoint = endpoint

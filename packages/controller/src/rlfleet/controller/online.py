@@ -10,7 +10,8 @@ One step, as the controller runs it (the controller moves refs, never tensors)::
 ``fleet.train_step`` carries the step's settings (``StepSettings``: the algorithm, its settings,
 the KL controller's current coefficient); the algorithms differ only in what the trainer does
 with them (advantages, critic, where the KL goes). After the step the KL controller is fed the KL
-the trainer measured.
+the trainer measured. :class:`OnlineStep` receives the ports it uses: the run's state, its own
+store, its KL controller, and (each step) the fleet client.
 
 The KL-to-reference term enters either the reward (``kl_mode: reward``: ``r_t -= coef * kl_t``, PPO
 as in OpenRLHF/verl) or the loss (``kl_mode: loss``: ``+ coef * kl``, GRPO). Its coefficient comes
@@ -28,7 +29,7 @@ Every controller has ``.value`` (settable between steps, as ``trainer.kl_coef = 
 round-trip exactly (plain Python numbers, JSON-safe) for resume. ``n_steps`` is whatever unit the
 caller counts in (verl and OpenRLHF pass the number of samples of the step); ``horizon`` and
 ``total_steps`` are in that same unit. The run holds the controller
-(:class:`~rlfleet.controller.run.KLController`); every step sends the trainer its current value
+(:class:`~rlfleet.controller.ports.KLController`); every step sends the trainer its current value
 and :func:`advance_kl_controller` feeds it the KL the trainer measured.
 """
 
@@ -41,16 +42,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlfleet.common.control.messages import SamplingParams, ScoreResult, WeightsLoaded, WeightsPublished
+from rlfleet.common.control.messages import (
+    RewardStats,
+    SamplingParams,
+    ScoreResult,
+    WeightsLoaded,
+    WeightsPublished,
+)
 from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.trainer import StepSettings
 from rlfleet.controller.config import KLControlFields, KLSchedule, TrainerConfig, check_kl_fields
 from rlfleet.controller.dataset import PromptDataset, PromptItem
+from rlfleet.controller.fleet import publish
 from rlfleet.controller.lost_chunks import StepChunks
-from rlfleet.controller.reward_control import describe_reward_fn, model_swap
-from rlfleet.controller.rollout_scaling import scale_rollout
+from rlfleet.controller.own_store import OwnStore
+from rlfleet.controller.ports import FleetClient, KLController, RunState
+from rlfleet.controller.reward_control import RewardControl, describe_reward_fn, model_swap
 from rlfleet.controller.routing import RolloutFn, RolloutRouter, RoutedRollout, RouteSummary, chunk_metadata
 from rlfleet.controller.run import FleetRun
+from rlfleet.controller.run_reward import RunReward
 from rlfleet.controller.trainer_base import TrainerBase
 
 logger = logging.getLogger(__name__)
@@ -60,42 +70,47 @@ logger = logging.getLogger(__name__)
 
 
 class OnlineStep:
-    """The step program of online RL over ``run``; ``router`` sends each prompt to its rollout pool."""
+    """The step program of online RL: at ``state``'s step and weights, with the coefficient of
+    ``kl_controller``; ``router`` sends each prompt to its rollout pool, ``store`` (the controller's
+    own) releases what the step consumed."""
 
-    def __init__(self, run: FleetRun, router: RolloutRouter) -> None:
-        self.run = run
+    def __init__(
+        self, state: RunState, store: OwnStore, kl_controller: KLController, router: RolloutRouter
+    ) -> None:
+        self.state = state
+        self.store = store
+        self.kl_controller = kl_controller
         self.router = router
         self.last_routes: dict[str, RouteSummary] = {}
         self.last_rollout: RoutedRollout | None = None  # the last step's prompts and the chunks it trained on
 
     def sampling(self) -> SamplingParams:
         """How this step samples: ``group_size`` samples a prompt, seeded by the step."""
-        cfg = self.run.config
+        cfg = self.state.config
         return SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.rollout.top_p,
                               top_k=cfg.rollout.top_k, max_tokens=cfg.max_response_length,
-                              seed=cfg.seed + self.run.global_step)  # fmt: skip
+                              seed=cfg.seed + self.state.global_step)  # fmt: skip
 
-    async def step(self, batch: list[PromptItem]) -> dict[str, float]:
-        run, cfg = self.run, self.run.config
-        fleet = run.fleet
+    async def step(self, batch: list[PromptItem], fleet: FleetClient) -> dict[str, float]:
+        state, cfg = self.state, self.state.config
         t0 = time.perf_counter()
-        routed = await self.router.generate(fleet, batch, self.sampling(), run.weight_version)
+        routed = await self.router.generate(fleet, batch, self.sampling(), state.weight_version)
         self.last_routes = routed.routes
         t1 = time.perf_counter()  # a chunk lost with its worker is generated again (lost_chunks.py)
         metadata = chunk_metadata(routed.items, routed.results)
         chunks = StepChunks(fleet, routed.results, metadata, cfg.reward_endpoint)
         await chunks.score()
         t2 = time.perf_counter()
-        settings = StepSettings.of(cfg, kl_coef=run.kl_coef)
-        stepped = await chunks.train(run.global_step + 1, settings)
+        settings = StepSettings.of(cfg, kl_coef=self.kl_controller.value)
+        stepped = await chunks.train(state.global_step + 1, settings)
         results = routed.results = chunks.results  # what was trained: every prompt once
         scored = [s for s in chunks.scored if s is not None]
         scores = [s for result in scored for s in result.scores]
         self.last_rollout = routed
         t3 = time.perf_counter()
-        published, loaded = await run.publish()
+        published, loaded = await publish(fleet, state)
         t4 = time.perf_counter()
-        await run.store.release(results)
+        await self.store.release(results)
         chunks.forget()
         metrics = dict(stepped.metrics)
         metrics.update(reward_metrics(scores, scored))
@@ -111,7 +126,7 @@ class OnlineStep:
             "time/publish_s": t4 - t3, "time/step_s": t4 - t0,
             "throughput/gen_tok_s": generated / max(t1 - t0, 1e-9),
         })  # fmt: skip
-        advance_kl_controller(run.kl_controller, metrics, len(scores))
+        advance_kl_controller(self.kl_controller, metrics, len(scores))
         return metrics
 
 
@@ -297,7 +312,7 @@ def build_kl_controller(fields: KLControlFields, coef: float) -> AnyKLController
     return KL_CONTROLLERS[fields.kl_ctrl].from_fields(fields, coef)
 
 
-def advance_kl_controller(controller: AnyKLController, metrics: dict[str, float], num_samples: int) -> None:
+def advance_kl_controller(controller: KLController, metrics: dict[str, float], num_samples: int) -> None:
     """Feed a step's measured KL (``metrics["kl"]``) to the controller, counting ``num_samples``.
 
     A step that measured no KL (no reference model) leaves an adaptive controller where it is;
@@ -332,7 +347,7 @@ class OnlineTrainer(TrainerBase):
         )  # fmt: skip
         router = RolloutRouter(fleet_run.tokenizer, config.max_response_length, fleet_run.store.get,
                                list(config.rollout_pools))  # fmt: skip
-        self.online_step = OnlineStep(fleet_run, router)
+        self.online_step = OnlineStep(fleet_run.state, fleet_run.store, fleet_run.kl_controller, router)
         super().__init__(fleet_run, self.online_step)
 
     @property
@@ -361,7 +376,7 @@ class OnlineTrainer(TrainerBase):
 
     def scale_rollout(self, pool: str, n: int) -> list[str]:
         """Make rollout pool ``pool`` ``n`` workers between steps (see rollout_scaling.py)."""
-        return scale_rollout(self.fleet_run, pool, n)
+        return self.fleet_run.scale_rollout(pool, n)
 
     def set_reward_fn(self, fn: Any) -> str:
         """Switch the reward for the next steps (progressive rewards); returns the new reward version.
@@ -384,15 +399,22 @@ class OnlineTrainer(TrainerBase):
         wire = model_swap(new_rm, component)
         if wait:
             return self._switch(wire)
-        assert self.fleet_run.reward is not None
-        swap = self.fleet_run.reward.switch(self.fleet.reward, wire)
-        return self.fleet_run.loop.create_task(swap, name="reward-model-swap")
+        reward, control = self._reward()
+        return self.fleet_run.loop.create_task(reward.switch(control, wire), name="reward-model-swap")
 
     def _switch(self, wire: dict[str, Any]) -> str:
-        assert self.fleet_run.reward is not None
-        return self.run(self.fleet_run.reward.switch(self.fleet.reward, wire)).spec_version
+        reward, control = self._reward()
+        return self.run(reward.switch(control, wire)).spec_version
 
-    def reward_stats(self) -> Any:
+    def reward_stats(self) -> RewardStats:
         """This run's view of its reward endpoint (``RewardStats``: version, counts, scaler state)."""
-        assert self.fleet_run.reward is not None
-        return self.run(self.fleet_run.reward.stats(self.fleet.reward))
+        reward, control = self._reward()
+        return self.run(reward.stats(control))
+
+    def _reward(self) -> tuple[RunReward, RewardControl]:
+        """The run's reward and the reward tier it is in force on."""
+        reward, control = self.fleet_run.reward, self.fleet.reward
+        assert reward is not None and control is not None, (
+            "an online run attaches its reward tier when it starts"
+        )
+        return reward, control

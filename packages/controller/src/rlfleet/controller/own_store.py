@@ -1,7 +1,10 @@
 """The controller's own TensorStore (:class:`OwnStore`), and its clients of the other tiers' stores.
 
-Moved out of run.py (which still exports it) as one idea: what the controller itself holds on
-the tensor plane (DPO's preference pairs, responses a rollout fn wrote, the sample table's texts).
+What the controller itself holds on the tensor plane (DPO's preference pairs, responses a rollout
+fn wrote, the answers an evaluation scores) and how it reads a few texts from the other tiers'
+stores. A training run holds one (:class:`~rlfleet.controller.run.FleetRun`), and so does
+``rlfleet eval``'s reward tier (:class:`~rlfleet.controller.eval_scoring.EvalRewardTier`), which
+runs without a run.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rlfleet.common.schema.algorithms import ALGORITHMS
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptDataset
 from rlfleet.controller.online import OnlineTrainer
@@ -49,8 +50,9 @@ def reward_model_spec(reward_model_name: str | None, reward: Any) -> Any:
 
 
 def ppo_config(config: TrainerConfig) -> TrainerConfig:
-    """``config`` with ``algorithm='ppo'``; an explicitly different algorithm is a mistake."""
-    if config.algorithm == "ppo":
+    """``config`` with an algorithm that trains a critic (``ppo`` unless it names another); an
+    explicitly different algorithm is a mistake."""
+    if ALGORITHMS[config.algorithm].needs_critic:
         return config
     if "algorithm" in config.model_fields_set:
         raise ValueError(

@@ -26,8 +26,10 @@ rest of the run (NATS control plane, gRPC tensor plane, supervision, restarts) i
   ``nats_url`` starts no nats-server (:meth:`RayFleet.join_nats`): every worker gets that URL as
   given and its tier's login (``nats_worker_auth``) in its environment.
 - **Supervision.** The launcher keeps the restart policy (``faults.restart_budget``), exactly as
-  embedded: a worker process that exits is reported with its log tail (read through its actor,
-  wherever it runs) and started again in a fresh actor, which Ray may place on another node.
+  embedded, through the same member (:class:`~rlfleet.controller.launcher.RunProcesses`: the
+  server, the workers, their restarts, ``processes.json``): a worker process that exits is
+  reported with its log tail (read through its actor, wherever it runs) and started again in a
+  fresh actor, which Ray may place on another node.
 - **Ray restarts.** A rollout worker's actor is made with ``max_restarts`` (``ray_max_restarts``):
   when the actor itself dies (its Ray worker process), Ray makes it again and it starts the worker
   again (:mod:`rlfleet.controller.ray_worker_host`), which rejoins at the current weights.
@@ -44,7 +46,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +54,7 @@ from typing import Any
 from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.connection import NatsConnection
 from rlfleet.controller.errors import RayJobDoesNotFit, TierDied, WorkerStartTimeout
-from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec, find_script
+from rlfleet.controller.launcher import NatsSecurity, RunProcesses, run_security, worker_record
 from rlfleet.controller.ray_fit import (
     EPSILON,
     JobReservation,
@@ -65,8 +67,8 @@ from rlfleet.controller.ray_fit import (
 from rlfleet.controller.ray_worker_host import RemoteProcess as RemoteProcess  # re-exported
 from rlfleet.controller.ray_worker_host import WorkerHost as WorkerHost  # re-exported
 from rlfleet.controller.ray_worker_host import host_actor_class
-from rlfleet.controller.user_code import worker_pythonpath
-from rlfleet.controller.worker_process import WorkerProcess, tail_of
+from rlfleet.controller.user_code import code_dirs, worker_pythonpath
+from rlfleet.controller.worker_process import WorkerProcess, WorkerSpec, find_script, tail_of
 
 logger = logging.getLogger(__name__)
 
@@ -184,20 +186,34 @@ class RayWorkerProcess(WorkerProcess):
         return f"{self.spec.tier} worker {self.spec.worker_id} ({where}, {state}; log: {self.log_path})"
 
 
-class RayFleet(EmbeddedFleet):
-    """The embedded launcher's fleet, with every worker placed by Ray (see the module docstring).
+class RayFleet:
+    """A run's fleet with every worker placed by Ray (see the module docstring): a
+    :class:`~rlfleet.controller.ports.Launcher` beside the embedded one, sharing its
+    :class:`~rlfleet.controller.launcher.RunProcesses`.
 
     ``address``: ``""`` starts a local Ray for the run (``num_cpus`` logical CPUs, default: the
     machine's, or what ``job`` reserves when that is more), ``auto`` joins the cluster of this node,
     ``ray://host:port`` a remote one. ``job``: what the job's workers reserve; given, a job the
     cluster cannot hold is refused here (:class:`RayJobDoesNotFit`), before anything is placed.
     ``start_timeout_s``: the deadline for each worker's actor to be placed and start its process.
+    ``restart_budget``, ``python_path`` and ``security``: as the embedded launcher's.
     """
 
     def __init__(self, run_dir: Path, *, address: str = "", placement: RayPlacement | None = None,
                  num_cpus: int | None = None, max_restarts: int = 0, job: JobReservation | None = None,
-                 start_timeout_s: float = 180.0, **kwargs: Any) -> None:  # fmt: skip
-        super().__init__(run_dir, **kwargs)
+                 start_timeout_s: float = 180.0, restart_budget: int = 0, python_path: Sequence[str] = (),
+                 security: NatsSecurity | None = None) -> None:  # fmt: skip
+        self.code_dirs = code_dirs(python_path)
+        self.processes = RunProcesses(
+            Path(run_dir),
+            security=run_security(security),
+            restart_budget=restart_budget,
+            start=self._start,
+            record=self._record,
+        )
+        """The server, the workers, their restarts, ``processes.json`` (as the embedded launcher's)."""
+        self.on_restart: Callable[[WorkerProcess, TierDied], None] | None = None
+        """Told (in :meth:`check`) of each worker started again, by the launcher or by Ray."""
         self.ray = import_ray(local=not address)
         self.address = address
         self.placement = placement or RayPlacement()
@@ -213,7 +229,6 @@ class RayFleet(EmbeddedFleet):
         self._restarted_class = host_actor_class(self.ray, max_restarts)  # RAY_RESTARTED_TIERS' workers
         self.max_restarts = max_restarts
         self._groups: dict[str, Any] = {}  # tier -> placement group of its ranks
-        self.outside_url: str | None = None
         self.logins: dict[str, NatsConnection] = {}
         """Each worker tier's login on the outside server (:meth:`join_nats`)."""
 
@@ -254,20 +269,49 @@ class RayFleet(EmbeddedFleet):
             logger.warning("%s; %s has only %s free now: its workers wait for the rest (startup_timeout_s)",
                            job.describe(), where, {key: free.get(key, 0.0) for key in busy})  # fmt: skip
 
-    nats_host = "0.0.0.0"
-    """The run's nats-server listens on every interface of this node; :attr:`url` names its IP."""
+    # --- the Launcher port ---------------------------------------------------------------------
+
+    @property
+    def workers(self) -> list[WorkerProcess]:
+        return self.processes.workers
+
+    @property
+    def url(self) -> str:
+        """The run's nats-server, named by this node's IP (or the outside server's URL as given)."""
+        return self.processes.url
+
+    @property
+    def pids(self) -> list[int]:
+        """The nats-server's pid and each worker's (on whichever node it runs)."""
+        return self.processes.pids
+
+    def start_nats(self, cluster: str = "*") -> str:
+        """Start the run's nats-server on every interface of this node; its URL names this node's IP."""
+        return self.processes.start_nats(cluster, jetstream=False, host="0.0.0.0", advertise=self.node_ip)
 
     def join_nats(self, url: str, logins: dict[str, NatsConnection]) -> None:
         """Use the nats-server at ``url`` instead of starting one: each worker gets ``url`` as given
         (it must be routable from every Ray node) and its tier's login in ``logins`` (none: open)."""
-        self.outside_url, self.logins = url, dict(logins)
+        self.processes.join_nats(url)
+        self.logins = dict(logins)
 
-    @property
-    def url(self) -> str:
-        if self.outside_url is not None:
-            return self.outside_url
-        assert self.nats is not None and self.nats.port is not None, "start_nats() first"
-        return f"nats://{self.node_ip}:{self.nats.port}"
+    def connection(self, role: str = "controller") -> NatsConnection:
+        """How a client of ``role`` connects to the run's own nats-server."""
+        return self.processes.connection(role)
+
+    def spawn(self, spec: WorkerSpec) -> WorkerProcess:
+        """Place one worker with Ray and start it; supervised from now on."""
+        return self.processes.spawn(spec)
+
+    def restart_tier(self, tier: str, died: TierDied) -> list[WorkerProcess]:
+        """Stop every process of ``tier`` and start them again, in fresh actors."""
+        return self.processes.restart_tier(tier, died)
+
+    def retire(self, workers: Sequence[WorkerProcess]) -> None:
+        """Stop supervising ``workers``; the caller stops them."""
+        self.processes.retire(workers)
+
+    # --- placing a worker ---------------------------------------------------------------------
 
     def _start(self, spec: WorkerSpec, restart: int = 0) -> RayWorkerProcess:
         """Place ``spec``'s worker with Ray and start its process there."""
@@ -282,14 +326,15 @@ class RayFleet(EmbeddedFleet):
                 group, placement_group_bundle_index=int(rank)
             )
         program = list(spec.command) if spec.command else [find_script(spec.script)]
-        if self.outside_url is not None:
+        credentials = self.processes.credentials
+        if self.processes.outside_url is not None:
             role = self.logins[spec.tier].env() if spec.tier in self.logins else {}
         else:
-            role = self.credentials.env(spec.tier) if self.credentials is not None else {}
+            role = credentials.env(spec.tier) if credentials is not None else {}
         env = {"PYTHONUNBUFFERED": "1", **spec.env, **role}
         env["PYTHONPATH"] = worker_pythonpath(self.code_dirs, spec.env.get("PYTHONPATH"))  # then the node's
         launch = {"command": program, "config": spec.config_data(self.url), "env": env, "restart": restart,
-                  "work_dir": str(self.run_dir / "workers"), "name": spec.worker_id}  # fmt: skip
+                  "work_dir": str(self.processes.run_dir / "workers"), "name": spec.worker_id}  # fmt: skip
         host = self._restarted_class if spec.tier in RAY_RESTARTED_TIERS else self._host_class
         actor = host.options(name=None, **options).remote(launch)  # starts the process (again on a restart)
         started = self._placed(actor.describe.remote(), f"{spec.worker_id}'s Ray actor", resources.bundle(),
@@ -303,11 +348,15 @@ class RayFleet(EmbeddedFleet):
                                 started["actor_pid"], located_pid=int(started["pid"]))  # fmt: skip
 
     def check(self) -> None:
-        """The embedded launcher's check, then each worker whose actor Ray restarted (it started the
-        process again, which rejoins at the current weights): the run is told, as of a restart by
-        the launcher, so it forgets the dead process and waits for the new one; not counted against
-        ``restart_budget`` (Ray's ``max_restarts`` bounds these), and never restarted twice."""
-        super().check()
+        """Each crashed worker started again within the budget, the run told (as the embedded
+        launcher does: :meth:`RunProcesses.restarted`); then each worker whose actor Ray restarted
+        (it started the process again, which rejoins at the current weights): the run is told, as
+        of a restart by the launcher, so it forgets the dead process and waits for the new one; not
+        counted against ``restart_budget`` (Ray's ``max_restarts`` bounds these), and never
+        restarted twice."""
+        for restarted, died in self.processes.restarted():
+            if self.on_restart is not None:
+                self.on_restart(restarted, died)
         for worker in list(self.workers):
             process = worker.process
             if not isinstance(worker, RayWorkerProcess) or not isinstance(process, RemoteProcess):
@@ -326,7 +375,7 @@ class RayFleet(EmbeddedFleet):
             worker.node_id, worker.actor_pid = started["node_id"], int(started["actor_pid"])
         except Exception as exc:  # noqa: BLE001 - died again: the next check sees it
             logger.warning("restarted actor of %s did not say where it runs: %s", worker.spec.worker_id, exc)
-        self._write_processes()
+        self.processes.write()
 
     def _ray_restarted(self, worker: RayWorkerProcess) -> None:
         """Tell the run (``on_restart``) that ``worker``'s actor died and Ray starts it again."""
@@ -334,7 +383,7 @@ class RayFleet(EmbeddedFleet):
         died = TierDied(worker.spec.tier, worker.spec.worker_id, -9, error=why,
                         log_path=worker.log_path, log_tail=tail_of(worker.log_path, 20))  # fmt: skip
         logger.warning("%s", died)
-        self._write_processes()
+        self.processes.write()
         if self.on_restart is not None:
             self.on_restart(worker, died)
 
@@ -362,8 +411,9 @@ class RayFleet(EmbeddedFleet):
             on_timeout()
             raise WorkerStartTimeout(what, self.start_timeout_s, reserves, available) from None
 
-    def _record(self, worker: Any) -> dict[str, Any]:
-        record = super()._record(worker)
+    def _record(self, worker: WorkerProcess) -> dict[str, Any]:
+        """A worker's line of ``processes.json``, with where Ray placed it."""
+        record = worker_record(worker, self.processes.restarts)
         if isinstance(worker, RayWorkerProcess):
             record.update(node_ip=worker.node_ip, node_id=worker.node_id, host=worker.host,
                           cuda_visible_devices=worker.cuda_visible_devices,
@@ -373,8 +423,10 @@ class RayFleet(EmbeddedFleet):
         return record
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop every process placed (as the embedded launcher does), then free the placement
+        groups and a local Ray this fleet started."""
         try:
-            super().stop(timeout)
+            self.processes.stop(timeout)
         finally:
             for group in self._groups.values():
                 try:
@@ -387,6 +439,12 @@ class RayFleet(EmbeddedFleet):
             if self._started_ray:
                 self.ray.shutdown()
                 self._started_ray = False
+
+    def __enter__(self) -> RayFleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 RAY_RESTARTED_TIERS = ("rollout",)

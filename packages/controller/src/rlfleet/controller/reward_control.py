@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from rlfleet.common.control.membership import WorkerRegistry
@@ -46,10 +46,12 @@ from rlfleet.common.control.messages import (
 )
 from rlfleet.common.control.transport import TOKEN_HEADER, Transport, subject
 from rlfleet.common.schema.connection import mask_url
+from rlfleet.common.schema.reward import Spec
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.deadlines import Deadlines
 from rlfleet.controller.errors import RewardFnNotPortable
 from rlfleet.controller.fault_settings import FaultSettings
+from rlfleet.controller.own_store import OwnStore
 from rlfleet.controller.python_reward import PythonReward
 from rlfleet.controller.python_scorer import PythonScorer
 from rlfleet.controller.retry import with_retries
@@ -133,8 +135,8 @@ class RewardControl:
         self._raw: list[float] = []
         self.remote = remote
         self.python: PythonScorer | None = None  # the Python reward in force, scored in this process
-        self.store: Any = None  # where it reads texts: the run's OwnStore (attach_reward)
-        self.start_worker: Any = None  # async fn(spec): start the run's own reward worker (none yet)
+        self.store: OwnStore | None = None  # where it reads texts: the run's own store (attach_reward)
+        self.start_worker: Callable[[Spec], Awaitable[None]] | None = None  # the run's own reward worker
         self._revision = -1  # the highest reward revision seen; a Python reward takes the next
 
     @classmethod

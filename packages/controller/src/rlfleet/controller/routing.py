@@ -23,7 +23,7 @@ import difflib
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from rlfleet.common.schema.batch import RolloutBatch, pad_left, pad_right
 from rlfleet.common.tensors.server import TensorStoreServer
 from rlfleet.controller.dataset import PromptItem
 from rlfleet.controller.errors import RouteError
+from rlfleet.controller.ports import FleetClient
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +211,8 @@ class RolloutRouter:
     """
 
     def __init__(
-        self, tokenizer: Any, max_response_length: int, store: Callable[[], Any], config_pools: Sequence[str]
+        self, tokenizer: Any, max_response_length: int, store: Callable[[], Awaitable[TensorStoreServer]],
+        config_pools: Sequence[str],
     ) -> None:  # fmt: skip
         self.fn: RolloutFn | None = None
         self.tokenizer = tokenizer
@@ -219,13 +221,13 @@ class RolloutRouter:
         self._config_pools = list(config_pools)
         self._texts = 0
 
-    def pools(self, fleet: Any) -> list[str]:
+    def pools(self, fleet: FleetClient) -> list[str]:
         """Known pool names: the configured ones, then those of joined workers."""
         joined = sorted({w.pool for w in fleet.rollout_workers()} - set(self._config_pools))
         return [*self._config_pools, *joined]
 
     async def generate(
-        self, fleet: Any, batch: Sequence[PromptItem], sampling: SamplingParams, weight_version: int
+        self, fleet: FleetClient, batch: Sequence[PromptItem], sampling: SamplingParams, weight_version: int
     ) -> RoutedRollout:
         pools = self.pools(fleet) if self.fn is not None else []
         plan = await asyncio.to_thread(plan_routes, self.fn, batch, pools, sampling.n)
@@ -257,7 +259,7 @@ class RolloutRouter:
         tensors, num_tokens = await asyncio.to_thread(
             text_batch, items, texts, self.tokenizer, self.max_response_length
         )
-        store: TensorStoreServer = await self._store()
+        store = await self._store()
         self._texts += 1
         job_id = f"text-{self._texts}"
         ref = store.put_local(f"rollout/controller/{job_id}", tensors)

@@ -1,20 +1,29 @@
-"""``FleetRun``: one training run, everything the trainers share.
+"""``FleetRun``: one training run, the composition root that builds, starts, loops and closes.
 
-It resolves the model, binds the dataset to its tokenizer, brings up the fleet (its own
-nats-server or ``nats_url``'s; each tier a local process, Ray-placed with ``launcher: ray``, or,
-with ``nats_url`` alone, started elsewhere), tells the trainer the run's fixed settings, drives a
-step program over the dataset's seeded epochs on its own event loop (so users train with plain
-synchronous calls), logs metrics, saves and resumes checkpoints, and stops exactly what it started::
+It resolves the model, binds the dataset to its tokenizer, builds the launcher (:func:`build_launcher`)
+and brings up the fleet (its own nats-server or ``nats_url``'s; each tier a local process,
+Ray-placed with ``launcher: ray``, or, with ``nats_url`` alone, started elsewhere), tells the
+trainer the run's fixed settings, drives a step program over the dataset's seeded epochs on its
+own event loop (so users train with plain synchronous calls), logs metrics, saves and resumes
+checkpoints, and stops exactly what it started::
 
     start():  launcher.spawn(worker specs) ─► connect ─► wait_ready ─► reward tier ─► trainer.configure
               ─► resume_from? ─► "before" eval (run_eval.py)
-    steps():  for each batch: program.step(batch) ─► metrics ─► sinks / [PROGRESS] ─► checkpoint?
+    steps():  for each batch: program.step(batch, fleet) ─► metrics ─► sinks / [PROGRESS] ─► checkpoint?
               (a crashed worker: restarted, the step run again; the trainer: restored from the
               latest checkpoint, the steps after it run again; see supervision.py)
     finish(): final HF export ─► "after" eval, samples.md;  close(): leave, stop every started process
 
-A step program (:class:`StepProgram`: online RL or DPO) writes one step against the run's
-``fleet``, ``store``, ``kl_controller`` and :meth:`FleetRun.publish`.
+Nothing below imports this module: each helper receives the ports it uses
+(:mod:`rlfleet.controller.ports`), and this is where they are wired. The run's position is its
+:class:`~rlfleet.controller.ports.RunState` (``run.state``); the helpers that move it on are the
+step loop here, :func:`~rlfleet.controller.fleet.publish` and :meth:`FleetRun.resume`::
+
+    Supervisor(state, loop, metrics, checkpoints=run, fleet=..., launcher=...)   supervision.py
+    RunEval(state, dataset, tokenizer, store, reward, say).capture(label, fleet)    run_eval.py
+    RolloutScaler(state, model_path, launcher, fleet, loop, rejoining)           rollout_scaling.py
+    attach_reward(fleet, config, url, reward, store, start_worker)                run_reward.py
+    OnlineStep / DPOStep(state, store, kl_controller, ...).step(batch, fleet)     online.py, dpo.py
 """
 
 from __future__ import annotations
@@ -22,37 +31,77 @@ from __future__ import annotations
 import logging
 import math
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from rlfleet.common.atomic_files import write_atomic
-from rlfleet.common.control.messages import TrainerConfigure, WeightsLoaded, WeightsPublished
+from rlfleet.common.control.messages import TrainerConfigure
+from rlfleet.common.control.transport import Transport
 from rlfleet.common.schema.algorithms import ALGORITHMS
 from rlfleet.common.schema.connection import NatsConnection, mask_url
 from rlfleet.common.schema.trainer import model_fingerprint
 from rlfleet.controller.checkpoints import read_checkpoint_state, resolve_resume, write_checkpoint_state
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptDataset, PromptItem
-from rlfleet.controller.errors import TierNotReady
-from rlfleet.controller.fleet import Fleet
-from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec
-from rlfleet.controller.launcher_settings import build_launcher
+from rlfleet.controller.fleet import publish
+from rlfleet.controller.launcher import EmbeddedFleet
+from rlfleet.controller.launcher_settings import worker_logins
 from rlfleet.controller.loggers import RunMetrics
 from rlfleet.controller.models import resolve_model
 from rlfleet.controller.own_store import OwnStore
-from rlfleet.controller.rollout_scaling import scale_due
+from rlfleet.controller.ports import FleetClient, KLController, Launcher, RunState, StepProgram, not_ready
+from rlfleet.controller.rollout_scaling import RolloutScaler, check_request, scale_due
 from rlfleet.controller.run_eval import RunEval
 from rlfleet.controller.run_reward import RunReward, attach_reward
 from rlfleet.controller.run_tokenizer import load_run_tokenizer
-from rlfleet.controller.step_program import KLController, StepProgram, StepResult
 from rlfleet.controller.supervision import GuardedLoop, SupervisedFleet, Supervisor
 from rlfleet.controller.watchdog import Watchdog
-from rlfleet.controller.worker_configs import tier_counts, worker_specs
+from rlfleet.controller.worker_configs import start_reward_worker, tier_counts, worker_specs
+from rlfleet.controller.worker_process import WorkerSpec
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """What one step produced: its metrics and where it stands."""
+
+    step: int
+    epoch: int
+    metrics: dict[str, float]
+    weight_version: int
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    routes: dict[str, Any] = field(default_factory=dict)
+    """Where the step's prompts went (GRPO/PPO): route -> :class:`rlfleet.controller.routing.RouteSummary`."""
+
+
+def build_launcher(config: TrainerConfig, run_dir: Path, specs: Sequence[WorkerSpec] = ()) -> Launcher:
+    """The launcher that starts ``config``'s tiers under ``run_dir``: an ``EmbeddedFleet`` or a ``RayFleet``.
+
+    ``specs``: the workers the run will start; a ``RayFleet`` refuses at once a job whose
+    reservations its Ray cluster cannot hold, and sizes a local Ray it starts to them."""
+    budget, code = config.faults.restart_budget, config.python_path  # code: on every worker's PYTHONPATH
+    if config.launcher == "ray":
+        from rlfleet.controller.ray_launcher import RayFleet, job_reservation, placement_for
+
+        outside = config.nats_url  # the controller's login may come from RLFLEET_NATS_*: checked now
+        logins = worker_logins(config, config.nats_auth.resolved()) if outside is not None else {}
+        job = job_reservation(config, list(specs)) if specs else None
+        fleet = RayFleet(run_dir, address=config.ray_address, num_cpus=config.ray_num_cpus,
+                         placement=placement_for(config), restart_budget=budget, job=job,
+                         start_timeout_s=config.startup_timeout_s, max_restarts=config.ray_max_restarts,
+                         python_path=code)  # fmt: skip
+        if outside is not None:
+            fleet.join_nats(outside, logins)
+        return fleet
+    from rlfleet.controller.gpu_assignment import assignment_for
+
+    return EmbeddedFleet(run_dir, restart_budget=budget, gpus=assignment_for(config), python_path=code)
 
 
 class FleetRun:
@@ -63,19 +112,20 @@ class FleetRun:
         reward: Any = None, critic_model_name: str | None = None,
     ) -> None:  # fmt: skip
         self.config = config
-        self.output_dir = Path(config.output_dir)
-        self.resume_path = resolve_resume(config.resume_from, self.output_dir)
+        cluster = config.cluster or f"run-{uuid.uuid4().hex[:8]}"
+        self.state = RunState(config, Path(config.output_dir), cluster, publish_dtype=config.publish_dtype())
+        """Where the run stands: what every helper reads, and the step loop moves on."""
+        self.resume_path = resolve_resume(config.resume_from, self.state.output_dir)
         """The checkpoint the run continues from (a bad ``resume_from`` fails here, before anything runs)."""
-        self.metrics = RunMetrics(config.loggers, self.output_dir, config.masked_dump(), config.log_every)
+        self.metrics = RunMetrics(
+            config.loggers, self.state.output_dir, config.masked_dump(), config.log_every
+        )
         spec = ALGORITHMS[config.algorithm]
         self.online = spec.online
         """Whether the run generates and scores (rollout and reward tiers); False for DPO."""
         self.kl_controller = kl_controller
         """The KL coefficient of each step (built from the config's KL fields by the trainer)."""
         self.reward = RunReward.of(reward, config) if spec.online else None
-        self.global_step = 0
-        self.weight_version = 0
-        self.epoch = 0
         self.model_path = resolve_model(model_name, seed=config.seed)
         critic = critic_model_name or config.critic_model_name
         self.critic_path = resolve_model(critic, seed=config.seed) if critic else self.model_path
@@ -84,16 +134,20 @@ class FleetRun:
                                             chat_template=config.chat_template)  # fmt: skip
         dataset.bind_tokenizer(self.tokenizer)
         self.dataset = dataset
-        self.cluster = config.cluster or f"run-{uuid.uuid4().hex[:8]}"
-        self.launcher: EmbeddedFleet | None = None
+        self.launcher: Launcher | None = None
         self.loop = GuardedLoop(lambda: self.launcher)
-        self.supervisor = Supervisor(self)
         self.store = OwnStore(config, listen_all=config.nats_url is not None)
-        self.publish_dtype = config.publish_dtype()
-        """The dtype weights are published in, fixed by the engines' dtype when the run is made."""
-        self.transport: Any = None
-        self._fleet: Fleet | None = None
-        self.evals = RunEval(self) if self.online and (config.sample_table_size or config.eval_data) else None
+        self.transport: Transport | None = None
+        self._fleet: FleetClient | None = None
+        self.supervisor = Supervisor(
+            self.state, self.loop, self.metrics, self, fleet=lambda: self._fleet,
+            launcher=lambda: self.launcher, configure=self.trainer_configure,
+        )  # fmt: skip
+        self.evals = (
+            RunEval(self.state, dataset, self.tokenizer, self.store, self.reward, self.metrics.say)
+            if self.online and (config.sample_table_size or config.eval_data)
+            else None
+        )
 
     # --- what a trainer exposes ------------------------------------------------------------------
 
@@ -110,7 +164,7 @@ class FleetRun:
         self.kl_controller.value = value
 
     @property
-    def fleet(self) -> Fleet:
+    def fleet(self) -> FleetClient:
         if self._fleet is None:
             raise RuntimeError("the fleet is not started; call start() or train() first")
         return self._fleet
@@ -135,8 +189,8 @@ class FleetRun:
         """The processes an embedded run starts, each with its validated worker config."""
         spec = self.reward.worker_spec if self.reward is not None else None
         critic = self.critic_path if ALGORITHMS[self.config.algorithm].needs_critic else None
-        return worker_specs(self.config, self.model_path, self.cluster, online=self.online, reward_spec=spec,
-                            critic_path=critic)  # fmt: skip
+        return worker_specs(self.config, self.model_path, self.state.cluster, online=self.online,
+                            reward_spec=spec, critic_path=critic)  # fmt: skip
 
     def trainer_configure(self) -> TrainerConfigure:
         """The run's fixed trainer settings, as the trainer is told them before the first step."""
@@ -149,26 +203,26 @@ class FleetRun:
         """Bring up the fleet and resume from ``resume_from`` (idempotent)."""
         if self._fleet is not None:
             return
-        cfg = self.config
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.output_dir / "config.yaml", self.resolved_config_yaml())
+        cfg, output_dir = self.config, self.state.output_dir
+        output_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(output_dir / "config.yaml", self.resolved_config_yaml())
         try:
             url, auth, env = cfg.nats_url, cfg.nats_auth, None
             if url is None or cfg.launcher == "ray":  # ray with nats_url: tiers placed, on that server
                 specs = self.worker_specs()  # ray: the job must fit its cluster before anything starts
-                self.launcher = build_launcher(cfg, self.output_dir / "fleet", specs)  # embedded or ray
-                self.supervisor.attach(self.launcher)
+                launcher = self.launcher = build_launcher(cfg, output_dir / "fleet", specs)  # embedded or ray
+                self.supervisor.attach(launcher)
                 if url is None:
-                    url = self.launcher.start_nats(self.cluster)
-                    auth, env = self.launcher.connection("controller"), {}  # not the shell's RLFLEET_NATS_*
-                    self._write_join_config(url)
+                    url = launcher.start_nats(self.state.cluster)
+                    auth, env = launcher.connection("controller"), {}  # not the shell's RLFLEET_NATS_*
+                    self._write_join_config(launcher, url)
                 for spec in specs:
-                    self.launcher.spawn(spec)
+                    launcher.spawn(spec)
             self.loop.run(self._connect(url, auth, env))
             if self.resume_path is not None:
                 self.resume(self.resume_path)
             if self.evals is not None:  # the held-out eval (eval_data) and the before/after table
-                self.loop.run(self.evals.capture("before"))
+                self.loop.run(self.evals.capture("before", self.fleet))
         except BaseException:
             self.close()
             raise
@@ -178,31 +232,30 @@ class FleetRun:
         """An embedded run's config file for a rollout worker that joins it (``rlfleet-rollout serve
         --config FILE --model PATH --pool NAME``): the URL, cluster and the rollout role's credential
         (readable by this user only)."""
-        return self.output_dir / "fleet" / "join-rollout.yaml"
+        return self.state.output_dir / "fleet" / "join-rollout.yaml"
 
-    def _write_join_config(self, url: str) -> None:
+    def _write_join_config(self, launcher: Launcher, url: str) -> None:
         """``join-rollout.yaml`` (the rollout role's login) and ``status.yaml`` (the observer's, for
         ``rlfleet status --run OUTPUT_DIR``) of the run's own server, readable by this user only."""
-        assert self.launcher is not None
         self.join_config.parent.mkdir(parents=True, exist_ok=True)
         status = self.join_config.parent / "status.yaml"
         for role, path in (("rollout", self.join_config), ("observer", status)):
-            auth = self.launcher.connection(role)
+            auth = launcher.connection(role)
             password = auth.password.get_secret_value()
             login = {"user": auth.user, "password": password, "inbox_prefix": auth.inbox_prefix}
-            data = {"nats_url": url, "cluster": self.cluster, "nats_auth": login}
+            data = {"nats_url": url, "cluster": self.state.cluster, "nats_auth": login}
             write_atomic(path, yaml.safe_dump(data, sort_keys=False), mode=0o600)
 
     async def _connect(self, url: str, auth: NatsConnection, env: dict[str, str] | None = None) -> None:
         from rlfleet.common.control.nats_transport import NatsTransport
 
-        cfg = self.config
+        cfg, cluster = self.config, self.state.cluster
         self.transport = await NatsTransport.connect(
             url, name="rlfleet-controller", tier="controller", auth=auth, env=env,
             outage_grace_s=cfg.faults.outage_grace_s,
         )  # fmt: skip
         self.watchdog = Watchdog(cfg.faults.stall_report_s)  # names a worker that owes a result too long
-        fleet = SupervisedFleet(self.watchdog.watch(self.transport), self.cluster,
+        fleet = SupervisedFleet(self.watchdog.watch(self.transport), cluster,
                                 request_timeout=cfg.request_timeout_s,
                                 dead_after=cfg.faults.dead_after_s, faults=cfg.faults)  # fmt: skip
         self.watchdog.attach(fleet.registry)
@@ -212,35 +265,18 @@ class FleetRun:
         try:
             await fleet.wait_ready(counts, cfg.startup_timeout_s)
         except TimeoutError as exc:
-            raise self.not_ready(fleet, str(exc)) from None
-        if self.online:
-            await attach_reward(fleet, cfg, url, self)  # the run's own reward tier, or reward_url's
+            raise not_ready(self.launcher, fleet.registry, cfg.startup_timeout_s, str(exc)) from None
+        if self.reward is not None:  # the run's own reward tier, or reward_url's
+            launcher = self.launcher
+            start = partial(start_reward_worker, launcher, fleet.registry, self.state) if launcher else None
+            await attach_reward(fleet, cfg, url, self.reward, self.store, start)
         await fleet.configure_trainer(self.trainer_configure())
         if cfg.nats_url is None:
             logger.info("fleet ready: %s; rollout workers join with: rlfleet-rollout serve --config %s "
                         "--model PATH --pool NAME", counts, self.join_config)  # fmt: skip
         else:
             logger.info("fleet ready: %s; rollout workers join with: rlfleet-rollout serve --model PATH "
-                        "--nats %s --cluster %s --pool NAME", counts, mask_url(url),
-                        self.cluster)  # fmt: skip
-
-    def not_ready(self, fleet: Fleet, detail: str) -> TierNotReady:
-        """Name the started workers that never announced (or just the tiers, when joining a cluster)."""
-        missing: list[str] = []
-        if self.launcher is not None:
-            missing = [
-                worker.describe()
-                for worker in self.launcher.workers
-                if fleet.registry.get(worker.spec.tier, worker.spec.worker_id) is None
-            ]
-        return TierNotReady(self.config.startup_timeout_s, missing, detail)
-
-    def describe_worker(self, worker_id: str) -> str:
-        """A started worker's id, pid, state and log (just its id when this run did not start it)."""
-        for worker in self.launcher.workers if self.launcher is not None else []:
-            if worker.spec.worker_id == worker_id:
-                return worker.describe()
-        return worker_id
+                        "--nats %s --cluster %s --pool NAME", counts, mask_url(url), cluster)  # fmt: skip
 
     def resolved_config_yaml(self) -> str:
         data = {
@@ -253,17 +289,6 @@ class FleetRun:
 
     # --- steps -----------------------------------------------------------------------------------
 
-    async def publish(self, weight_version: int = -1) -> tuple[WeightsPublished, list[WeightsLoaded]]:
-        """Publish the trainer's weights (as ``weight_version``; -1: the next) and have every rollout
-        worker load them; the run then generates at that version."""
-        cfg = self.config
-        published = await self.fleet.publish_weights(
-            cfg.weight_bucket_mb, weight_version, carrier=cfg.weight_carrier, dtype=self.publish_dtype
-        )
-        loaded = await self.fleet.load_weights(published)
-        self.weight_version = published.weight_version
-        return published, loaded
-
     def total_steps(self, num_epochs: int, max_steps: int | None) -> int:
         total = self.dataset.steps_per_epoch(self.config.rollout_batch_size) * num_epochs
         return min(total, max_steps) if max_steps else total
@@ -274,23 +299,25 @@ class FleetRun:
         run, whose steps after it come again); a failed step (a worker lost for good, Ctrl-C) stops
         the fleet before the error reaches the caller; leaving the loop early keeps it running."""
         self.start()
+        state = self.state
         total = self.total_steps(num_epochs, max_steps)
         self.metrics.begin(total, num_epochs)
         rewound = True
         while rewound:
             rewound = False
             for epoch, batch in self._batches(num_epochs):
-                if self.global_step >= total:
+                if state.global_step >= total:
                     return
                 try:
-                    if self.config.rollout_scale:  # the job's schedule, before the step it names
-                        scale_due(self)
+                    if self.online and self.config.rollout_scale:  # the job's schedule, before its step
+                        for pool, n in scale_due(state, self.launcher).items():
+                            self.scale_rollout(pool, n)
                     metrics = self.supervisor.run_step(program, batch)
                     if metrics is None:  # the trainer was restored from a checkpoint: go on from there
                         rewound = True
                         break
-                    self.global_step += 1
-                    self.epoch = epoch
+                    state.global_step += 1
+                    state.epoch = epoch
                     rewound = self.supervisor.guard(self._record, epoch + 1, metrics) is None
                 except BaseException:  # re-raised: only makes sure no process outlives a failed run
                     self.close()
@@ -298,29 +325,38 @@ class FleetRun:
                 if rewound:
                     break
                 routes = dict(program.last_routes)
-                yield StepResult(self.global_step, epoch + 1, metrics, self.weight_version, routes=routes)
+                yield StepResult(state.global_step, epoch + 1, metrics, state.weight_version, routes=routes)
 
     def _batches(self, num_epochs: int) -> Iterator[tuple[int, list[PromptItem]]]:
         """``(epoch, batch)`` from the dataset's position on (a rewind moves the position back)."""
-        for epoch in range(self.epoch, num_epochs):
+        for epoch in range(self.state.epoch, num_epochs):
             for batch in self.dataset.batches(self.config.rollout_batch_size, epoch=epoch):
                 yield epoch, batch
 
     def _record(self, epoch: int, metrics: dict[str, float]) -> bool:
         """Log a step's metrics; save a checkpoint, run the held-out eval when due."""
-        step = self.global_step
+        step = self.state.global_step
         metrics["epoch"] = float(epoch)
         reward = getattr(self._fleet, "reward", None)  # a RewardControl once an online fleet is up
         if reward is not None:
             metrics.update(reward.step_metrics(step))  # the reward version, and whether it changed
         self.metrics.log(step, epoch, metrics)
         if self.evals is not None and self.evals.due(step):
-            self.loop.run(self.evals.capture(f"step-{step}"))
+            self.loop.run(self.evals.capture(f"step-{step}", self.fleet))
         if self.config.save_every and step % self.config.save_every == 0:
-            self.save_checkpoint(self.output_dir / f"checkpoint-{step}")
+            self.save_checkpoint(self.state.output_dir / f"checkpoint-{step}")
         return True
 
-    # --- checkpoints -----------------------------------------------------------------------------
+    def scale_rollout(self, pool: str, n: int) -> list[str]:
+        """Make rollout pool ``pool`` ``n`` workers, between steps (see rollout_scaling.py)."""
+        check_request(self.config, self.launcher, pool, n)
+        self.start()
+        assert self.launcher is not None, "a run with a launcher started it"
+        scaler = RolloutScaler(self.state, self.model_path, self.launcher, self.fleet, self.loop,
+                               self.supervisor.rejoining)  # fmt: skip
+        return scaler.scale(pool, n)
+
+    # --- checkpoints (the run's Checkpoints port) ------------------------------------------------
 
     def save(self, path: str | Path) -> Path:
         """Save the actor in HF format (loadable with ``AutoModelForCausalLM.from_pretrained``)."""
@@ -331,16 +367,16 @@ class FleetRun:
         root = path.resolve()
         self.loop.run(self.fleet.save(str(root), mode="full"))
         state: dict[str, Any] = {
-            "global_step": self.global_step,
+            "global_step": self.state.global_step,
             "epoch": self.dataset.epoch,
             "dataset": self.dataset.state_dict(),
             "kl_controller": self.kl_controller.state_dict(),
-            "weight_version": self.weight_version,
+            "weight_version": self.state.weight_version,
         }
         if self.reward is not None:
             state.update(self.loop.run(self.reward.checkpoint_state(self.fleet.reward)))
         write_checkpoint_state(root, state)
-        logger.info("checkpoint of step %d saved to %s", self.global_step, root)
+        logger.info("checkpoint of step %d saved to %s", self.state.global_step, root)
         return root
 
     def resume(self, path: Path, weight_version: int | None = None) -> None:
@@ -348,31 +384,32 @@ class FleetRun:
 
         The weights go out as the checkpoint's version, or as ``weight_version`` (a trainer restored
         mid-run: a new version, so that no worker takes them for the ones it holds)."""
-        state = read_checkpoint_state(path)
-        version = int(state["weight_version"]) if weight_version is None else weight_version
+        saved = read_checkpoint_state(path)
+        version = int(saved["weight_version"]) if weight_version is None else weight_version
         self.loop.run(self._restore_tiers(path.resolve(), version))
-        self.dataset.load_state_dict(state["dataset"])
-        self.kl_controller.load_state_dict(state["kl_controller"])
-        self.global_step = int(state["global_step"])
-        self.weight_version = version
-        self.epoch = int(state["epoch"])
+        self.dataset.load_state_dict(saved["dataset"])
+        self.kl_controller.load_state_dict(saved["kl_controller"])
+        state = self.state
+        state.global_step = int(saved["global_step"])
+        state.weight_version = version
+        state.epoch = int(saved["epoch"])
         if self.reward is not None:
-            self.loop.run(self.reward.restore(self.fleet.reward, state))
-        logger.info("resumed from %s at step %d (weight version %d)", path, self.global_step, version)
+            self.loop.run(self.reward.restore(self.fleet.reward, saved))
+        logger.info("resumed from %s at step %d (weight version %d)", path, state.global_step, version)
 
     async def _restore_tiers(self, path: Path, version: int) -> None:
         await self.fleet.load_checkpoint(str(path), version)
         if self.online:
-            await self.publish(version)
+            await publish(self.fleet, self.state, version)
 
     # --- the end ---------------------------------------------------------------------------------
 
     def finish(self) -> None:
         """Final checkpoint and the before/after table."""
-        final = self.save(self.output_dir / "final")
+        final = self.save(self.state.output_dir / "final")
         if self.evals is not None:
-            self.loop.run(self.evals.capture("after"))
-            self.evals.write(self.metrics.say)
+            self.loop.run(self.evals.capture("after", self.fleet))
+            self.evals.write()
         self.metrics.say(f"final model saved to {final}")
 
     def close(self) -> None:
@@ -391,7 +428,7 @@ class FleetRun:
                 launcher.stop()
             self.loop.close()
 
-    async def _leave(self, fleet: Fleet | None, transport: Any) -> None:
+    async def _leave(self, fleet: FleetClient | None, transport: Transport | None) -> None:
         await self.store.stop()
         if transport is not None:
             if fleet is not None:

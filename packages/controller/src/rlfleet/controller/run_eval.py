@@ -18,14 +18,20 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlfleet.common.atomic_files import write_atomic
 from rlfleet.common.errors import RlfleetError
 from rlfleet.controller.dataset import PromptDataset
 from rlfleet.controller.eval_metrics import CORRECT, RELEVANCE, EvalRow, make_row, summarize, summary_line
 from rlfleet.controller.eval_scoring import BUILTIN_ENDPOINT, builtin_spec, checks_answers, score_answers
+from rlfleet.controller.own_store import OwnStore
+from rlfleet.controller.ports import FleetClient, RunState
+from rlfleet.controller.run_reward import RunReward
 from rlfleet.controller.samples import SampleTable
+
+if TYPE_CHECKING:
+    from rlfleet.controller.reward_control import RewardControl
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +45,25 @@ def reward_name(spec: Any) -> str:
 
 
 class RunEval:
-    """The held-out evaluations of ``run`` (or just its sample table, without ``eval_data``)."""
+    """The held-out evaluations of a run (or just its sample table, without ``eval_data``): its
+    ``state``, its training ``dataset`` (the held-out file is read the same way; the table's prompts
+    come from it without one), its ``tokenizer``, its own ``store`` (the answers are read back from
+    there), its ``reward`` (None: offline) and where it reports (``say``). Each capture answers
+    through the fleet client it is given."""
 
-    def __init__(self, run: Any) -> None:  # a FleetRun (run.py imports this module: no import back)
-        cfg = run.config
-        self.run = run
+    def __init__(
+        self, state: RunState, dataset: PromptDataset, tokenizer: Any, store: OwnStore,
+        reward: RunReward | None, say: Callable[[str], None],
+    ) -> None:  # fmt: skip
+        cfg = state.config
+        self.state = state
+        self.store = store
+        self.tokenizer = tokenizer
+        self.reward = reward
+        self.say = say
         self.heldout = cfg.eval_data is not None
         if cfg.eval_data is not None:
-            data = run.dataset
+            data = dataset
             heldout = PromptDataset(
                 cfg.eval_data,
                 max_prompt_length=cfg.max_prompt_length,
@@ -55,7 +72,7 @@ class RunEval:
                 shuffle=False,
                 overlong=data.overlong,
                 system_prompt=data.system_prompt,
-                tokenizer=run.tokenizer,
+                tokenizer=tokenizer,
             )
             self.table = SampleTable(
                 [heldout[i] for i in range(len(heldout))],
@@ -64,77 +81,79 @@ class RunEval:
                 max_tokens=cfg.eval_max_tokens,
             )
         else:
-            self.table = SampleTable(run.dataset.sample_items(cfg.sample_table_size), cfg)
+            self.table = SampleTable(dataset.sample_items(cfg.sample_table_size), cfg)
         self.records: list[dict[str, Any]] = []
-        self.path = run.output_dir / "eval.jsonl"
-        self._builtin: Any = None  # a RewardControl on the built-in endpoint; False: none to be had
+        self.path = state.output_dir / "eval.jsonl"
+        self._builtin: RewardControl | bool | None = None  # on the built-in endpoint; False: none to be had
 
     def due(self, step: int) -> bool:
-        every = self.run.config.eval_every
+        every = self.state.config.eval_every
         return self.heldout and every > 0 and step % every == 0
 
-    async def capture(self, label: str) -> None:
+    async def capture(self, label: str, fleet: FleetClient) -> None:
         """Answer (and, with ``eval_data``, measure) the prompts at the run's current weights."""
-        run = self.run
+        state = self.state
         last = self.records[-1] if self.records else None
-        if label == "after" and last is not None and last["weight_version"] == run.weight_version:
+        if label == "after" and last is not None and last["weight_version"] == state.weight_version:
             self.table.captures["after"] = self.table.captures[last["label"]]  # answered at these weights
             self._record(label, [EvalRow(**row) for row in last["rows"]])
             return
-        rows = await self.table.capture(label, run.fleet, run.weight_version, run.store)
+        rows = await self.table.capture(label, fleet, state.weight_version, self.store)
         if not self.heldout:
             return
-        limit, name = run.config.eval_limit_words, reward_name(run.reward.spec if run.reward else None)
+        limit = state.config.eval_limit_words
+        name = reward_name(self.reward.spec if self.reward else None)
         evals = []
         for item, row in zip(self.table.items, rows, strict=True):
             got = make_row(item.index, row["prompt"], 0, row["answer"], row["tokens"], limit)
             got.rewards, got.components = {name: row["reward"]}, {name: row["components"]}
             got.prompt_tokens = len(item.token_ids or [])
             evals.append(got)
-        await self._measure(evals)
+        await self._measure(evals, fleet)
         self._record(label, evals)
 
     def _record(self, label: str, rows: list[EvalRow]) -> None:
-        run = self.run
-        summary = summarize(rows, run.config.eval_limit_words)
+        state = self.state
+        summary = summarize(rows, state.config.eval_limit_words)
         record = {
             "label": label,
-            "step": run.global_step,
-            "weight_version": run.weight_version,
+            "step": state.global_step,
+            "weight_version": state.weight_version,
             "summary": summary,
             "rows": [row.to_json() for row in rows],
         }
         with self.path.open("w" if not self.records else "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         self.records.append(record)
-        run.metrics.say(
-            f"held-out eval {label} (step {run.global_step}, {len(rows)} prompts): {summary_line(summary)}"
+        self.say(
+            f"held-out eval {label} (step {state.global_step}, {len(rows)} prompts): {summary_line(summary)}"
         )
 
-    async def _measure(self, rows: list[EvalRow]) -> None:
+    async def _measure(self, rows: list[EvalRow], fleet: FleetClient) -> None:
         """Relevance and the answer check of each row, from the built-in endpoint."""
-        control = await self._builtin_control()
+        control = await self._builtin_control(fleet)
         if control is None:
             return
-        items, run = self.table.items, self.run
+        items = self.table.items
         answers = [[row.answer] for row in rows]
         scored = await score_answers(
-            control, run.store, BUILTIN_ENDPOINT, items, [r.prompt for r in rows], answers, run.tokenizer
+            control, self.store, BUILTIN_ENDPOINT, items, [r.prompt for r in rows], answers, self.tokenizer
         )
         for i, row in enumerate(rows):
             row.relevance = scored.components[RELEVANCE][i]
             if CORRECT in scored.components:
                 row.correct = scored.components[CORRECT][i] >= 0.5
 
-    async def _builtin_control(self) -> Any:
+    async def _builtin_control(self, fleet: FleetClient) -> RewardControl | None:
         """A reward control of its own (the run's step metrics stay the run's reward's) on the built-in
         endpoint, created on the run's own reward worker the first time; None when there is none."""
         if self._builtin is None:
             self._builtin = False
             from rlfleet.controller.reward_control import RewardControl
 
-            run_control = self.run.fleet.reward
-            if self.run.config.reward_url or not run_control.registry.workers("reward"):
+            run_control = fleet.reward
+            assert run_control is not None, "an online run attaches its reward tier when it starts"
+            if self.state.config.reward_url or not run_control.registry.workers("reward"):
                 logger.warning("held-out eval: no reward worker of the run's own; relevance is not measured")
                 return None
             control = RewardControl(
@@ -154,25 +173,25 @@ class RunEval:
             self._builtin = control
         return self._builtin or None
 
-    def write(self, say: Callable[[str], None]) -> None:
+    def write(self) -> None:
         """``samples.md`` (the table, and the held-out means before and after), ``eval.json``; print both."""
-        run = self.run
+        cfg, output_dir = self.state.config, self.state.output_dir
         text = self.table.render()
         if self.records:
             first, last = self.records[0], self.records[-1]
             text += (
-                f"\n\nheld-out eval ({run.config.eval_data}, {first['summary']['prompts']} prompts):\n"
+                f"\n\nheld-out eval ({cfg.eval_data}, {first['summary']['prompts']} prompts):\n"
                 f"- before: {summary_line(first['summary'])}\n- after:  {summary_line(last['summary'])}"
             )
             data = {
-                "eval_data": run.config.eval_data,
-                "limit_words": run.config.eval_limit_words,
+                "eval_data": cfg.eval_data,
+                "limit_words": cfg.eval_limit_words,
                 "before": first["summary"],
                 "after": last["summary"],
                 "evals": [
                     {k: r[k] for k in ("label", "step", "weight_version", "summary")} for r in self.records
                 ],
             }
-            write_atomic(run.output_dir / "eval.json", json.dumps(data, indent=1))
-        (run.output_dir / "samples.md").write_text(text)
-        say(text)
+            write_atomic(output_dir / "eval.json", json.dumps(data, indent=1))
+        (output_dir / "samples.md").write_text(text)
+        self.say(text)

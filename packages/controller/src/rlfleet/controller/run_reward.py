@@ -12,18 +12,19 @@ run re-applies it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from functools import partial
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from rlfleet.common.control.messages import RewardSpecSet, RewardStats
 from rlfleet.common.schema.connection import mask_url
+from rlfleet.common.schema.reward import Spec
 from rlfleet.controller.checkpoints import reward_to_restore
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.errors import RewardFnNotPortable, TierNotReady
+from rlfleet.controller.own_store import OwnStore
+from rlfleet.controller.ports import FleetClient
 from rlfleet.controller.python_reward import PythonReward
 from rlfleet.controller.reward_control import SHARED_SERVER_RUNS_NO_CODE, RewardControl, describe_reward_fn
-from rlfleet.controller.worker_configs import start_reward_worker
 
 logger = logging.getLogger(__name__)
 
@@ -137,12 +138,16 @@ class RunReward:
             await self.switch(control, swap)
 
 
-async def attach_reward(fleet: Any, config: TrainerConfig, url: str, run: Any = None) -> RewardControl:
-    """Give ``fleet`` (a :class:`~rlfleet.controller.fleet.Fleet`) its reward tier; wait for a shared one.
+async def attach_reward(
+    fleet: FleetClient, config: TrainerConfig, url: str, reward: RunReward, store: OwnStore,
+    start_worker: Callable[[Spec], Awaitable[None]] | None = None,
+) -> RewardControl:  # fmt: skip
+    """Give ``fleet`` its reward tier (the run's own, on ``url``, or ``reward_url``'s); wait for a
+    shared one.
 
-    ``run`` (a :class:`~rlfleet.controller.run.FleetRun`): its store feeds a Python reward, its
-    launcher starts a reward worker when a run that began with a Python reward switches to a spec,
-    and its reward is put in force (:meth:`RunReward.attach`)."""
+    ``store`` (the run's own) feeds a Python reward; ``start_worker`` starts the run's own reward
+    worker when a run that began with a Python reward switches to a spec (None: the run starts no
+    workers); ``reward`` is put in force (:meth:`RunReward.attach`)."""
     control = await RewardControl.connect(config, fleet.transport, fleet.cluster, fleet.registry, url)
     fleet.reward = control
     if control.remote:
@@ -151,9 +156,8 @@ async def attach_reward(fleet: Any, config: TrainerConfig, url: str, run: Any = 
         except TimeoutError as exc:
             detail = f"the shared reward server at {mask_url(config.reward_url or '')} did not answer: {exc}"
             raise TierNotReady(config.startup_timeout_s, [], detail) from None
-    if run is not None:
-        control.store = run.store
-        if not control.remote and run.launcher is not None:
-            control.start_worker = partial(start_reward_worker, run)
-        await run.reward.attach(control)
+    control.store = store
+    if not control.remote:
+        control.start_worker = start_worker
+    await reward.attach(control)
     return control

@@ -15,12 +15,12 @@ from rlfleet.common.schema.batch import unpack_texts
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptItem
-from rlfleet.controller.fleet import Fleet
+from rlfleet.controller.ports import FleetClient
 from rlfleet.controller.routing import chunk_metadata
 
 
 class RunStore(Protocol):
-    """What the table needs of the run's store (:class:`rlfleet.controller.run.OwnStore`)."""
+    """What the table needs of the run's store (:class:`rlfleet.controller.own_store.OwnStore`)."""
 
     async def fetch(self, ref: TensorRef, names: list[str] | None = None) -> dict[str, Any]: ...
     async def release(self, results: list[GenerateResult]) -> None: ...
@@ -49,7 +49,7 @@ class SampleTable:
     async def capture(
         self,
         label: str,
-        fleet: Fleet,
+        fleet: FleetClient,
         weight_version: int,
         store: RunStore,
     ) -> list[dict[str, Any]]:

@@ -3,11 +3,11 @@ the run does when a worker crashes.
 
 Users drive training with plain calls (``trainer.steps()``, ``trainer.set_reward_fn(...)``); each
 runs a coroutine on :class:`GuardedLoop` to the end. While it runs, the processes the run started
-are checked four times a second (:meth:`~rlfleet.controller.launcher.EmbeddedFleet.check`), so a
-death is seen at once instead of when a request times out.
+are checked four times a second (the run's :meth:`~rlfleet.controller.ports.Launcher.check`), so
+a death is seen at once instead of when a request times out.
 
 A **rollout or reward worker** is started again by the launcher, under the same id and config,
-within ``faults.restart_budget`` (:meth:`~rlfleet.controller.launcher.EmbeddedFleet.check`). The
+within ``faults.restart_budget`` (:meth:`~rlfleet.controller.launcher.RunProcesses.restarted`). The
 run then forgets the dead process at once (a request in flight to it ends with ``WorkerGone`` and
 its chunk goes to another worker), and before the next step waits for the new process to
 announce when its tier has no other worker left (a rollout worker loads the trainer's current
@@ -32,6 +32,9 @@ naming why.
 
     step ──► crash? ── rollout/reward ──► launcher restarts it ──► step again (if it had not trained)
                    └── trainer ──► restart + configure ──► load checkpoint-<k> ──► steps k+1.. again
+
+:class:`Supervisor` receives the ports it uses (:mod:`rlfleet.controller.ports`): the run's state,
+its launcher and fleet client (once started), its checkpoints, its metrics and its loop.
 """
 
 from __future__ import annotations
@@ -39,16 +42,27 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from rlfleet.common.control.messages import TrainerConfigure, TrainStepResult
 from rlfleet.common.errors import Failure, RemoteError, UserError
 from rlfleet.controller.checkpoints import latest_checkpoint
 from rlfleet.controller.errors import TierDied, TierNotReady, TierNotRestarted, TierRefused, TrainerRestarted
 from rlfleet.controller.fleet import Fleet
+from rlfleet.controller.loggers import RunMetrics
+from rlfleet.controller.ports import (
+    Checkpoints,
+    FleetClient,
+    Launcher,
+    RunState,
+    StepProgram,
+    describe_worker,
+    not_ready,
+)
+from rlfleet.controller.worker_process import WorkerProcess
 
 if TYPE_CHECKING:
     from rlfleet.controller.dataset import PromptItem
-    from rlfleet.controller.launcher import EmbeddedFleet, WorkerProcess
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,17 +70,11 @@ T = TypeVar("T")
 # --- the event loop: synchronous calls into async fleet code, watched for dying processes ---------
 
 
-class Watched(Protocol):
-    """What the loop watches: the embedded launcher (``check`` raises TierDied for a death it does
-    not recover from)."""
-
-    def check(self) -> None: ...
-
-
 class GuardedLoop:
-    """One event loop for a run; ``watch()`` gives the launcher to check (None: nothing to watch)."""
+    """One event loop for a run; ``watch()`` gives the launcher to check (None: nothing to watch;
+    its ``check`` raises TierDied for a death it does not recover from)."""
 
-    def __init__(self, watch: Callable[[], Watched | None]) -> None:
+    def __init__(self, watch: Callable[[], Launcher | None]) -> None:
         self._watch = watch
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -194,7 +202,7 @@ class SupervisedFleet(Fleet):
 
     train_requests = 0
 
-    async def train_step(self, step: int, *args: Any, **kwargs: Any) -> Any:
+    async def train_step(self, step: int, *args: Any, **kwargs: Any) -> TrainStepResult:
         self.train_requests += 1
         return await super().train_step(step, *args, **kwargs)
 
@@ -209,20 +217,38 @@ class StepInterrupted(Exception):
 
 
 class Supervisor:
-    """Restarts, rejoins, step replays and trainer restores for one
-    :class:`~rlfleet.controller.run.FleetRun` (``run``: typed ``Any``, as run.py imports this
-    module; likewise ``program``, a ``StepProgram``)."""
+    """Restarts, rejoins, step replays and trainer restores for one run.
 
-    def __init__(self, run: Any) -> None:
-        self.run = run
+    ``fleet()`` and ``launcher()`` give the run's fleet client and launcher once it started (None
+    before; no launcher when the run joined a fleet it did not start); ``checkpoints`` restores the
+    trainer's state, ``configure()`` is what a new trainer is told before it serves."""
+
+    def __init__(
+        self, state: RunState, loop: GuardedLoop, metrics: RunMetrics, checkpoints: Checkpoints, *,
+        fleet: Callable[[], FleetClient | None], launcher: Callable[[], Launcher | None],
+        configure: Callable[[], TrainerConfigure],
+    ) -> None:  # fmt: skip
+        self.state = state
+        self.loop = loop
+        self.metrics = metrics
+        self.checkpoints = checkpoints
+        self._fleet = fleet
+        self._launcher = launcher
+        self._configure = configure
         self.rejoining: dict[tuple[str, str], str | None] = {}
         """Restarted workers not seen back yet: (tier, worker id) -> rollout pool (None: any)."""
         self._in_step = False
         self._crashed = False  # a worker was restarted during the running step
         self._mark = 0  # train requests when the running step began
 
-    def attach(self, launcher: EmbeddedFleet) -> None:
+    def attach(self, launcher: Launcher) -> None:
         launcher.on_restart = self.worker_restarted
+
+    def fleet(self) -> FleetClient:
+        """The run's fleet client (the run is started whenever the supervisor needs it)."""
+        fleet = self._fleet()
+        assert fleet is not None, "the run starts its fleet before it supervises a step"
+        return fleet
 
     # --- rollout and reward workers ----------------------------------------------------------
 
@@ -231,27 +257,25 @@ class Supervisor:
         tier, worker_id = worker.spec.tier, worker.spec.worker_id
         pool = getattr(worker.spec.config, "pool", None) if tier == "rollout" else None
         self.rejoining[(tier, worker_id)] = pool
-        fleet = self.run._fleet
+        fleet = self._fleet()
         if fleet is not None:
-            info = fleet.registry.forget(tier, worker_id)
-            if info is not None:
-                fleet.gone.mark_gone(info)  # requests in flight to it end now, not at their timeout
+            fleet.forget(tier, worker_id)  # requests in flight to it end now, not at their timeout
         if self._in_step:
             self._crashed = True
             if tier == "reward" and not self._trained():
                 raise StepInterrupted(died)
 
     def _trained(self) -> bool:
-        fleet = self.run._fleet
+        fleet = self._fleet()
         return isinstance(fleet, SupervisedFleet) and fleet.train_requests != self._mark
 
     async def rejoined(self) -> None:
         """Wait for the restarted workers whose tier (pool) has no live worker left."""
-        fleet, timeout = self.run.fleet, self.run.config.startup_timeout_s
+        fleet, timeout = self.fleet(), self.state.config.startup_timeout_s
         for (tier, worker_id), pool in list(self.rejoining.items()):
             info = fleet.registry.get(tier, worker_id)
             if info is None and not fleet.registry.workers(tier, pool):
-                await self._wait_for(tier, worker_id, timeout)
+                await self._wait_for(fleet, tier, worker_id, timeout)
                 info = fleet.registry.get(tier, worker_id)
             if info is None:
                 continue  # the others serve meanwhile; it is admitted when it announces
@@ -261,28 +285,27 @@ class Supervisor:
             # statistics) from its state_dir (worker_configs.reward_worker_config): nothing is re-sent,
             # as re-sending RunReward.spec would undo an update_reward_model(dir) swap.
 
-    async def _wait_for(self, tier: str, worker_id: str, timeout: float) -> None:
-        fleet = self.run.fleet
+    async def _wait_for(self, fleet: FleetClient, tier: str, worker_id: str, timeout: float) -> None:
         deadline = asyncio.get_running_loop().time() + timeout
         while fleet.registry.get(tier, worker_id) is None:
             if asyncio.get_running_loop().time() > deadline:
-                missing = [self.run.describe_worker(worker_id)]
+                missing = [describe_worker(self._launcher(), worker_id)]
                 raise TierNotReady(timeout, missing, f"restarted {tier} worker {worker_id} did not announce")
             await asyncio.sleep(0.1)
 
     # --- a step ------------------------------------------------------------------------------
 
-    def run_step(self, program: Any, batch: list[PromptItem]) -> dict[str, float] | None:
+    def run_step(self, program: StepProgram, batch: list[PromptItem]) -> dict[str, float] | None:
         """Run one step to its end, again after a worker's crash explains its failure; None when
         the trainer was restored from a checkpoint instead (the run goes on from there)."""
         while True:
-            fleet = self.run.fleet
+            fleet = self.fleet()
             self._mark = fleet.train_requests if isinstance(fleet, SupervisedFleet) else 0
             self._in_step, self._crashed = True, False
             try:
-                return self.run.loop.run(self._step(program, batch))
+                return self.loop.run(self._step(program, batch, fleet))
             except StepInterrupted as exc:
-                logger.warning("step %d interrupted: %s; running it again", self.run.global_step + 1, exc)
+                logger.warning("step %d interrupted: %s; running it again", self.state.global_step + 1, exc)
             except (TierDied, TrainerRestarted) as exc:
                 self.restore_trainer(exc)
                 return None
@@ -291,14 +314,16 @@ class Supervisor:
                 if mine or not self._crashed or self._trained():
                     raise
                 logger.warning("step %d failed after a worker restarted (%s); running it again",
-                               self.run.global_step + 1, exc)  # fmt: skip
+                               self.state.global_step + 1, exc)  # fmt: skip
             finally:
                 self._in_step = False
 
-    async def _step(self, program: Any, batch: list[PromptItem]) -> dict[str, float]:
+    async def _step(
+        self, program: StepProgram, batch: list[PromptItem], fleet: FleetClient
+    ) -> dict[str, float]:
         if self.rejoining:
             await self.rejoined()
-        return await program.step(batch)
+        return await program.step(batch, fleet)
 
     def guard(self, call: Callable[..., T], *args: Any) -> T | None:
         """``call(*args)``, or None when the trainer died during it and was restored from a checkpoint."""
@@ -312,41 +337,41 @@ class Supervisor:
 
     def restore_trainer(self, cause: TierDied | TrainerRestarted) -> None:
         """Start the trainer again and restore the latest checkpoint, or raise why it cannot be."""
-        run, cfg = self.run, self.run.config
+        state, cfg = self.state, self.state.config
         if isinstance(cause, TierNotRestarted) or (isinstance(cause, TierDied) and cause.tier != "trainer"):
             raise cause
-        checkpoint = latest_checkpoint(run.output_dir) if cfg.save_every else None
+        checkpoint = latest_checkpoint(state.output_dir) if cfg.save_every else None
         if checkpoint is None:
             why = (
                 "save_every is not set, so there is no checkpoint to restore it from"
                 if not cfg.save_every
-                else f"no checkpoint is written yet (save_every={cfg.save_every}, at step {run.global_step})"
+                else f"no checkpoint is written yet (save_every={cfg.save_every}, at step "
+                f"{state.global_step})"
             )
             if isinstance(cause, TrainerRestarted):
                 raise cause
             raise TierNotRestarted(cause, f"the run cannot restore the trainer: {why}") from cause
-        if run.launcher is not None and isinstance(cause, TierDied):
-            run.launcher.restart_tier("trainer", cause)  # TierNotRestarted past the budget
+        launcher = self._launcher()
+        if launcher is not None and isinstance(cause, TierDied):
+            launcher.restart_tier("trainer", cause)  # TierNotRestarted past the budget
         logger.warning("%s; restoring the trainer from %s", cause, checkpoint)
-        run.loop.run(self._trainer_back())
-        step = run.global_step
-        run.resume(checkpoint, weight_version=run.weight_version + 1)
-        run.metrics.rewind(run.global_step)  # the steps after it are logged again, each once
-        run.metrics.say(
+        self.loop.run(self._trainer_back())
+        step = state.global_step
+        self.checkpoints.resume(checkpoint, weight_version=state.weight_version + 1)
+        self.metrics.rewind(state.global_step)  # the steps after it are logged again, each once
+        self.metrics.say(
             f"rlfleet: the trainer was restored from {checkpoint.name} after: {cause}; steps "
-            f"{run.global_step + 1}..{step + 1} run again"
+            f"{state.global_step + 1}..{step + 1} run again"
         )
 
     async def _trainer_back(self) -> None:
         """Forget the trainer that is gone, wait for the new one to announce, configure it."""
-        run = self.run
-        fleet = run.fleet
+        fleet = self.fleet()
         for worker in fleet.registry.workers("trainer"):
-            info = fleet.registry.forget("trainer", worker.worker_id)
-            if info is not None:
-                fleet.gone.mark_gone(info)
+            fleet.forget("trainer", worker.worker_id)
+        timeout = self.state.config.startup_timeout_s
         try:
-            await fleet.wait_ready({"trainer": 1}, run.config.startup_timeout_s)
+            await fleet.wait_ready({"trainer": 1}, timeout)
         except TimeoutError as exc:
-            raise run.not_ready(fleet, str(exc)) from None
-        await fleet.configure_trainer(run.trainer_configure())
+            raise not_ready(self._launcher(), fleet.registry, timeout, str(exc)) from None
+        await fleet.configure_trainer(self._configure())

@@ -2,9 +2,10 @@
 
 A trainer is a :class:`~rlfleet.controller.run.FleetRun` (fleet, loop, store, metrics,
 checkpoints) plus the step program of its algorithm family; this class is what users call on it
-(``steps()``, ``train()``, ``kl_coef``, ``save()`` ...). ``GRPOTrainer`` and ``PPOTrainer`` add
-the reward and routing methods of online RL (:class:`~rlfleet.controller.online.OnlineTrainer`);
-``DPOTrainer`` adds nothing.
+(``steps()``, ``train()``, ``kl_coef``, ``save()`` ...): the run's state (its
+:class:`~rlfleet.controller.ports.RunState`) read-only, and what the run does. ``GRPOTrainer``
+and ``PPOTrainer`` add the reward and routing methods of online RL
+(:class:`~rlfleet.controller.online.OnlineTrainer`); ``DPOTrainer`` adds nothing.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from typing import Any, TypeVar
 
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptDataset
-from rlfleet.controller.fleet import Fleet
 from rlfleet.controller.plots import write_run_plots
-from rlfleet.controller.run import FleetRun, StepProgram, StepResult
+from rlfleet.controller.ports import FleetClient, StepProgram
+from rlfleet.controller.run import FleetRun, StepResult
 
 T = TypeVar("T")
 
@@ -33,7 +34,7 @@ class TrainerBase:
 
     @property
     def config(self) -> TrainerConfig:
-        return self.fleet_run.config
+        return self.fleet_run.state.config
 
     @property
     def dataset(self) -> PromptDataset:
@@ -50,22 +51,22 @@ class TrainerBase:
 
     @property
     def output_dir(self) -> Path:
-        return self.fleet_run.output_dir
+        return self.fleet_run.state.output_dir
 
     @property
     def cluster(self) -> str:
         """The run's cluster name (the second token of its NATS subjects)."""
-        return self.fleet_run.cluster
+        return self.fleet_run.state.cluster
 
     @property
     def global_step(self) -> int:
         """Steps taken (a resumed run counts those of the checkpoint)."""
-        return self.fleet_run.global_step
+        return self.fleet_run.state.global_step
 
     @property
     def weight_version(self) -> int:
         """The weight version the rollout workers hold (0 before the first publish)."""
-        return self.fleet_run.weight_version
+        return self.fleet_run.state.weight_version
 
     @property
     def kl_coef(self) -> float:
@@ -81,7 +82,7 @@ class TrainerBase:
         self.fleet_run.kl_coef = value
 
     @property
-    def fleet(self) -> Fleet:
+    def fleet(self) -> FleetClient:
         """The handle on the tiers (once started)."""
         return self.fleet_run.fleet
 

@@ -14,11 +14,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from rlfleet.common.control.membership import WorkerRegistry
+from rlfleet.common.schema.reward import Spec
 from rlfleet.common.schema.rollout import RolloutSettings, RolloutWorkerConfig
 from rlfleet.common.schema.trainer import ModelSettings, StepSettings, TrainerWorkerConfig
 from rlfleet.common.schema.worker import Placement, TensorPlaneSettings
 from rlfleet.controller.config import TrainerConfig
-from rlfleet.controller.launcher import WorkerSpec, trainer_rank_specs
+from rlfleet.controller.launcher import trainer_rank_specs
+from rlfleet.controller.ports import Launcher, RunState, not_ready
+from rlfleet.controller.worker_process import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -114,14 +118,16 @@ def worker_specs(
     return specs
 
 
-async def start_reward_worker(run: Any, spec: Any) -> None:
-    """Start the reward worker of ``run`` (a :class:`~rlfleet.controller.run.FleetRun` that began
-    with a Python reward, so has none) serving ``spec``, and wait until it announces."""
-    config = run.config
-    worker = WorkerSpec("reward", REWARD_ID, reward_worker_config(config, run.cluster, spec))
-    run.launcher.spawn(worker)
+async def start_reward_worker(
+    launcher: Launcher, registry: WorkerRegistry, state: RunState, spec: Spec
+) -> None:
+    """Start the reward worker of a run that began with a Python reward (so has none) serving
+    ``spec``, with ``launcher``, and wait until ``registry`` sees it announce."""
+    config = state.config
+    worker = WorkerSpec("reward", REWARD_ID, reward_worker_config(config, state.cluster, spec))
+    launcher.spawn(worker)
     logger.info("started the run's reward worker for %r", spec)
     try:
-        await run.fleet.registry.wait_for("reward", 1, config.startup_timeout_s)
+        await registry.wait_for("reward", 1, config.startup_timeout_s)
     except TimeoutError as exc:
-        raise run.not_ready(run.fleet, str(exc)) from None
+        raise not_ready(launcher, registry, config.startup_timeout_s, str(exc)) from None
