@@ -22,7 +22,7 @@ def test_every_controller_error_is_a_user_error_or_a_failure() -> None:
         for _, cls in inspect.getmembers(errors, inspect.isclass)
         if issubclass(cls, Exception) and cls.__module__ == errors.__name__
     ]
-    assert SettingsConflict in found and TierDied in found
+    assert TierDied in found and SettingsConflict not in found  # common's, re-exported
     assert [cls for cls in found if issubclass(cls, UserError) == issubclass(cls, Failure)] == []
 
 
@@ -51,7 +51,7 @@ def test_a_malformed_cpu_bf16_override_exits_2_before_anything_starts(
 @pytest.mark.parametrize(
     ("error", "code", "needle"),
     [
-        (SettingsConflict("trainer", "trainer-0", "sharding: run 'full',\n worker 'none'"), 2,
+        (SettingsConflict("trainer-0", tier="trainer", detail="sharding: run 'full',\n worker 'none'"), 2,
          "trainer worker trainer-0 refuses this run's settings: sharding: run 'full', worker 'none'"),
         (RemoteUserError("reward", "unknown_endpoint", "no endpoint 'x'"), 2, "reward tier replied"),
         (CheckpointNotFound("/x", "it has no controller_state.json"), 2, "cannot resume from '/x'"),

@@ -102,7 +102,7 @@ async def test_configure_refuses_other_settings_naming_each_field(
     message = refused.value.remote_message
     fingerprint = model_fingerprint(tiny_model_dir)
     for part in (
-        "trainer-0 refuses the run",
+        "trainer worker trainer-0 refuses this run's settings",
         "sharding: run 'none', worker 'full'",
         "trainable_layers: run 1, worker None",
         "param_dtype: run 'bfloat16', worker 'float32'",

@@ -7,6 +7,7 @@ Each error subclasses a builtin so callers can catch broadly (``ValueError``) or
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -25,6 +26,39 @@ class UserError(RlfleetError):
 
 class Failure(RlfleetError):
     """Base of runtime failures (see :class:`RlfleetError`)."""
+
+
+REFUSES = "refuses this run's settings: "
+
+
+class SettingsConflict(UserError, ValueError):
+    """A worker refuses a run whose fixed settings differ from its own (wire code ``settings_conflict``).
+
+    The worker raises it with ``conflicts``: ``(field, run's value, worker's value)``, each value
+    already written for people. The controller raises it again from the worker's reply
+    (:meth:`from_reply`), whose text becomes the ``detail``, with advice for the user. One line
+    either way.
+    """
+
+    code = "settings_conflict"
+
+    def __init__(self, worker: str, conflicts: Sequence[tuple[str, str, str]] = (), *, tier: str = "trainer",
+                 detail: str | None = None, advice: str = "") -> None:  # fmt: skip
+        self.tier = tier
+        self.worker = worker
+        self.conflicts = list(conflicts)
+        text = detail if detail is not None else "; ".join(f"{f}: run {run}, worker {mine}"
+                                                           for f, run, mine in self.conflicts)  # fmt: skip
+        self.detail = " ".join(text.split())  # one line, whatever the worker wrote
+        super().__init__(f"{tier} worker {worker} {REFUSES}{self.detail}{advice}")
+
+    @classmethod
+    def from_reply(cls, tier: str, worker: str, text: str) -> SettingsConflict:
+        """The conflict a worker's error reply reports (its own account of the fields, without the
+        sentence this class wraps it in, where the worker used it)."""
+        detail = text.split(REFUSES, 1)[1] if REFUSES in text else text
+        advice = ". Set them in the job to the worker's values, or restart the worker with the run's"
+        return cls(worker, tier=tier, detail=detail, advice=advice)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.common.errors import Failure, UserError
+from rlfleet.common.errors import SettingsConflict as SettingsConflict  # one class, every tier's
 from rlfleet.controller.ray_fit import resources_text
 
 
@@ -229,22 +230,6 @@ class RouteError(UserError, ValueError):
     def __init__(self, item: Any, problem: str) -> None:
         self.row = item.index
         super().__init__(f"rollout fn, prompt row {item.index} ({item.text[:40]!r}): {problem}")
-
-
-class SettingsConflict(UserError, ValueError):
-    """A worker refused the run because its fixed settings differ from the run's (``settings_conflict``).
-
-    ``detail`` is the worker's own account, naming each conflicting field and both values.
-    """
-
-    def __init__(self, tier: str, worker: str, detail: str) -> None:
-        self.tier = tier
-        self.worker = worker
-        self.detail = " ".join(detail.split())  # one line, whatever the worker wrote
-        super().__init__(
-            f"{tier} worker {worker} refuses this run's settings: {self.detail}. Set them in the job to the "
-            "worker's values, or restart the worker with the run's"
-        )
 
 
 class NoWorkerServed(Failure, RuntimeError):

@@ -401,7 +401,7 @@ class Fleet:
             if exc.code != "settings_conflict":
                 raise
             workers = ", ".join(w.worker_id for w in self.registry.workers("trainer")) or "(unknown)"
-            raise SettingsConflict("trainer", workers, exc.remote_message) from None
+            raise SettingsConflict.from_reply("trainer", workers, exc.remote_message) from None
         assert isinstance(reply, TrainerConfigured), reply
         self.trainer_incarnation = reply.incarnation
         return reply

@@ -14,7 +14,7 @@ from typing import Any
 from rlfleet.common.control.messages import GenerateResult
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.worker import TensorPlaneSettings
-from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer, worker_client, worker_store
+from rlfleet.common.tensors.store import ClientPool, TensorStoreServer, worker_store
 
 STORE_CAPACITY_BYTES = 1 << 30
 """Capacity of the controller's own store; it holds one step's batch at a time."""
@@ -37,7 +37,7 @@ class OwnStore:
             plane["bind_host"] = "0.0.0.0"  # workers of a joined cluster may run on other machines
         self.settings = TensorPlaneSettings.model_validate(plane)
         self.server: TensorStoreServer | None = None
-        self._clients: dict[str, TensorStoreClient] = {}
+        self._clients = ClientPool(self.settings)
 
     async def get(self) -> TensorStoreServer:
         """The controller's own TensorStore, started on first use."""
@@ -47,10 +47,7 @@ class OwnStore:
 
     async def fetch(self, ref: TensorRef, names: list[str] | None = None) -> dict[str, Any]:
         """The tensors a ref names, from whichever tier's store holds them (a few texts, never a batch)."""
-        client = self._clients.get(ref.address)
-        if client is None:
-            client = self._clients[ref.address] = worker_client(ref.address, self.settings)
-        return await client.fetch(ref, names)
+        return await self._clients.fetch(ref, names)
 
     async def release(self, results: list[GenerateResult]) -> None:
         """Free the consumed batches this store holds (the fn-written ones)."""
@@ -60,9 +57,7 @@ class OwnStore:
 
     async def stop(self) -> None:
         """Close the clients and stop the store if it was started (idempotent)."""
-        clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
-            await client.close()
+        await self._clients.close()
         server, self.server = self.server, None
         if server is not None:
             await server.stop()

@@ -6,10 +6,9 @@ from :data:`~rlfleet.common.errors.WIRE_CODES`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from rlfleet.common.errors import Failure, UserError
 from rlfleet.common.errors import JobIdReused as JobIdReused  # moved to common: rollout raises it too
+from rlfleet.common.errors import SettingsConflict as SettingsConflict  # one class, every tier's
 
 
 class ModelLoadError(UserError, FileNotFoundError):
@@ -40,21 +39,6 @@ class CheckpointPathRefused(UserError, PermissionError):
         self.root = str(root)
         self.reason = reason
         super().__init__(f"checkpoint path {path!r} refused: {reason} (checkpoint root {self.root!r})")
-
-
-class SettingsConflict(UserError, ValueError):
-    """A run asks for fixed settings this trainer worker does not have (model, device, critic...).
-
-    ``conflicts`` holds ``(field, run's value, worker's value)``, each value already written for people.
-    """
-
-    code = "settings_conflict"
-
-    def __init__(self, worker: str, conflicts: Sequence[tuple[str, str, str]]) -> None:
-        self.worker = worker
-        self.conflicts = list(conflicts)
-        details = "; ".join(f"{field}: run {run}, worker {mine}" for field, run, mine in self.conflicts)
-        super().__init__(f"{worker} refuses the run: {details}")
 
 
 class UnexpectedMessage(UserError, TypeError):

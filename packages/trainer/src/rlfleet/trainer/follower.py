@@ -25,12 +25,13 @@ import torch.distributed as dist
 
 from rlfleet.common.control.messages import TrainStepRequest
 from rlfleet.common.schema.trainer import TrainerWorkerConfig
+from rlfleet.common.tensors.store import ClientPool
 from rlfleet.trainer.checkpoint import check_loadable, check_writable, load_checkpoint, save_checkpoint
 from rlfleet.trainer.commands import CommandChannel, agree
 from rlfleet.trainer.errors import TrainerRankDied, TrainerRankFailed
 from rlfleet.trainer.rank_liveness import RANK_LOST_EXIT, VERDICT_S, RankHeartbeat
 from rlfleet.trainer.ranks import build_models, rank_from_env, use_rank_thread
-from rlfleet.trainer.service import StoreClients, fetch_batch, run_step
+from rlfleet.trainer.service import fetch_batch, run_step
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -45,7 +46,7 @@ class Follower:
 
     def __init__(self, config: TrainerWorkerConfig) -> None:
         self.config = config
-        self.stores = StoreClients(config)  # TLS to the rollout stores, as rank 0
+        self.stores = ClientPool(config)  # TLS to the rollout stores, as rank 0
 
     async def run(self) -> None:
         """Build the models (collectively with rank 0), then follow commands until ``stop``."""

@@ -66,8 +66,7 @@ from rlfleet.common.schema.batch import check_token_ids, merge_preferences, merg
 from rlfleet.common.schema.carriers import IpcBucket
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig, model_fingerprint
-from rlfleet.common.schema.worker import TensorPlaneSettings
-from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer, worker_client, worker_store
+from rlfleet.common.tensors.store import ClientPool, TensorStoreServer, worker_store
 from rlfleet.trainer import checkpoint as ckpt
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.admission import conflicts
@@ -86,36 +85,11 @@ from rlfleet.trainer.weights import to_host
 logger = logging.getLogger(__name__)
 
 
-# --- every rank: rollout fetches -------------------------------------------------------------
-
-
-class StoreClients:
-    """One TensorStore client per address this rank fetches rollouts from (rank 0 and followers alike)."""
-
-    def __init__(self, settings: TensorPlaneSettings | None = None) -> None:
-        self._settings = settings or TensorPlaneSettings()
-        self._clients: dict[str, TensorStoreClient] = {}
-
-    async def fetch(self, refs: Sequence[TensorRef]) -> list[dict[str, torch.Tensor]]:
-        """The tensors of every ref, fetched concurrently, in order."""
-        return list(await asyncio.gather(*(self._client(ref.address).fetch(ref) for ref in refs)))
-
-    def _client(self, address: str) -> TensorStoreClient:
-        client = self._clients.get(address)
-        if client is None:
-            client = self._clients[address] = worker_client(address, self._settings)
-        return client
-
-    async def close(self) -> None:
-        for client in self._clients.values():
-            await client.close()
-        self._clients.clear()
-
-
 async def fetch_batch(rank: Any, request: TrainStepRequest) -> dict[str, Tensor]:
     """A step's own part on every ``rank`` (its ``stores``, ``actor``, ``critic``): the batch, fetched
     from the rollout stores, merged and checked."""
-    batch = merge_batch(request.settings.algorithm, await rank.stores.fetch(request.rollouts))
+    chunks = await asyncio.gather(*(rank.stores.fetch(ref) for ref in request.rollouts))
+    batch = merge_batch(request.settings.algorithm, chunks)
     check_step(rank.actor, rank.critic, batch, request.settings)
     return batch
 
@@ -213,7 +187,7 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
         capacity = int(cfg.weights_store_mb * 2**20)
         self.store: TensorStoreServer = await worker_store(cfg, capacity_bytes=capacity, ttl_s=7 * 24 * 3600)
         self.data_address = self.store.address
-        self.stores = StoreClients(cfg)  # the rollout workers' stores this rank fetches from
+        self.stores = ClientPool(cfg)  # the rollout workers' stores this rank fetches from
         self._published: list[TensorRef] = []
         self._shared: list[IpcBucket] = []  # the current version by CUDA IPC, when it was asked for
         self._shared_buffers: list[dict[str, torch.Tensor]] = []  # kept alive for the receivers
