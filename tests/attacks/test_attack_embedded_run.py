@@ -37,10 +37,9 @@ from rlfleet.common.control.transport import membership_subject, subject, worker
 from rlfleet.common.errors import NatsServerError, TensorAccessDenied
 from rlfleet.common.schema.connection import NatsConnection
 from rlfleet.common.schema.refs import TensorRef
-from rlfleet.common.tensors.codec import split_tensors
+from rlfleet.common.tensors.codec import encode_chunk, split_tensors
 from rlfleet.common.tensors.rpc import error_from_rpc, method
 from rlfleet.common.tensors.store import TensorStoreClient
-from rlfleet.common.tensors.wire import encode_chunk
 from rlfleet.controller import GRPOTrainer, PromptDataset, TrainerConfig
 
 REPO = Path(__file__).resolve().parents[2]

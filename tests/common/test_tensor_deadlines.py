@@ -21,10 +21,9 @@ from rlfleet.common.errors import TensorStoreTimeout
 from rlfleet.common.tensors import client as client_module
 from rlfleet.common.tensors._gen import tensors_pb2 as pb
 from rlfleet.common.tensors.client import MIN_BYTES_PER_S, TensorStoreClient, stream_deadline
-from rlfleet.common.tensors.codec import split_tensors
+from rlfleet.common.tensors.codec import encode_chunk, split_tensors
 from rlfleet.common.tensors.rpc import SERVICE, channel_options
 from rlfleet.common.tensors.server import TensorStoreServer
-from rlfleet.common.tensors.wire import encode_chunk
 
 MB = 1 << 20
 SECRET = "s" * 32

@@ -8,8 +8,14 @@ from hypothesis import strategies as st
 
 from rlfleet.common.errors import MalformedChunk
 from rlfleet.common.tensors._gen import tensors_pb2
-from rlfleet.common.tensors.codec import Chunk
-from rlfleet.common.tensors.wire import FIELDS, chunk_from_proto, chunk_to_proto, decode_chunk, encode_chunk
+from rlfleet.common.tensors.codec import (
+    FIELDS,
+    Chunk,
+    chunk_from_proto,
+    chunk_to_proto,
+    decode_chunk,
+    encode_chunk,
+)
 
 _text = st.text(max_size=12)
 _chunks = st.builds(

@@ -67,7 +67,8 @@ def test_logins_are_secrets_and_tls_comes_from_the_controller() -> None:
     assert "secret" not in dumped and "secret" not in repr(config)
     assert json.loads(dumped)["nats_worker_auth"]["trainer"]["password"] == "***"
     logins = worker_logins(config, config.nats_auth)
-    assert logins["trainer"].env() == {"RLFLEET_NATS_USER": "trainer", "RLFLEET_NATS_PASSWORD": "trainer-secret",
+    assert logins["trainer"].env() == {"RLFLEET_NATS_USER": "trainer",
+                                       "RLFLEET_NATS_PASSWORD": "trainer-secret",
                                        "RLFLEET_NATS_TLS_CA_FILE": "/ca.pem"}  # fmt: skip
     assert logins["rollout"].tls_ca_file == "/rollout-ca.pem"  # its own wins
 

@@ -17,11 +17,11 @@ import torch
 from rlfleet.common.control.messages import GenerateResult
 from rlfleet.common.schema.batch import pack_texts
 from rlfleet.common.schema.worker import TensorPlaneSettings
-from rlfleet.controller.deadlines import Deadlines
 from rlfleet.controller.errors import RewardFnFailed, RewardFnNotPortable
 from rlfleet.controller.own_store import OwnStore
 from rlfleet.controller.python_reward import PythonReward
 from rlfleet.controller.python_scorer import PythonScorer
+from rlfleet.controller.request_policy import Deadlines
 from rlfleet.controller.reward_control import RewardControl
 
 DATA = Path(__file__).resolve().parents[2] / "examples" / "data" / "tiny_digits.jsonl"

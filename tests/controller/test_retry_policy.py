@@ -10,7 +10,7 @@ import pytest
 from rlfleet.common.errors import remote_error
 from rlfleet.controller.errors import RetriesExhausted
 from rlfleet.controller.fault_settings import FaultSettings
-from rlfleet.controller.retry import backoff_s, is_retryable, with_retries
+from rlfleet.controller.request_policy import backoff_s, is_retryable, with_retries
 
 
 def _run(what, attempt, settings):

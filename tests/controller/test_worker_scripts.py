@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.common.schema.rollout import RolloutWorkerConfig
-from rlfleet.controller.worker_process import WorkerSpec, find_script, script_variable
+from rlfleet.controller.launcher import WorkerSpec, find_script, script_variable
 
 
 def test_a_tier_script_variable_points_the_launcher_at_another_program(

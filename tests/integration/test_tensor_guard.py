@@ -24,11 +24,10 @@ from rlfleet.common.errors import (
 )
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.tensors._gen import tensors_pb2
-from rlfleet.common.tensors.codec import split_tensors
+from rlfleet.common.tensors.codec import encode_chunk, split_tensors
 from rlfleet.common.tensors.guard import bearer_metadata
 from rlfleet.common.tensors.rpc import SERVICE, error_from_rpc, method
 from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer
-from rlfleet.common.tensors.wire import encode_chunk
 
 KB = 1 << 10
 

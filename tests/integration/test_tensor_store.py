@@ -27,11 +27,16 @@ from rlfleet.common.errors import (
     UnknownTensor,
 )
 from rlfleet.common.tensors._gen import tensors_pb2, tensors_pb2_grpc
-from rlfleet.common.tensors.codec import split_tensors, tensor_to_bytes
+from rlfleet.common.tensors.codec import (
+    chunk_to_proto,
+    decode_chunk,
+    encode_chunk,
+    split_tensors,
+    tensor_to_bytes,
+)
 from rlfleet.common.tensors.guard import bearer_metadata, capability_metadata
 from rlfleet.common.tensors.rpc import error_from_rpc, method
 from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer
-from rlfleet.common.tensors.wire import chunk_to_proto, decode_chunk, encode_chunk
 
 MB = 1 << 20
 

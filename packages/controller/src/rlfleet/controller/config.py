@@ -219,7 +219,7 @@ class TrainerConfig(
     request_timeout_s: float | None = Field(
         default=None, gt=0,
         description="one deadline for every tier request; None: each request's deadline is scaled to "
-        "its work (prompts x tokens, samples, batch and model bytes; controller/deadlines.py, "
+        "its work (prompts x tokens, samples, batch and model bytes; controller/request_policy.py, "
         "faults.deadline_scale)",
     )  # fmt: skip
     sample_table_size: int = Field(default=4, ge=0, description="prompts shown in the before/after table")

@@ -53,8 +53,8 @@ class FaultSettings(ConfigModel):
     )  # fmt: skip
     deadline_scale: float = Field(
         default=1.0, gt=0.0, le=1000.0, allow_inf_nan=False,
-        description="multiplies every request deadline scaled to its work (controller/deadlines.py); raise "
-        "it on slower hardware (request_timeout_s instead fixes one deadline for every request)",
+        description="multiplies every request deadline scaled to its work (controller/request_policy.py); "
+        "raise it on slower hardware (request_timeout_s instead fixes one deadline for every request)",
     )  # fmt: skip
 
     @model_validator(mode="after")

@@ -52,7 +52,6 @@ from rlfleet.common.errors import NoResponders, RemoteError, RemoteUserError, Re
 from rlfleet.common.schema.carriers import CarrierSetting, WeightCarrier, carrier_for
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.trainer import StepSettings
-from rlfleet.controller.deadlines import Deadlines
 from rlfleet.controller.errors import (
     NoWorkerServed,
     RetriesExhausted,
@@ -63,7 +62,7 @@ from rlfleet.controller.errors import (
 from rlfleet.controller.fault_settings import FaultSettings
 from rlfleet.controller.lost_chunks import ChunkOrders
 from rlfleet.controller.ports import ChunkOrder, FleetClient, RunState
-from rlfleet.controller.retry import backoff_s, is_retryable, with_retries
+from rlfleet.controller.request_policy import Deadlines, backoff_s, is_retryable, with_retries
 
 if TYPE_CHECKING:
     from rlfleet.controller.reward_control import RewardControl

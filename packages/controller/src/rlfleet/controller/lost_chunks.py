@@ -46,7 +46,7 @@ from rlfleet.common.schema.trainer import StepSettings
 from rlfleet.controller.errors import ChunkNotRegenerated, NoWorkerServed, RetriesExhausted
 from rlfleet.controller.ports import ChunkOrder as ChunkOrder  # re-exported: the fleet records them
 from rlfleet.controller.ports import ChunkOrderBook, FleetClient
-from rlfleet.controller.retry import is_retryable, with_retries
+from rlfleet.controller.request_policy import is_retryable, with_retries
 
 logger = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ from rlfleet.common.schema.trainer import StepSettings
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.errors import TierDied, TierNotReady
 from rlfleet.controller.fault_settings import FaultSettings
-from rlfleet.controller.worker_process import WorkerProcess, WorkerSpec
+from rlfleet.controller.launcher import WorkerProcess, WorkerSpec
 
 if TYPE_CHECKING:
     from rlfleet.controller.dataset import PromptItem

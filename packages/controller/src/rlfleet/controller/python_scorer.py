@@ -11,7 +11,7 @@ run scores where the function is: while a Python reward is in force, the run's
                                          └─ a Python reward ──► PythonScorer.score
                                               texts: TensorStore Get from the rollout worker's store
                                               fn: in a worker thread, one chunk at a time, under the
-                                                  chunk's score deadline (controller/deadlines.py)
+                                                  chunk's score deadline (controller/request_policy.py)
                                               ──► ScoreResult, as a reward worker replies
 
 The reply is the message a reward worker gives (scores for every sample, version
@@ -48,9 +48,9 @@ from typing import Any, Protocol
 from rlfleet.common.control.messages import EndpointStats, GenerateResult, ScoreResult
 from rlfleet.common.schema.batch import TEXT_FIELDS, unpack_texts
 from rlfleet.common.schema.refs import TensorRef
-from rlfleet.controller.deadlines import Deadlines
 from rlfleet.controller.errors import RewardFnFailed
 from rlfleet.controller.python_reward import PythonReward
+from rlfleet.controller.request_policy import Deadlines
 
 logger = logging.getLogger(__name__)
 

@@ -54,7 +54,16 @@ from typing import Any
 from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.connection import NatsConnection
 from rlfleet.controller.errors import RayJobDoesNotFit, TierDied, WorkerStartTimeout
-from rlfleet.controller.launcher import NatsSecurity, RunProcesses, run_security, worker_record
+from rlfleet.controller.launcher import (
+    NatsSecurity,
+    RunProcesses,
+    WorkerProcess,
+    WorkerSpec,
+    find_script,
+    run_security,
+    tail_of,
+    worker_record,
+)
 from rlfleet.controller.ray_fit import (
     EPSILON,
     JobReservation,
@@ -68,7 +77,6 @@ from rlfleet.controller.ray_worker_host import RemoteProcess as RemoteProcess  #
 from rlfleet.controller.ray_worker_host import WorkerHost as WorkerHost  # re-exported
 from rlfleet.controller.ray_worker_host import host_actor_class
 from rlfleet.controller.user_code import code_dirs, worker_pythonpath
-from rlfleet.controller.worker_process import WorkerProcess, WorkerSpec, find_script, tail_of
 
 logger = logging.getLogger(__name__)
 

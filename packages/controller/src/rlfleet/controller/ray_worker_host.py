@@ -32,8 +32,8 @@ import yaml
 from rlfleet.common.atomic_files import write_atomic
 from rlfleet.common.control.procs import die_with_parent
 from rlfleet.common.schema.connection import ENV_PREFIX as NATS_ENV_PREFIX
+from rlfleet.controller.launcher import tail_of
 from rlfleet.controller.user_code import worker_pythonpath
-from rlfleet.controller.worker_process import tail_of
 
 logger = logging.getLogger(__name__)
 

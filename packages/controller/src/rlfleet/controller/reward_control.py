@@ -48,13 +48,12 @@ from rlfleet.common.control.transport import TOKEN_HEADER, Transport, subject
 from rlfleet.common.schema.connection import mask_url
 from rlfleet.common.schema.reward import Spec
 from rlfleet.controller.config import TrainerConfig
-from rlfleet.controller.deadlines import Deadlines
 from rlfleet.controller.errors import RewardFnNotPortable
 from rlfleet.controller.fault_settings import FaultSettings
 from rlfleet.controller.own_store import OwnStore
 from rlfleet.controller.python_reward import PythonReward
 from rlfleet.controller.python_scorer import PythonScorer
-from rlfleet.controller.retry import with_retries
+from rlfleet.controller.request_policy import Deadlines, with_retries
 
 logger = logging.getLogger(__name__)
 

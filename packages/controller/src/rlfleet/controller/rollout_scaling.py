@@ -35,11 +35,10 @@ from pathlib import Path
 from rlfleet.common.errors import ConfigError
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.errors import TierNotReady
-from rlfleet.controller.launcher import drain_bound
+from rlfleet.controller.launcher import WorkerProcess, WorkerSpec, drain_bound
 from rlfleet.controller.ports import FleetClient, Launcher, RunState, describe_worker
 from rlfleet.controller.supervision import GuardedLoop
 from rlfleet.controller.worker_configs import rollout_worker_configs
-from rlfleet.controller.worker_process import WorkerProcess, WorkerSpec
 
 logger = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ from rlfleet.controller.checkpoints import read_checkpoint_state, resolve_resume
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptDataset, PromptItem
 from rlfleet.controller.fleet import publish
-from rlfleet.controller.launcher import EmbeddedFleet
+from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec
 from rlfleet.controller.launcher_settings import worker_logins
 from rlfleet.controller.loggers import RunMetrics
 from rlfleet.controller.models import resolve_model
@@ -62,7 +62,6 @@ from rlfleet.controller.run_tokenizer import load_run_tokenizer
 from rlfleet.controller.supervision import GuardedLoop, SupervisedFleet, Supervisor
 from rlfleet.controller.watchdog import Watchdog
 from rlfleet.controller.worker_configs import start_reward_worker, tier_counts, worker_specs
-from rlfleet.controller.worker_process import WorkerSpec
 
 logger = logging.getLogger(__name__)
 

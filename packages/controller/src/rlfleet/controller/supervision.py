@@ -49,6 +49,7 @@ from rlfleet.common.errors import Failure, RemoteError, UserError
 from rlfleet.controller.checkpoints import latest_checkpoint
 from rlfleet.controller.errors import TierDied, TierNotReady, TierNotRestarted, TierRefused, TrainerRestarted
 from rlfleet.controller.fleet import Fleet
+from rlfleet.controller.launcher import WorkerProcess
 from rlfleet.controller.loggers import RunMetrics
 from rlfleet.controller.ports import (
     Checkpoints,
@@ -59,7 +60,6 @@ from rlfleet.controller.ports import (
     describe_worker,
     not_ready,
 )
-from rlfleet.controller.worker_process import WorkerProcess
 
 if TYPE_CHECKING:
     from rlfleet.controller.dataset import PromptItem

@@ -20,9 +20,8 @@ from rlfleet.common.schema.rollout import RolloutSettings, RolloutWorkerConfig
 from rlfleet.common.schema.trainer import ModelSettings, StepSettings, TrainerWorkerConfig
 from rlfleet.common.schema.worker import Placement, TensorPlaneSettings
 from rlfleet.controller.config import TrainerConfig
-from rlfleet.controller.launcher import trainer_rank_specs
+from rlfleet.controller.launcher import WorkerSpec, trainer_rank_specs
 from rlfleet.controller.ports import Launcher, RunState, not_ready
-from rlfleet.controller.worker_process import WorkerSpec
 
 logger = logging.getLogger(__name__)
 

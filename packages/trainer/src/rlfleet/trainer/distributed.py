@@ -106,6 +106,7 @@ class DistContext:
         sharding: the resolved strategy (``full``, ``hybrid`` or ``none``).
         distributed: True with more than one rank (then the models are under FSDP); set from
             ``world_size`` (the ranks do not change while they run).
+        is_main: rank 0, the one that talks to NATS and stages published weights; set from ``rank``.
     """
 
     rank: int = 0
@@ -116,14 +117,11 @@ class DistContext:
     mesh: DeviceMesh | None = None
     sharding: Literal["full", "hybrid", "none"] = "none"
     distributed: bool = field(init=False)
+    is_main: bool = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "distributed", self.world_size > 1)
-
-    @property
-    def is_main(self) -> bool:
-        """Rank 0: the one that talks to NATS and stages published weights."""
-        return self.rank == 0
+        object.__setattr__(self, "is_main", self.rank == 0)
 
 
 def resolve_sharding(sharding: Sharding, num_nodes: int) -> Literal["full", "hybrid", "none"]:

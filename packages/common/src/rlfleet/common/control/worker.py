@@ -6,8 +6,10 @@ membership subject, send heartbeats, answer :class:`Ping` with a fresh announce,
 :class:`Shutdown`, SIGTERM or SIGINT, and say :class:`WorkerLeave` on the way out.
 
 Work subscriptions (:meth:`Worker.subscribe`) and the worker's own subject run their requests
-inside :class:`~rlfleet.common.control.activity.InFlight`: heartbeats carry the oldest one as the
-worker's activity (``"score job step3-0"``, for how long). Stopping drains: the worker refuses
+inside :meth:`InFlight.track` (its kind and job id, and when it began; the last section):
+heartbeats carry the oldest one as the worker's activity (``"score job step3-0 (+1 more)"``, for
+how long), so a controller that waits for a reply can tell "busy on my job for 75 s" from "idle"
+and from "not heard" (the watchdog names it). Stopping drains: the worker refuses
 requests that have not started yet with :class:`~rlfleet.common.errors.WorkerDraining`
 (retryable: the requester sends it to another replica), leaves its queue groups (the server sends
 it nothing new; what it sent already is still answered), lets what it took finish for up to
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -27,11 +30,12 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Generic, TypeVar
 
-from rlfleet.common.control.activity import InFlight
 from rlfleet.common.control.membership import Heartbeater, WorkerStatus
 from rlfleet.common.control.messages import (
     PROTOCOL,
@@ -380,3 +384,72 @@ def run_worker_main(
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)  # the line the launcher reports
         return USER_ERROR_EXIT
     return 0
+
+
+# --- what the worker is handling now (heartbeats report it, the drain waits on it) -------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request in progress."""
+
+    kind: str
+    job_id: str
+    since: float
+
+    def label(self) -> str:
+        """``"score job step3-0"``, or just the kind when the request has no job id."""
+        return f"{self.kind} job {self.job_id}" if self.job_id else self.kind
+
+
+class InFlight:
+    """The requests a worker is handling, each with its kind, job id and start time."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._jobs: dict[int, Job] = {}
+        self._ids = itertools.count()
+        self._idle: asyncio.Event | None = None
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def jobs(self) -> list[Job]:
+        """The requests in progress, oldest first."""
+        return sorted(self._jobs.values(), key=lambda job: job.since)
+
+    @contextmanager
+    def track(self, kind: str, job_id: str = "") -> Iterator[Job]:
+        """Count a request as in progress for the time of the ``with`` block."""
+        key = next(self._ids)
+        job = Job(kind, job_id, self._clock())
+        self._jobs[key] = job
+        if self._idle is not None:
+            self._idle.clear()
+        try:
+            yield job
+        finally:
+            del self._jobs[key]
+            if not self._jobs and self._idle is not None:
+                self._idle.set()
+
+    def describe(self) -> tuple[str, float]:
+        """``(activity, seconds)`` of the oldest request in progress; ``("", 0.0)`` when idle."""
+        jobs = self.jobs()
+        if not jobs:
+            return "", 0.0
+        more = f" (+{len(jobs) - 1} more)" if len(jobs) > 1 else ""
+        return jobs[0].label() + more, max(0.0, self._clock() - jobs[0].since)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for every request in progress to end; True if none is left."""
+        if not self._jobs:
+            return True
+        if self._idle is None:
+            self._idle = asyncio.Event()
+        self._idle.clear()
+        try:
+            await asyncio.wait_for(self._idle.wait(), max(0.0, timeout))
+        except TimeoutError:
+            return not self._jobs
+        return True

@@ -39,7 +39,9 @@ from rlfleet.common.tensors.codec import (
     PHYSICAL_MEMORY_BYTES,
     Chunk,
     ChunkAssembler,
+    decode_chunk,
     dtype_name,
+    encode_chunk,
     split_tensors,
 )
 from rlfleet.common.tensors.guard import bearer_metadata, capability, capability_metadata
@@ -47,7 +49,6 @@ from rlfleet.common.tensors.local import StoreStat, TensorInfo
 from rlfleet.common.tensors.malloc import keep_stream_buffers
 from rlfleet.common.tensors.rpc import channel_options, check_sizes, error_from_rpc, method
 from rlfleet.common.tensors.tls import channel_credentials
-from rlfleet.common.tensors.wire import decode_chunk, encode_chunk
 
 logger = logging.getLogger(__name__)
 

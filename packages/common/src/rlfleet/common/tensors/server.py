@@ -3,7 +3,7 @@
 Producers put their results here (over the wire with ``Put``, or in-process with
 :meth:`TensorStoreServer.put_local`) and pass a :class:`TensorRef` on the control plane; consumers
 stream them straight from here with ``Get``. Chunks travel as raw protobuf bytes through
-:mod:`rlfleet.common.tensors.wire` (no payload copies beyond the one into or out of the tensor).
+:mod:`rlfleet.common.tensors.codec` (no payload copies beyond the one into or out of the tensor).
 
 Bad input never takes the server down: every tensor-plane error ends only its own RPC (see
 :mod:`rlfleet.common.tensors.rpc` for how it reaches the client), and a put that fails or is cut
@@ -42,6 +42,8 @@ from rlfleet.common.tensors.codec import (
     DEFAULT_CHUNK_BYTES,
     Chunk,
     ChunkAssembler,
+    decode_chunk,
+    encode_chunk,
     split_tensors,
 )
 from rlfleet.common.tensors.guard import StoreGuard, unpredictable_key
@@ -49,7 +51,6 @@ from rlfleet.common.tensors.local import LocalTensorStore
 from rlfleet.common.tensors.malloc import keep_stream_buffers
 from rlfleet.common.tensors.rpc import SERVICE, abort_rpc, channel_options, check_sizes
 from rlfleet.common.tensors.tls import server_credentials
-from rlfleet.common.tensors.wire import decode_chunk, encode_chunk
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Request deadlines scaled to the work (issue 12, point 6): the bounds of controller/deadlines.py,
+"""Request deadlines scaled to the work (issue 12, point 6): the bounds of controller/request_policy.py,
 and a run's requests (Fleet and RewardControl over the in-process transport, with tiers that answer
 as the real ones do) carrying them instead of one fixed 900 s."""
 
@@ -36,9 +36,9 @@ from rlfleet.common.control.transport import membership_subject, subject, worker
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.trainer import ModelSettings, StepSettings
 from rlfleet.controller.config import TrainerConfig
-from rlfleet.controller.deadlines import FLOOR_S, MAX_S, UNKNOWN_MODEL_BYTES, Deadlines
 from rlfleet.controller.fault_settings import FaultSettings
 from rlfleet.controller.fleet import Fleet
+from rlfleet.controller.request_policy import FLOOR_S, MAX_S, UNKNOWN_MODEL_BYTES, Deadlines
 from rlfleet.controller.reward_control import RewardControl
 
 CLUSTER = "unit"

@@ -1,8 +1,8 @@
-"""How long each tier request may take, from the work it carries (issue 12, point 6).
+"""How the controller asks a tier: each request's deadline, from the work it carries, and one retry policy.
 
-A fixed deadline is wrong both ways: 900 s lets a wedged tiny step hang for a quarter of an hour,
-and a large step on slow hardware can need longer. :class:`Deadlines` gives every request a
-deadline of three parts::
+**Deadlines** (issue 12, point 6). A fixed deadline is wrong both ways: 900 s lets a wedged tiny
+step hang for a quarter of an hour, and a large step on slow hardware can need longer.
+:class:`Deadlines` gives every request a deadline of three parts::
 
     deadline = outage allowance + fixed floor + work x bound per unit of work   (x deadline_scale)
 
@@ -32,15 +32,36 @@ an 8B model in bf16) stands for it. No scaled deadline exceeds :data:`MAX_S` (6 
 ``faults.deadline_scale`` for slower hardware; ``request_timeout_s`` set in the job gives every
 request that one deadline instead (the old behaviour). A stall shorter than any deadline is still
 reported within ``faults.stall_report_s`` by the watchdog.
+
+**Retries** (issue 12, point 1; :func:`with_retries`, the last section): a reward server answering
+``QuotaExceeded``, a peer restarting, or a request nobody answered in time should cost a retry, not
+the run. Only errors that can pass are retried: a ``RemoteError`` marked ``retryable``, a
+``RequestTimeout`` or ``NoResponders`` (the peer may come back), a tensor store that is busy or
+unavailable; everything else is raised at once. The wait doubles from ``retry_backoff_s`` up to
+``retry_backoff_max_s``; an error's ``retry_after_s`` (seconds the peer asked us to wait) wins when
+it is longer. When ``retry_attempts`` tries are spent the last error is wrapped in
+:class:`RetriesExhausted` naming what was tried. The caller keeps one ``job_id`` across the tries,
+so a trainer that already did the work answers the repeat from its cache instead of stepping twice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from rlfleet.common.control.messages import GenerateRequest, GenerateResult, LoadWeights
+from rlfleet.common.errors import (
+    NoResponders,
+    RemoteError,
+    RequestTimeout,
+    TensorStoreBusy,
+    TensorStoreUnavailable,
+)
 from rlfleet.common.schema.refs import TensorRef
+from rlfleet.controller.errors import RetriesExhausted
 from rlfleet.controller.fault_settings import FaultSettings
 
 FLOOR_S = 30.0
@@ -168,3 +189,60 @@ class Deadlines:
     def reward_swap(self) -> float:
         """A reward hot swap, which may load a reward model."""
         return self._of(MODEL_LOAD_S)
+
+
+# --- one retry policy for score, train-step, publish and weight-load requests ------------------------
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+TRANSIENT = (RequestTimeout, NoResponders, TensorStoreBusy, TensorStoreUnavailable)
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether trying ``exc``'s request again can succeed."""
+    if isinstance(exc, RemoteError):
+        return bool(exc.retryable)
+    return isinstance(exc, TRANSIENT) or getattr(exc, "retryable", False) is True
+
+
+def backoff_s(settings: FaultSettings, attempt: int, exc: BaseException | None = None) -> float:
+    """Seconds to wait after failed try number ``attempt`` (1-based): doubling, capped, at least
+    the ``retry_after_s`` the error carries (a peer's own request to wait; never negative)."""
+    wait = min(settings.retry_backoff_s * 2 ** (attempt - 1), settings.retry_backoff_max_s)
+    after = getattr(exc, "retry_after_s", None)
+    if isinstance(after, (int, float)) and after > wait:
+        wait = min(float(after), 3600.0)
+    return wait
+
+
+async def with_retries(
+    what: str, attempt: Callable[[], Awaitable[T]], settings: FaultSettings,
+    *, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    retry_if: Callable[[BaseException], bool] = is_retryable,
+) -> T:  # fmt: skip
+    """``await attempt()`` until it succeeds, retrying retryable errors within the budget.
+
+    Raises the first non-retryable error as it is, and :class:`RetriesExhausted` (``what``, the
+    number of tries, the last error) when ``settings.retry_attempts`` tries all failed retryably.
+    ``retry_if`` narrows what counts as retryable for one kind of request.
+    """
+    for n in range(1, settings.retry_attempts + 1):
+        try:
+            return await attempt()
+        except Exception as exc:
+            if not retry_if(exc):
+                raise
+            if n == settings.retry_attempts:
+                raise RetriesExhausted(what, n, exc) from exc
+            wait = backoff_s(settings, n, exc)
+            log.warning(
+                "%s: try %d of %d failed (%s); retrying in %.1f s",
+                what,
+                n,
+                settings.retry_attempts,
+                exc,
+                wait,
+            )
+            await sleep(wait)
+    raise AssertionError("unreachable")  # pragma: no cover
