@@ -4,20 +4,39 @@ Every tier's config subclasses :class:`ConfigModel` (unknown fields are errors, 
 validated). :func:`load_config` layers a dict, a file and command-line overrides, validates the
 result and turns every failure into a :class:`ConfigError` naming the dotted field path and the
 bad value. :func:`dump_config` writes the resolved config back as YAML.
+
+**Sections and the flat form.** Configs nest by owner: a setting lives in the section of the class
+that owns it (``update.learning_rate``, ``rollout.engine.colocate``). The flat form of the previous
+release (every setting a top-level key, ``learning_rate``, ``eval_data``, ``launcher: ray`` with
+``ray_address``) still loads: a class's :meth:`ConfigModel.legacy` table maps each flat key to its
+place (every field of a section a class holds, found by itself, plus the renames the class lists
+in ``RENAMED``), and :func:`nest_legacy` moves such keys into their sections before validation
+(a key set both ways: the flat one wins, as a ``key=value`` override on top of a nested file should).
+Where the flat form is deprecated (``WARN_LEGACY``: the job config) a ``FutureWarning`` names each
+key's new place, except for the documented short forms (``SHORT``: ``learning_rate=1e-5`` stays a
+way to write ``update.learning_rate``). :func:`legacy_dump` writes a model back in the flat form,
+for readers of the previous release (worker config files, the step settings on the wire).
+A section given as a plain string is its short form (``algorithm: grpo``, ``launcher: ray``,
+``rollout.engine: vllm``): the class's ``SHORT_FORM`` field takes it.
 """
 
 from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import re
 import tomllib
-from collections.abc import Sequence
+import types
+import typing
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, get_args
+from typing import Any, ClassVar, TypeVar, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from rlfleet.common.errors import ConfigError
 
@@ -27,10 +46,193 @@ FILE = "<file>"
 OVERRIDE = "<override>"
 
 
+def _same(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Legacy:
+    """One key of a class's flat form: where it lives now (``path``, in the class), and how its value
+    reads there (``new``) and back (``old``) where the section changed its spelling."""
+
+    key: str
+    path: tuple[str, ...]
+    new: Callable[[Any], Any] = _same
+    old: Callable[[Any], Any] = _same
+
+
 class ConfigModel(BaseModel):
-    """Base of rlfleet configs: unknown fields are rejected, assignments are validated."""
+    """Base of rlfleet configs: unknown fields are rejected, assignments are validated; the flat
+    form of the previous release loads (see the module docstring)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    SHORT_FORM: ClassVar[str | None] = None
+    """The field a plain string given for this section goes to (``algorithm: grpo`` -> ``name``)."""
+    FLAT_SECTIONS: ClassVar[frozenset[str]] = frozenset()
+    """This class's sections whose settings were top-level keys in the previous release."""
+    RENAMED: ClassVar[tuple[Legacy, ...]] = ()
+    """Flat keys whose place is not ``<section>.<same name>`` (or whose value is spelled otherwise)."""
+    SHORT: ClassVar[frozenset[str]] = frozenset()
+    """Flat keys kept as documented short forms (no warning)."""
+    WARN_LEGACY: ClassVar[bool] = False
+    """Whether the flat form of this class is deprecated (a FutureWarning names the new keys)."""
+    PLACE: ClassVar[str] = ""
+    """Where this class sits in the job config, for the warning (``rollout``); empty: the top."""
+
+    @classmethod
+    def legacy(cls) -> dict[str, Legacy]:
+        """Flat key -> its :class:`Legacy`: the settings of every flat section (theirs too, deeper
+        down), and ``RENAMED``; shorter paths first."""
+        return _legacy_table(cls)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_legacy(cls, data: Any) -> Any:
+        if isinstance(data, str) and cls.SHORT_FORM is not None:
+            return {cls.SHORT_FORM: data}
+        if not isinstance(data, dict):
+            return data
+        if cls.legacy():
+            data = nest_legacy(cls, data)
+        for name, info in cls.model_fields.items():  # a tagged union given as its tag alone
+            if isinstance(data.get(name), str) and union_members(info.annotation):
+                data = {**data, name: _as_section(cls, name, data[name])}
+        return cls.tidy(data)
+
+    @classmethod
+    def tidy(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """A class's last word on its input once the flat form is nested (default: as it is)."""
+        return data
+
+
+def section_class(annotation: Any) -> type[ConfigModel] | None:
+    """The config class a field holds as a section (``X`` or ``X | None``); None for anything else
+    (a scalar, a list or dict of models, a union of several models)."""
+    if isinstance(annotation, type) and issubclass(annotation, ConfigModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        models = [a for a in get_args(annotation) if a is not type(None)]
+        if len(models) == 1:
+            return section_class(models[0])
+    return None
+
+
+def union_members(annotation: Any) -> list[type[ConfigModel]]:
+    """The config classes of a tagged-union field (``A | B``, in ``Annotated[...]`` too)."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return union_members(get_args(annotation)[0])
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return []
+    members = [a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, ConfigModel)]
+    return members if len(members) > 1 else []
+
+
+def _members(cls: type[ConfigModel], field: str) -> list[type[ConfigModel]]:
+    annotation = cls.model_fields[field].annotation
+    section = section_class(annotation)
+    return [section] if section is not None else union_members(annotation)
+
+
+@functools.cache
+def _legacy_table(cls: type[ConfigModel]) -> dict[str, Legacy]:
+    table: dict[str, Legacy] = {}
+    fields = cls.model_fields
+    for name in sorted(cls.FLAT_SECTIONS):
+        for sub in _members(cls, name):
+            for inner in sub.model_fields:
+                if inner not in fields:
+                    table.setdefault(inner, Legacy(inner, (name, inner)))
+            for key, legacy in sub.legacy().items():
+                if key not in fields:
+                    table.setdefault(key, Legacy(key, (name, *legacy.path), legacy.new, legacy.old))
+    for legacy in cls.RENAMED:
+        table = {k: v for k, v in table.items() if v.path != legacy.path}
+        table[legacy.key] = legacy
+    return dict(sorted(table.items(), key=lambda item: len(item[1].path)))
+
+
+def _as_section(cls: type[ConfigModel] | None, field: str, value: Any) -> Any:
+    """A section's value as a mapping: a model's set fields, or a plain string as its short form."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(exclude_unset=True)
+    if isinstance(value, dict) or value is None:
+        return dict(value or {})
+    if cls is None or field not in cls.model_fields or not isinstance(value, str):
+        return value
+    keys = {m.SHORT_FORM for m in _members(cls, field) if m.SHORT_FORM}
+    return {keys.pop(): value} if len(keys) == 1 else value
+
+
+def nest_legacy(cls: type[ConfigModel], data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` with the keys of ``cls``'s flat form moved into their sections (the flat one wins
+    where a setting is given both ways); a FutureWarning names them where ``cls.WARN_LEGACY``."""
+    out = dict(data)
+    moved: list[str] = []
+    for key, legacy in cls.legacy().items():
+        if key not in out or key in cls.model_fields:
+            continue
+        value = legacy.new(out.pop(key))
+        table: dict[str, Any] = out
+        owner: type[ConfigModel] | None = cls
+        for part in legacy.path[:-1]:
+            inner = _as_section(owner, part, table.get(part))
+            if not isinstance(inner, dict):  # not a section: leave the key for validation to name
+                out[key] = value
+                break
+            table[part] = inner
+            table = inner
+            members = _members(owner, part) if owner is not None and part in owner.model_fields else []
+            owner = members[0] if len(members) == 1 else None
+        else:
+            table[legacy.path[-1]] = value
+            if key not in cls.SHORT:
+                moved.append(f"{key} -> {'.'.join(legacy.path)}")
+    if moved and cls.WARN_LEGACY:
+        where = f" in {cls.PLACE}" if cls.PLACE else ""
+        warnings.warn(
+            f"{cls.__name__}: the flat form{where} is deprecated (it loads until the next release); write "
+            + ", ".join(moved),
+            FutureWarning,
+            stacklevel=2,
+        )
+    return out
+
+
+def legacy_dump(model: BaseModel, *, exclude_defaults: bool = True) -> dict[str, Any]:
+    """``model`` as JSON data in its class's flat form (the previous release's): what an older reader
+    of a worker config file or of the step settings takes."""
+    data = model.model_dump(mode="json", exclude_defaults=exclude_defaults)
+    return flatten(type(model), data) if isinstance(model, ConfigModel) else data
+
+
+def _member_of(members: list[type[ConfigModel]], value: Mapping[str, Any]) -> type[ConfigModel]:
+    """The class of a section's data: the one member, or the union member its tag names (a tag field
+    has no default, so a dump without defaults still carries it)."""
+    for member in members:
+        tag = member.SHORT_FORM
+        if tag is None or len(members) == 1:
+            continue
+        if value.get(tag) in get_args(member.model_fields[tag].annotation):
+            return member
+    return members[0]
+
+
+def flatten(cls: type[ConfigModel], data: Mapping[str, Any]) -> dict[str, Any]:
+    """Nested JSON data of ``cls`` in its flat form (the inverse of :func:`nest_legacy`): each flat
+    section's settings hoisted to the top, a tagged union's tag its value, renamed keys spelled as
+    they were."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in cls.FLAT_SECTIONS or not isinstance(value, dict):
+            out[key] = value
+            continue
+        out.update(flatten(_member_of(_members(cls, key), value), value))
+    for legacy in cls.RENAMED:
+        name = legacy.path[-1]
+        if name != legacy.key and name in out and name not in cls.model_fields:
+            out[legacy.key] = legacy.old(out.pop(name))
+    return out
 
 
 class _Loader(yaml.SafeLoader):

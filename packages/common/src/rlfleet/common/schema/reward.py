@@ -10,11 +10,11 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rlfleet.common.schema.worker import ServiceConfig
+from rlfleet.common.schema.worker import ModelLoading, ServiceConfig
 
 Spec = str | dict[str, Any]
 """A reward spec: text (``'0.7*rm:path=/m + 0.3*concise'``) or its dict form."""
@@ -119,6 +119,11 @@ class TenantConfig(TokenSource):
 class RewardWorkerConfig(ServiceConfig):
     """Settings of a reward worker (and of a shared reward server: tenants, admin token, state)."""
 
+    FLAT_SECTIONS: ClassVar[frozenset[str]] = ServiceConfig.FLAT_SECTIONS | {"loading"}
+
+    loading: ModelLoading = Field(
+        default_factory=ModelLoading, description="what loading a reward model may run"
+    )
     endpoints: dict[str, EndpointConfig] = Field(
         default_factory=lambda: {"default": EndpointConfig(spec="concise:max_words=50")},
         description="endpoint name -> {spec, scaler}; a bare spec (text or dict form) means {spec: ...}",

@@ -7,8 +7,9 @@
   the trainer applies them, learning rate and weight decay included; a worker's own values are
   only its defaults for requests that carry none.
 
-The controller's ``TrainerConfig`` is built from the same classes (it inherits them), so a job
-file's ``learning_rate`` is this class's field, defined once.
+The controller's ``TrainerConfig`` holds the same classes as its sections (``model``, ``update``,
+``algorithm``, ``batch``), so a job file's ``update.learning_rate`` (short: ``learning_rate``) is
+this module's field, defined once; a trainer worker's config holds ``model`` and ``step``.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
 from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.algorithms import ALGORITHMS, AlgorithmName, KLMode
-from rlfleet.common.schema.config import ConfigModel
+from rlfleet.common.schema.config import ConfigModel, Legacy
 from rlfleet.common.schema.worker import ModelLoading, ModelWorkerConfig
 
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -150,9 +151,14 @@ class UpdateSettings(ConfigModel):
 
 
 class AlgorithmSettings(ConfigModel):
-    """Which algorithm runs, and its settings beyond the policy loss shared by all."""
+    """Which algorithm runs, and its settings beyond the policy loss shared by all (``algorithm: grpo``
+    is short for ``algorithm: {name: grpo}``)."""
 
-    algorithm: AlgorithmName = Field(default="grpo", description="ppo | grpo | rloo | reinforce_pp | dpo")
+    SHORT_FORM: ClassVar[str | None] = "name"
+
+    name: AlgorithmName = Field(
+        default="grpo", description="ppo | grpo | dr_grpo | rloo | reinforce_pp | dpo"
+    )
     kl_mode: KLMode | None = Field(
         default=None,
         description="KL in the loss or in the reward; None: the algorithm's default "
@@ -194,7 +200,7 @@ class AlgorithmSettings(ConfigModel):
         """Where the KL term goes: the configured mode or the algorithm's default."""
         if self.kl_mode is not None:
             return self.kl_mode
-        return ALGORITHMS[self.algorithm].default_kl_mode or "loss"
+        return ALGORITHMS[self.name].default_kl_mode or "loss"
 
     def resolved_kl_estimator(self) -> KLEstimator:
         """The configured estimator, else k1 for a KL in the reward and k3 for one in the loss."""
@@ -227,27 +233,45 @@ class BatchSettings(ConfigModel):
         return self.rollout_batch_size // self.train_batch_size
 
 
-class StepSettings(UpdateSettings, AlgorithmSettings, BatchSettings):
-    """Everything one train step needs besides its data, as the controller sends it with each step.
+class StepSettings(ConfigModel):
+    """Everything one train step needs besides its data, as the controller sends it with each step:
+    the ``update``, ``algorithm`` and ``batch`` sections.
 
-    On the wire: unknown fields (a newer controller's) are ignored, as in every message.
+    On the wire it travels in the flat form of the previous release (``SETTINGS_SET``: every setting
+    a top-level key, ``algorithm`` the name), which a trainer of either release reads; unknown fields
+    (a newer controller's) are ignored, as in every message.
     """
 
     model_config = ConfigDict(extra="ignore", validate_assignment=True)
+    FLAT_SECTIONS: ClassVar[frozenset[str]] = frozenset({"update", "algorithm", "batch"})
+    RENAMED: ClassVar[tuple[Legacy, ...]] = (Legacy("algorithm", ("algorithm", "name")),)
+
+    update: UpdateSettings = Field(default_factory=UpdateSettings, description="optimizer and loss")
+    algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings, description="the algorithm")
+    batch: BatchSettings = Field(default_factory=BatchSettings, description="prompts per step and update")
 
     @classmethod
-    def of(cls, settings: object, **extra: object) -> StepSettings:
-        """The step settings carried by ``settings`` (any object with these fields), plus ``extra``."""
-        values = {name: getattr(settings, name) for name in cls.model_fields if hasattr(settings, name)}
-        return cls(**{**values, **extra})
+    def of(cls, settings: object, **update: object) -> StepSettings:
+        """The step settings of ``settings`` (a config holding ``update``, ``algorithm`` and ``batch``
+        sections, or a trainer worker's config holding ``step``), with ``update``'s values over its
+        update section (the KL controller's ``kl_coef``)."""
+        base = getattr(settings, "step", settings)
+        names = ("update", "algorithm", "batch")
+        step = cls(**{name: getattr(base, name).model_copy(deep=True) for name in names})
+        if update:
+            step.update = UpdateSettings.model_validate({**step.update.model_dump(), **update})
+        return step
 
 
-class TrainerWorkerConfig(ModelWorkerConfig, ModelSettings, StepSettings):
-    """A trainer worker's config (``rlfleet-trainer serve --config``): its model, how it holds it, and
-    the step settings it uses for requests that carry none."""
+class TrainerWorkerConfig(ModelWorkerConfig):
+    """A trainer worker's config (``rlfleet-trainer serve --config``): its model, how it holds it
+    (``model``), and the step settings it uses for requests that carry none (``step``)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    FLAT_SECTIONS: ClassVar[frozenset[str]] = ModelWorkerConfig.FLAT_SECTIONS | {"model", "step"}
 
+    model: ModelSettings = Field(default_factory=ModelSettings, description="how it holds the model")
+    step: StepSettings = Field(default_factory=StepSettings, description="its default step settings")
     critic_model_path: str | None = Field(
         default=None, description="PPO critic backbone (local HF dir); None: the actor's checkpoint"
     )

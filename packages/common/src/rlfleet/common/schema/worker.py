@@ -3,7 +3,8 @@
 :class:`FleetAddress` says which fleet to join: the controller's config and every worker's share
 it. :class:`Placement` says where a process computes and how its randomness is seeded: the job's
 ``device`` and ``seed`` reach each worker the launcher starts. :class:`ServiceConfig` is the base of
-every tier's worker config; :class:`ModelWorkerConfig` adds the model a trainer or rollout worker holds.
+every tier's worker config (those three sections and its own settings); :class:`ModelWorkerConfig`
+adds the model a trainer or rollout worker holds.
 :class:`TensorPlaneSettings` says where a worker's TensorStore listens, the address it advertises
 in its refs, and the TLS files of the tensor plane. :class:`ModelLoading` says how every tier loads
 Hugging Face models (the trainer's model settings and every worker's config include it).
@@ -11,7 +12,7 @@ Hugging Face models (the trainer's model settings and every worker's config incl
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -85,17 +86,27 @@ class ModelLoading(ConfigModel):
     )
 
 
-class ServiceConfig(FleetAddress, Placement, TensorPlaneSettings, ModelLoading):
-    """Settings every worker process takes; an unset NATS URL or cluster is the default one."""
+class ServiceConfig(ConfigModel):
+    """Settings every worker process takes, in sections (``fleet``, ``placement``, ``tensor_plane``)
+    plus its own; an unset NATS URL or cluster is the default one. The flat form of the previous
+    release (``nats_url``, ``device``, ``bind_host`` at the top) loads too: a previous controller
+    writes it, and a controller writes it for workers of the previous release."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _defaults(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            data = dict(data)
-            data["nats_url"] = data.get("nats_url") or DEFAULT_NATS_URL
-            data["cluster"] = data.get("cluster") or "default"
-        return data
+    FLAT_SECTIONS: ClassVar[frozenset[str]] = frozenset({"fleet", "placement", "tensor_plane"})
+
+    fleet: FleetAddress = Field(default_factory=FleetAddress, description="the fleet this worker joins")
+    placement: Placement = Field(default_factory=Placement, description="where it computes; its seed")
+    tensor_plane: TensorPlaneSettings = Field(
+        default_factory=TensorPlaneSettings, description="its TensorStore's address and TLS"
+    )
+
+    @model_validator(mode="after")
+    def _defaults(self) -> ServiceConfig:
+        if not self.fleet.nats_url:
+            self.fleet.nats_url = DEFAULT_NATS_URL
+        if not self.fleet.cluster:
+            self.fleet.cluster = "default"
+        return self
 
     worker_id: str = Field(default="", description="unique worker id; empty: <tier>-<host>-<pid>")
     pool: str = Field(default="default", description="pool this worker serves (rollout routing)")
