@@ -263,6 +263,7 @@ class TrainerConfig(ConfigModel):
         "eval", "launcher",
     })  # fmt: skip
     RENAMED: ClassVar[tuple[Legacy, ...]] = (
+        Legacy("algorithm", ("algorithm", "name")), Legacy("launcher", ("launcher", "type")),
         Legacy("kl_ctrl", ("kl", "type")), Legacy("kl_target", ("kl", "target")),
         Legacy("kl_horizon", ("kl", "horizon")), Legacy("kl_end_coef", ("kl", "end_coef")),
         Legacy("kl_total_steps", ("kl", "total_steps")), Legacy("kl_schedule", ("kl", "schedule")),
@@ -512,6 +513,10 @@ class JobReward(RewardSettings):
 class JobConfig(TrainerConfig):
     """A whole run for ``rlfleet train``: the trainer's settings plus the model's name, the reward's
     spec and the data."""
+
+    RENAMED: ClassVar[tuple[Legacy, ...]] = (
+        *TrainerConfig.RENAMED, Legacy("model", ("model", "name")), Legacy("reward", ("reward", "spec")),
+    )
 
     model: JobModel = Field(description="the actor model (name) and how the trainer holds it")
     reward: JobReward = Field(default_factory=JobReward, description="the reward spec and where it is scored")

@@ -223,15 +223,19 @@ def flatten(cls: type[ConfigModel], data: Mapping[str, Any]) -> dict[str, Any]:
     section's settings hoisted to the top, a tagged union's tag its value, renamed keys spelled as
     they were."""
     out: dict[str, Any] = {}
+    renamed = {legacy.path: legacy for legacy in cls.RENAMED if len(legacy.path) == 2}
     for key, value in data.items():
-        if key not in cls.FLAT_SECTIONS or not isinstance(value, dict):
+        members = _members(cls, key) if key in cls.model_fields and isinstance(value, dict) else []
+        if not members:
             out[key] = value
             continue
-        out.update(flatten(_member_of(_members(cls, key), value), value))
-    for legacy in cls.RENAMED:
-        name = legacy.path[-1]
-        if name != legacy.key and name in out and name not in cls.model_fields:
-            out[legacy.key] = legacy.old(out.pop(name))
+        inner = flatten(_member_of(members, value), value)
+        if key not in cls.FLAT_SECTIONS:  # a section the previous release nested too: only its insides change
+            out[key] = inner
+            continue
+        for name, setting in inner.items():  # hoisted, under its previous name
+            legacy = renamed.get((key, name))
+            out[legacy.key if legacy else name] = legacy.old(setting) if legacy else setting
     return out
 
 

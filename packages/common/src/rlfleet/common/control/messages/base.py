@@ -4,8 +4,10 @@ Messages carry the wire schema version in ``protocol`` ("MAJOR.MINOR"): another 
 (``codec.check_protocol``), a MINOR skew is accepted and unknown fields are ignored (``extra="ignore"``).
 A config model carried in a message (a run's :class:`~rlfleet.common.schema.trainer.ModelSettings`)
 refuses settings it does not know, so it travels as :data:`SETTINGS_SET`: only the settings that
-differ from their defaults, which an older reader takes as long as newer settings keep their
-defaults (and refuses by name once one is used). tests/compat runs older releases against this code.
+differ from their defaults, in the flat form of the previous release where its class has sections
+(:func:`~rlfleet.common.schema.config.legacy_dump`: the step settings), which an older reader takes
+as long as newer settings keep their defaults (and refuses by name once one is used); this
+release's reader takes either form. tests/compat runs older releases against this code.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 
+from rlfleet.common.schema.config import legacy_dump
+
 PROTOCOL = "2.4"
 """The wire schema version this code speaks: bump MINOR for additive changes, MAJOR otherwise."""
 
 
 def _settings_set(settings: BaseModel) -> dict[str, Any]:
-    return settings.model_dump(mode="json", exclude_defaults=True)
+    return legacy_dump(settings, exclude_defaults=True)
 
 
 SETTINGS_SET = PlainSerializer(_settings_set, return_type=dict)
