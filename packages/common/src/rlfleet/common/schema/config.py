@@ -262,16 +262,48 @@ def load_config(
     ``overrides`` are ``dotted.key=value`` strings; values are read as YAML (``3``, ``0.1``,
     ``1e-5``, ``true``, ``[1, 2]``, ``null``; ``x=`` is the empty string) and missing tables are
     created. Raises :class:`ConfigError` for a missing or malformed file, a malformed override,
-    an unknown field or a value of the wrong type.
+    an unknown field or a value of the wrong type. Each layer's flat form (:func:`nest_legacy`) is
+    nested before the next is laid on it, so a nested key over a flat file still wins.
     """
-    raw: dict[str, Any] = copy.deepcopy(data) if data else {}
+    raw = _nested(model_cls, copy.deepcopy(data) if data else {})
     if path is not None:
-        raw = merge(raw, read_config_file(path))
-    apply_overrides(raw, overrides)
+        raw = merge(raw, _nested(model_cls, read_config_file(path)))
+    if isinstance(overrides, str) or not (isinstance(model_cls, type) and issubclass(model_cls, ConfigModel)):
+        apply_overrides(raw, overrides)
+    else:
+        for override in overrides:  # each in turn: one may write the short form the next opens
+            _open_short_forms(model_cls, raw, [override])
+            apply_overrides(raw, [override])
     try:
         return model_cls.model_validate(raw)
     except ValidationError as exc:
         raise _as_config_error(model_cls, exc) from None
+
+
+def _nested(model_cls: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with ``model_cls``'s flat form moved into its sections (as it is for other classes)."""
+    if issubclass(model_cls, ConfigModel) and model_cls.legacy():
+        return nest_legacy(model_cls, data)
+    return data
+
+
+def _open_short_forms(model_cls: type[ConfigModel], raw: dict[str, Any], overrides: Sequence[str]) -> None:
+    """A section written in its short form (``model: tiny:digits``) becomes a table where an override
+    sets a setting inside it (``model.mixed_precision=none``)."""
+    if isinstance(overrides, str):
+        return  # apply_overrides names the mistake
+    for text in overrides:
+        parts = text.partition("=")[0].strip().split(".")
+        table: Any = raw
+        owner: type[ConfigModel] | None = model_cls
+        for part in parts[:-1]:
+            if not isinstance(table, dict):
+                break
+            if owner is not None and part in owner.model_fields and isinstance(table.get(part), str):
+                table[part] = _as_section(owner, part, table[part])
+            members = _members(owner, part) if owner is not None and part in owner.model_fields else []
+            owner = members[0] if len(members) == 1 else None
+            table = table.get(part)
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
