@@ -98,7 +98,7 @@ class FakeFleet:
         sent = TrainStepRequest(step=step, rollouts=rollouts, scores=scores, settings=settings)
         request = TrainStepRequest.model_validate_json(sent.model_dump_json())  # as the trainer reads it
         self.train_requests.append(request)
-        if settings.algorithm == "dpo":
+        if settings.algorithm.name == "dpo":
             client = TensorStoreClient(rollouts[0].address)
             try:
                 self.fetched.append(await client.fetch(rollouts[0]))

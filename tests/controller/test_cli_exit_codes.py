@@ -45,7 +45,8 @@ def test_a_malformed_cpu_bf16_override_exits_2_before_anything_starts(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "RLFLEET_CPU_BF16 must be 0 or 1" in err[0] and "'yes'" in err[0], err
     assert not out.exists(), "nothing may be spawned for a malformed environment"
-    assert cli.main(["config", str(TINY), "mixed_precision=none"]) == 0  # read only for auto
+    model = "model={name: 'tiny:digits', mixed_precision: none}"  # the example writes model: tiny:digits
+    assert cli.main(["config", str(TINY), model]) == 0  # read only for auto
 
 
 @pytest.mark.parametrize(

@@ -56,11 +56,11 @@ def test_summary_means_come_from_the_rows() -> None:
 
 
 def test_eval_every_needs_eval_data() -> None:
-    with pytest.raises(ValidationError, match="eval_every=3 needs eval_data"):
-        EvalSettings(eval_every=3)
-    assert EvalSettings(eval_data="held.jsonl", eval_every=3).eval_every == 3
+    with pytest.raises(ValidationError, match=r"eval.every=3 needs eval.data"):
+        EvalSettings(every=3)
+    assert EvalSettings(data="held.jsonl", every=3).every == 3
     with pytest.raises(ValidationError):
-        EvalSettings(eval_data="held.jsonl", eval_every=-1)
+        EvalSettings(data="held.jsonl", every=-1)
 
 
 def test_read_metrics_names_a_bad_line(tmp_path: Path) -> None:

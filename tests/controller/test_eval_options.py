@@ -1,4 +1,4 @@
-"""Evaluation options that follow the run's conventions: ``eval_max_tokens`` (the held-out answers'
+"""Evaluation options that follow the run's conventions: ``eval.max_tokens`` (the held-out answers'
 length, checked against the rollout tier's context cap at load), and ``rlfleet eval``'s ``--split``
 (read through ``datasets``), ``--chat-template`` and ``--trust-remote-code`` (loaded by the run's
 tokenizer loader). In-process: the tokenizer, the prompts and the generation of a tiny model."""
@@ -33,21 +33,26 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_eval_max_tokens_is_128_and_must_fit_every_pool() -> None:
-    assert TrainerConfig(eval_data="held.jsonl").eval_max_tokens == 128
-    lengths = {"max_prompt_length": 64, "max_response_length": 32, "rollout": {"max_cache_len": 160}}
-    assert TrainerConfig(eval_data="held.jsonl", eval_max_tokens=96, **lengths).eval_max_tokens == 96
+    assert TrainerConfig(eval={"data": "held.jsonl"}).eval.max_tokens == 128
+    vllm = {"type": "vllm", "max_model_len": 160}
+    lengths = {"max_prompt_length": 64, "max_response_length": 32, "rollout": {"engine": vllm}}
+    assert TrainerConfig(eval={"data": "held.jsonl", "max_tokens": 96}, **lengths).eval.max_tokens == 96
     with pytest.raises(ValidationError) as refused:
-        TrainerConfig(eval_data="held.jsonl", eval_max_tokens=97, **lengths)
-    assert "eval_max_tokens (97) exceeds rollout.max_cache_len (160)" in str(refused.value)
-    pools = {"small": {"workers": 1, "max_cache_len": 100}, "big": {"workers": 1, "max_cache_len": 4096}}
-    with pytest.raises(ValidationError, match=r"rollout_pools\.small\.max_cache_len \(100\)"):
+        TrainerConfig(eval={"data": "held.jsonl", "max_tokens": 97}, **lengths)
+    assert "eval.max_tokens (97) exceeds rollout.engine.max_model_len (160)" in str(refused.value)
+    pools = {"small": {"workers": 1, "engine": {"type": "vllm", "max_model_len": 100}},
+             "big": {"workers": 1, "engine": {"type": "vllm", "max_model_len": 4096}}}  # fmt: skip
+    with pytest.raises(ValidationError, match=r"rollout\.pools\.small\.engine\.max_model_len \(100\)"):
         TrainerConfig(
-            eval_data="held.jsonl", max_prompt_length=64, max_response_length=32, rollout_pools=pools
+            eval={"data": "held.jsonl"},
+            max_prompt_length=64,
+            max_response_length=32,
+            rollout={"pools": pools},
         )
-    # without eval_data nothing is answered at that length, so nothing is checked
-    assert TrainerConfig(eval_max_tokens=4000, **lengths).max_response_length == 32
-    with pytest.raises(ValidationError, match="eval_max_tokens"):
-        TrainerConfig(eval_data="held.jsonl", eval_max_tokens=0)
+    # without eval.data nothing is answered at that length, so nothing is checked
+    assert TrainerConfig(eval={"max_tokens": 4000}, **lengths).max_response_length == 32
+    with pytest.raises(ValidationError, match=r"eval\.max_tokens"):
+        TrainerConfig(eval={"data": "held.jsonl", "max_tokens": 0})
 
 
 def test_split_reads_the_data_through_datasets(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlfleet.common.errors import ConfigError
+from rlfleet.common.schema.reward import RewardWorkerConfig
 from rlfleet.common.schema.rollout import RolloutWorkerConfig
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.gpu_assignment import (
@@ -14,10 +15,15 @@ from rlfleet.controller.gpu_assignment import (
     reward_gpu_count,
     visible_gpus,
 )
+from rlfleet.controller.launcher_settings import EmbeddedLauncher
 
 
 def _rollout(pool: str = "default", tp: int = 1) -> RolloutWorkerConfig:
-    return RolloutWorkerConfig(cluster="c", worker_id="r", model_path="m", pool=pool, tensor_parallel_size=tp)
+    engine = {"type": "vllm", "tensor_parallel_size": tp}
+    rollout = {"engine": engine}
+    return RolloutWorkerConfig(
+        fleet={"cluster": "c"}, worker_id="r", model_path="m", pool=pool, rollout=rollout
+    )
 
 
 def _ranks(n: int) -> list[dict[str, str]]:
@@ -117,15 +123,19 @@ def test_visible_gpus_and_cpu_only() -> None:
         visible_gpus(3, "auto", {"CUDA_VISIBLE_DEVICES": "3,5"})
     # this machine has no GPU: a job without a gpus setting places nothing
     assert assignment_for(TrainerConfig(), {}) is None
-    hidden = assignment_for(TrainerConfig(gpus=0), {})
+    hidden = assignment_for(TrainerConfig(launcher={"gpus": 0}), {})
     assert hidden is not None and hidden.env_for("trainer", "trainer-0", {}, {}, []) == {
         "CUDA_VISIBLE_DEVICES": ""
     }
     assert reward_gpu_count({"endpoints": {"a": "reward_model:device=cuda:1 + concise"}}) == 2
     assert reward_gpu_count({"endpoints": {"a": "reward_model:device=cpu"}}) == 0
+    on_cuda = {"components": [{"name": "reward_model", "args": {"device": "cuda"}}]}  # a spec's dict form
+    assert reward_gpu_count(RewardWorkerConfig(endpoints={"a": on_cuda})) == 1  # the run's own reward worker
+    assert reward_gpu_count(RewardWorkerConfig(endpoints={"a": "concise"})) == 0
 
 
 @pytest.mark.timeout(30)
 def test_gpus_setting_is_for_the_embedded_launcher() -> None:
-    with pytest.raises(ValueError, match="gpus: only used with launcher=embedded"):
-        TrainerConfig(launcher="ray", gpus=[0, 1])
+    with pytest.raises(ValueError, match=r"launcher\.ray\.gpus\n  Extra inputs are not permitted"):
+        TrainerConfig(launcher={"type": "ray", "gpus": [0, 1]})  # Ray places by its own resources
+    assert TrainerConfig(launcher={"gpus": [0, 1]}).launcher == EmbeddedLauncher(type="embedded", gpus=[0, 1])

@@ -7,9 +7,17 @@ import math
 from typing import get_args
 
 import pytest
+from pydantic import TypeAdapter, ValidationError
 
 from rlfleet.common.errors import ConfigError
-from rlfleet.controller.config import KLControlFields, KLControlKind
+from rlfleet.controller.config import (
+    AdaptiveKL,
+    FixedKL,
+    KLControl,
+    KLControlKind,
+    ScheduledKL,
+    TrainerConfig,
+)
 from rlfleet.controller.online import (
     KL_CONTROLLERS,
     AdaptiveKLController,
@@ -94,13 +102,10 @@ def _drive(ctl: KLController, kls: list[float]) -> list[float]:
     return out
 
 
-CONFIGS = {  # kind -> (fields, start coefficient)
-    "fixed": (KLControlFields(kl_ctrl="fixed"), 0.05),
-    "adaptive": (KLControlFields(kl_ctrl="adaptive", kl_target=0.5, kl_horizon=1000), 0.2),
-    "scheduled": (
-        KLControlFields(kl_ctrl="scheduled", kl_end_coef=0.01, kl_total_steps=500, kl_schedule="cosine"),
-        0.3,
-    ),
+CONFIGS = {  # kind -> (the kl section, start coefficient)
+    "fixed": (FixedKL(type="fixed"), 0.05),
+    "adaptive": (AdaptiveKL(type="adaptive", target=0.5, horizon=1000), 0.2),
+    "scheduled": (ScheduledKL(type="scheduled", end_coef=0.01, total_steps=500, schedule="cosine"), 0.3),
 }
 
 
@@ -135,22 +140,52 @@ def test_loading_another_kind_or_a_partial_state_is_refused() -> None:
         adaptive.load_state_dict({"kind": "adaptive", "value": 0.1})
 
 
-def test_registry_and_fields_name_the_same_kinds() -> None:
+def test_registry_and_sections_name_the_same_kinds() -> None:
     assert set(KL_CONTROLLERS) == set(get_args(KLControlKind)) == {"fixed", "adaptive", "scheduled"}
-    assert KLControlFields.model_fields["kl_ctrl"].annotation == KLControlKind
-    for kind, (fields, coef) in CONFIGS.items():
-        ctl = build_kl_controller(fields, coef)
+    tags = {member.model_fields["type"].annotation for member in (FixedKL, AdaptiveKL, ScheduledKL)}
+    assert {arg for tag in tags for arg in get_args(tag)} == set(get_args(KLControlKind))
+    for kind, (section, coef) in CONFIGS.items():
+        ctl = build_kl_controller(section, coef)
         assert isinstance(ctl, KL_CONTROLLERS[kind])
-        assert ctl.kind == kind
+        assert ctl.kind == kind == section.type  # a checkpoint's saved kind is the section's type
         assert ctl.value == pytest.approx(coef)
 
 
-def test_the_controller_needs_the_fields_of_its_kind() -> None:
-    with pytest.raises(ValueError, match="kl_target"):
-        build_kl_controller(KLControlFields(kl_ctrl="adaptive"), 0.1)
+def test_the_controller_needs_the_settings_of_its_kind() -> None:
+    kl: TypeAdapter[KLControl] = TypeAdapter(KLControl)
+    with pytest.raises(ValidationError, match=r"adaptive\.target\n  Field required"):
+        kl.validate_python({"type": "adaptive"})
     with pytest.raises(ValueError, match="kl_coef > 0"):
-        build_kl_controller(KLControlFields(kl_ctrl="adaptive", kl_target=1.0), 0.0)
-    with pytest.raises(ValueError, match="kl_total_steps"):
-        build_kl_controller(KLControlFields(kl_ctrl="scheduled"), 0.1)
-    with pytest.raises(ValueError, match="extra"):
-        KLControlFields(kl_ctrl="fixed", kl_coef=0.1)  # type: ignore[call-arg]  # kl_coef is a step setting
+        build_kl_controller(AdaptiveKL(type="adaptive", target=1.0), 0.0)
+    with pytest.raises(ValidationError, match=r"scheduled\.total_steps\n  Field required"):
+        kl.validate_python({"type": "scheduled"})
+    with pytest.raises(ValidationError, match="extra"):
+        FixedKL(type="fixed", kl_coef=0.1)  # type: ignore[call-arg]  # kl_coef is a step setting (update)
+
+
+def test_the_run_config_builds_its_controller_from_kl_and_update_kl_coef() -> None:
+    config = TrainerConfig(kl={"type": "adaptive", "target": 0.5, "horizon": 1000}, update={"kl_coef": 0.2})
+    ctl = build_kl_controller(config.kl, config.update.kl_coef)
+    assert isinstance(ctl, AdaptiveKLController) and (ctl.value, ctl.target, ctl.horizon) == (0.2, 0.5, 1000)
+    with pytest.raises(ValidationError, match="kl type 'adaptive' needs kl_coef > 0"):
+        TrainerConfig(kl={"type": "adaptive", "target": 0.5}, kl_coef=0.0)
+    assert TrainerConfig(kl={}).kl == FixedKL(type="fixed")  # a kl without a type is fixed
+    assert TrainerConfig(kl="fixed").kl == FixedKL(type="fixed")  # the tag alone
+
+
+@pytest.mark.parametrize(
+    "saved",
+    [
+        {"kind": "fixed", "value": 0.07},
+        {"kind": "adaptive", "value": 0.11, "target": 0.5, "horizon": 1000},
+        {"kind": "scheduled", "start": 0.3, "end": 0.01, "total_steps": 500, "schedule": "cosine", "step": 64,
+         "pinned": None},
+    ],
+    ids=lambda saved: saved["kind"],
+)  # fmt: skip
+def test_a_checkpoint_of_the_previous_release_resumes_under_the_kl_section(saved: dict[str, object]) -> None:
+    """The saved state's ``kind`` is the section's ``type`` (the previous release's ``kl_ctrl``)."""
+    section, coef = CONFIGS[str(saved["kind"])]
+    ctl = build_kl_controller(section, coef)
+    ctl.load_state_dict(json.loads(json.dumps(saved)))
+    assert ctl.state_dict() == saved

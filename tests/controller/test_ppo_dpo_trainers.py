@@ -3,12 +3,15 @@ controller between steps, and the DPO batch that travels through the controller'
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from rlfleet.common.schema.trainer import ModelSettings, TrainerWorkerConfig
+from rlfleet.common.schema.config import load_config
+from rlfleet.common.schema.trainer import ModelSettings, StepSettings, TrainerWorkerConfig
 from rlfleet.controller import DPOTrainer, GRPOTrainer, PPOTrainer, TrainerConfig
 from rlfleet.controller.cli import build_trainer
 from rlfleet.controller.config import JobConfig
@@ -39,15 +42,16 @@ def _config(tmp_path: Path, **kwargs: Any) -> TrainerConfig:
 def test_ppo_steps_send_ppo_and_an_adaptive_kl_coefficient(
     model_dir: Path, tmp_path: Path, fake_fleet, attach_fleet
 ) -> None:
-    config = _config(tmp_path, kl_coef=0.1, kl_ctrl="adaptive", kl_target=0.5, kl_horizon=80)
+    config = _config(tmp_path, kl_coef=0.1, kl={"type": "adaptive", "target": 0.5, "horizon": 80})
     trainer = PPOTrainer(actor_model_name=str(model_dir), reward_model_name=str(tmp_path),
                          dataset=str(PROMPTS), config=config, critic_model_name=str(model_dir))  # fmt: skip
     assert trainer.reward_spec == {"components": [{"name": "rm", "args": {"path": str(tmp_path.resolve())}}]}
     (spec,) = [s for s in trainer.fleet_run.worker_specs() if s.tier == "trainer"]
     worker = spec.config
     assert isinstance(worker, TrainerWorkerConfig)
-    assert worker.algorithm == "ppo" and worker.critic_model_path == str(model_dir)
-    assert worker.lam == 0.95 and worker.kl_mode is None
+    assert worker.step.algorithm.name == "ppo" and worker.critic_model_path == str(model_dir)
+    assert worker.step.algorithm.lam == 0.95 and worker.step.algorithm.kl_mode is None
+    assert worker.step == StepSettings.of(trainer.config) and worker.model == trainer.config.model
     configure = trainer.fleet_run.trainer_configure()
     assert configure.critic and configure.model == ModelSettings() and configure.model_fingerprint
     fleet = attach_fleet(trainer, fake_fleet(kl=1.0))
@@ -57,22 +61,25 @@ def test_ppo_steps_send_ppo_and_an_adaptive_kl_coefficient(
         if result.step == 2:
             trainer.kl_coef = 0.05  # overrides the controller; it adapts on from there
     trainer.close()
-    sent = [r.settings.kl_coef for r in fleet.train_requests]
+    sent = [r.settings.update.kl_coef for r in fleet.train_requests]
     # kl 1.0 vs target 0.5: err clipped to 0.2; 8 samples per step; horizon 80 -> x1.02 per step
     assert sent == pytest.approx([0.1, 0.102, 0.05])
     assert [r.metrics["kl_coef"] for r in results] == pytest.approx(sent)
-    assert {r.settings.algorithm for r in fleet.train_requests} == {"ppo"}
-    assert {r.settings.num_updates for r in fleet.train_requests} == {2}
+    assert {r.settings.algorithm.name for r in fleet.train_requests} == {"ppo"}
+    assert {r.settings.batch.num_updates for r in fleet.train_requests} == {2}
     assert trainer.kl_coef == pytest.approx(0.051)
 
 
 def test_dpo_starts_only_a_trainer_and_ships_pairs_through_its_own_store(
     model_dir: Path, tmp_path: Path, fake_fleet
 ) -> None:
-    trainer = DPOTrainer(str(model_dir), str(PAIRS), _config(tmp_path, beta=0.2))
-    assert trainer.config.algorithm == "dpo" and tier_counts(trainer.config, online=False) == {"trainer": 1}
+    trainer = DPOTrainer(str(model_dir), str(PAIRS), _config(tmp_path, algorithm={"beta": 0.2}))
+    assert trainer.config.algorithm.name == "dpo" and tier_counts(trainer.config, online=False) == {
+        "trainer": 1
+    }
     specs = trainer.fleet_run.worker_specs()
-    assert [s.tier for s in specs] == ["trainer"] and specs[0].config.beta == 0.2
+    assert [s.tier for s in specs] == ["trainer"]
+    assert isinstance(specs[0].config, TrainerWorkerConfig) and specs[0].config.step.algorithm.beta == 0.2
     assert not hasattr(trainer, "set_reward_fn") and not hasattr(trainer, "set_rollout_fn")
     assert trainer.fleet_run.trainer_configure().critic is False  # DPO is configured too
     fleet = fake_fleet(kl=1.0)
@@ -82,8 +89,8 @@ def test_dpo_starts_only_a_trainer_and_ships_pairs_through_its_own_store(
     assert store is not None and store.keys == []  # each step's batch is dropped once trained on
     trainer.close()
     assert [r.step for r in results] == [1, 2] and trainer.fleet_run.store.server is None
-    sent = [(r.settings.algorithm, len(r.scores), r.settings.num_updates, r.settings.beta)
-            for r in fleet.train_requests]  # fmt: skip
+    sent = [(r.settings.algorithm.name, len(r.scores), r.settings.batch.num_updates,
+             r.settings.algorithm.beta) for r in fleet.train_requests]  # fmt: skip
     assert sent == [("dpo", 0, 2, 0.2)] * 2
     batch = fleet.fetched[0]
     assert set(batch) == {
@@ -99,7 +106,7 @@ def test_dpo_starts_only_a_trainer_and_ships_pairs_through_its_own_store(
 
 def test_the_cli_picks_the_trainer_by_algorithm(model_dir: Path, tmp_path: Path) -> None:
     common = {"model": str(model_dir), "output_dir": str(tmp_path), "loggers": ["jsonl"]}
-    dpo = JobConfig(**common, algorithm="dpo", data={"path": str(PAIRS)}, beta=0.3)
+    dpo = JobConfig(**common, algorithm={"name": "dpo", "beta": 0.3}, data={"path": str(PAIRS)})
     ppo = JobConfig(
         **common, algorithm="ppo", data={"path": str(PROMPTS)}, reward="charset:allowed=0123456789"
     )
@@ -109,7 +116,9 @@ def test_the_cli_picks_the_trainer_by_algorithm(model_dir: Path, tmp_path: Path)
     built = [build_trainer(job) for job in (dpo, ppo, rloo)]
     assert [type(t) for t in built] == [DPOTrainer, PPOTrainer, GRPOTrainer]
     assert built[1].critic_model_path == built[1].model_path  # the critic starts from the actor
-    assert built[2].fleet_run.worker_specs()[0].config.algorithm == "rloo"
+    trainer_config = built[2].fleet_run.worker_specs()[0].config
+    assert isinstance(trainer_config, TrainerWorkerConfig) and trainer_config.step.algorithm.name == "rloo"
+    assert built[0].config.algorithm.beta == 0.3 and built[1].config.algorithm.name == "ppo"
     for trainer in built:
         trainer.close()
 
@@ -119,3 +128,22 @@ def test_each_trainer_has_one_base_and_ppo_is_not_a_grpo_trainer() -> None:
         (OnlineTrainer,), (OnlineTrainer,), (TrainerBase,), (TrainerBase,),
     ]  # fmt: skip
     assert not issubclass(PPOTrainer, GRPOTrainer)
+
+
+def test_a_runs_config_yaml_is_the_job_in_its_nested_form(model_dir: Path, tmp_path: Path) -> None:
+    pools = {"small": {"workers": 1, "max_batch_size": 4}, "big": {"workers": 2}}
+    job = JobConfig(model=str(model_dir), data={"path": str(PROMPTS)}, reward="charset:allowed=0123456789",
+                    output_dir=str(tmp_path), loggers=["jsonl"], kl={"type": "scheduled", "total_steps": 50},
+                    rollout={"pools": pools}, algorithm={"name": "rloo", "kl_mode": "loss"})  # fmt: skip
+    trainer = build_trainer(job)
+    saved = yaml.safe_load(trainer.fleet_run.resolved_config_yaml())
+    trainer.close()
+    assert Path(saved.pop("model_path")) == model_dir and Path(saved.pop("dataset")) == PROMPTS
+    assert (
+        saved["model"]["name"] == str(model_dir) and saved["reward"]["spec"] == "charset:allowed=0123456789"
+    )
+    assert saved["rollout"]["pools"] == pools and saved["kl"]["type"] == "scheduled"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the nested form: no key of the previous release's
+        again = load_config(JobConfig, data={**saved, "data": job.data.model_dump()})
+    assert again == job  # run again as it was

@@ -97,6 +97,8 @@ def test_a_shared_server_is_never_sent_a_callable(tmp_path: Path) -> None:
         asyncio.run(control.set_reward({"python": PythonReward(lambda text: 1.0)}, "default"))
     from rlfleet.controller import GRPOTrainer, TrainerConfig
 
-    config = TrainerConfig(reward_url="nats://127.0.0.1:4222", output_dir=str(tmp_path), loggers=["jsonl"])
+    config = TrainerConfig(
+        reward={"url": "nats://127.0.0.1:4222"}, output_dir=str(tmp_path), loggers=["jsonl"]
+    )
     with pytest.raises(RewardFnNotPortable, match="never runs code sent to it"):
         GRPOTrainer("tiny:digits", lambda text: 1.0, DATA, config)  # before any model or process

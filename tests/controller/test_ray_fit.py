@@ -38,13 +38,13 @@ def test_too_few_cpus_names_both_sides_and_the_fix_on_one_line() -> None:
     problem = fit_problem(CPU_ONLY, _cluster({"CPU": 2.0}, local=True))
     assert problem == (
         "the job reserves 4 CPUs (trainer 1, rollout 2 x 1, reward 1) and 0 GPUs; the local Ray cluster at "
-        "10.0.0.1:6379 has 2 CPUs, 0 GPUs; set ray_num_cpus=4 for a local Ray (or leave it unset), or lower "
-        "the reservations (ray_resources, num_rollout_workers, num_train_workers)"
+        "10.0.0.1:6379 has 2 CPUs, 0 GPUs; set launcher.num_cpus=4 for a local Ray (or leave it unset), or "
+        "lower the reservations (launcher.resources, rollout.workers, num_train_workers)"
     )
     remote = fit_problem(CPU_ONLY, _cluster({"CPU": 3.0}))
     assert remote is not None and "the Ray cluster at 10.0.0.1:6379 has 3 CPUs, 0 GPUs" in remote
     assert remote.endswith("add nodes that have them to the cluster, or lower the reservations "
-                           "(ray_resources, num_rollout_workers, num_train_workers)")  # fmt: skip
+                           "(launcher.resources, rollout.workers, num_train_workers)")  # fmt: skip
 
 
 def test_gpus_and_custom_resources_are_summed_per_tier() -> None:
@@ -74,7 +74,7 @@ def test_the_trainers_strict_pack_group_must_fit_one_node() -> None:
     assert problem == (
         "the trainer's 2 ranks reserve {CPU: 2, GPU: 2} together on one node (one STRICT_PACK placement "
         "group), and no node of the Ray cluster at 10.0.0.1:6379 has that much (its nodes: {CPU: 8, GPU: 1});"
-        " lower num_train_workers or the trainer's ray_resources, or add a larger node"
+        " lower num_train_workers or the trainer's launcher.resources, or add a larger node"
     )
     unpacked = JobReservation([TierNeed("rollout", 2, {"CPU": 1.0, "GPU": 1.0})])  # one per node: fine
     assert fit_problem(unpacked, _cluster({"CPU": 16.0, "GPU": 2.0}, nodes)) is None
@@ -93,8 +93,8 @@ def test_a_local_ray_gets_what_the_job_reserves_when_the_machine_has_less() -> N
 
 
 def test_job_reservation_counts_every_worker_and_the_peak_of_the_rollout_schedule() -> None:
-    config = TrainerConfig(launcher="ray", device="cpu", num_rollout_workers=2,
-                           rollout_scale={3: {"default": 4}, 10: {"default": 1}})  # fmt: skip
+    scale = {3: {"default": 4}, 10: {"default": 1}}
+    config = TrainerConfig(launcher="ray", device="cpu", rollout={"workers": 2, "scale": scale})
     specs = [*trainer_rank_specs({}, 2), WorkerSpec("reward", "reward-0", {}),
              WorkerSpec("rollout", "rollout-0", {}), WorkerSpec("rollout", "rollout-1", {})]  # fmt: skip
     job = job_reservation(config, specs)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from rlfleet.common.schema.trainer import StepSettings
 from rlfleet.controller import GRPOTrainer, PromptDataset, TrainerConfig
 from rlfleet.controller.errors import TierDied
 from rlfleet.controller.models import resolve_model
@@ -67,12 +68,16 @@ def test_kl_coef_set_between_steps_reaches_the_next_train_step(
         if result.step == 1:
             trainer.kl_coef = 0.25
     trainer.close()
-    assert [r.settings.kl_coef for r in fleet.train_requests] == [0.05, 0.25, 0.25]
+    assert [r.settings.update.kl_coef for r in fleet.train_requests] == [0.05, 0.25, 0.25]
     assert [r.metrics["kl_coef"] for r in results] == [0.05, 0.25, 0.25]
     assert [r.step for r in fleet.train_requests] == [1, 2, 3] and trainer.global_step == 3
     assert {len(r.scores) for r in fleet.train_requests} == {4 * 2}
     sent = fleet.train_requests[0].settings  # the run's step settings travel with every step
-    assert (sent.algorithm, sent.group_size, sent.num_updates, sent.learning_rate) == ("grpo", 2, 1, 1e-6)
+    batch = sent.batch
+    assert (sent.algorithm.name, batch.group_size, batch.num_updates, sent.update.learning_rate) == (
+        "grpo", 2, 1, 1e-6,
+    )  # fmt: skip
+    assert sent == StepSettings.of(trainer.config, kl_coef=0.05)
     assert [(r.weight_version, r.metrics["rollout/weight_version_min"]) for r in results] == [
         (1, 1),
         (2, 2),

@@ -56,7 +56,7 @@ async def _configure(run: TrainerConfig, held: ModelSettings) -> FakeTrainer:
     await fleet.start()
     await trainer.start()
     await fleet.wait_ready({"trainer": 1}, timeout=5)
-    message = TrainerConfigure(model=run.model_settings(), device=run.device, critic=False)
+    message = TrainerConfigure(model=run.model, device=run.placement.device, critic=False)
     try:
         await fleet.configure_trainer(message)
     finally:
@@ -66,7 +66,7 @@ async def _configure(run: TrainerConfig, held: ModelSettings) -> FakeTrainer:
 
 @pytest.mark.timeout(20)
 async def test_the_run_s_model_settings_reach_the_trainer() -> None:
-    run = TrainerConfig(sharding="full", trainable_layers=2)
+    run = TrainerConfig(model={"sharding": "full", "trainable_layers": 2})
     trainer = await _configure(run, ModelSettings(sharding="full", trainable_layers=2))
     (sent,) = trainer.seen
     assert sent.model == ModelSettings(sharding="full", trainable_layers=2) and sent.device == "auto"
@@ -74,7 +74,7 @@ async def test_the_run_s_model_settings_reach_the_trainer() -> None:
 
 @pytest.mark.timeout(20)
 async def test_a_conflict_names_the_worker_and_each_field_in_one_line() -> None:
-    run = TrainerConfig(sharding="full", param_dtype="bfloat16")
+    run = TrainerConfig(model={"sharding": "full", "param_dtype": "bfloat16"})
     with pytest.raises(SettingsConflict) as caught:
         await _configure(run, ModelSettings(sharding="none"))
     error = caught.value

@@ -40,12 +40,10 @@ def test_the_fleet_asks_for_each_carrier_its_workers_need() -> None:
 def test_weights_are_published_in_the_engines_reduced_dtype_only_when_all_agree() -> None:
     assert TrainerConfig().publish_dtype() == ""  # float32 engines take what the trainer holds
     assert TrainerConfig(rollout={"dtype": "bfloat16"}).publish_dtype() == "bfloat16"
-    mixed = TrainerConfig(rollout={"dtype": "bfloat16"}, rollout_pools={"a": {"workers": 1},
-                          "b": {"workers": 1, "dtype": "float32"}})  # fmt: skip
+    pools = {"a": {"workers": 1}, "b": {"workers": 1, "dtype": "float32"}}
+    mixed = TrainerConfig(rollout={"dtype": "bfloat16", "pools": pools})
     assert mixed.publish_dtype() == ""
-    same = TrainerConfig(
-        rollout={"dtype": "float16"}, rollout_pools={"a": {"workers": 1, "dtype": "float16"}}
-    )
+    same = TrainerConfig(rollout={"dtype": "float16", "pools": {"a": {"workers": 1, "dtype": "float16"}}})
     assert same.publish_dtype() == "float16"
 
 

@@ -56,19 +56,19 @@ def _load_job(path: Path, overrides: Sequence[str]) -> JobConfig:
     from rlfleet.controller.config import JobConfig
 
     job = load_config(JobConfig, path, list(overrides))
-    if job.mixed_precision == "auto":  # a malformed RLFLEET_CPU_BF16 is the user's to fix, before any start
+    if job.model.mixed_precision == "auto":  # a malformed RLFLEET_CPU_BF16 is the user's to fix, at once
         cpu_bf16_override()
     data_path = Path(job.data.path)
     if not data_path.is_absolute() and not data_path.exists() and (path.parent / data_path).exists():
         job.data.path = str(path.parent / data_path)
-    held_out = Path(job.eval_data) if job.eval_data else None  # relative to the job file, as data.path
+    held_out = Path(job.eval.data) if job.eval.data else None  # relative to the job file, as data.path
     if (
         held_out
         and not held_out.is_absolute()
         and not held_out.exists()
         and (path.parent / held_out).exists()
     ):
-        job.eval_data = str(path.parent / held_out)
+        job.eval.data = str(path.parent / held_out)
     here = str(path.parent.resolve())  # a reward / rollout_fn 'module:function' may live next to the job
     if here not in job.python_path:
         job.python_path = [*job.python_path, here]
@@ -90,24 +90,24 @@ def build_trainer(job: JobConfig) -> TrainerBase:
     data, config = job.data, job.trainer_config()
     common = {
         "max_prompt_length": job.max_prompt_length, "num_workers": data.num_workers,
-        "prompt_key": data.prompt_key, "seed": job.seed, "overlong": data.overlong,
+        "prompt_key": data.prompt_key, "seed": job.placement.seed, "overlong": data.overlong,
         "system_prompt": data.system_prompt,
     }  # fmt: skip
-    algorithm = ALGORITHMS[job.algorithm]
+    algorithm = ALGORITHMS[job.algorithm.name]
     if not algorithm.online:
         from rlfleet.controller.dpo import DPOTrainer
         from rlfleet.controller.preference import PreferenceDataset
 
         keys = {"chosen_key": data.chosen_key, "rejected_key": data.rejected_key}
         pairs = PreferenceDataset(data.path, max_response_length=job.max_response_length, **keys, **common)
-        return DPOTrainer(job.model, pairs, config)
+        return DPOTrainer(job.model.name, pairs, config)
     dataset = PromptDataset(data.path, **common)
     if algorithm.needs_critic:
         from rlfleet.controller.ppo import PPOTrainer
 
-        trainer = PPOTrainer(job.model, dataset=dataset, config=config, reward=job.reward)
+        trainer = PPOTrainer(job.model.name, dataset=dataset, config=config, reward=job.reward.spec)
     else:
-        trainer = GRPOTrainer(job.model, job.reward, dataset, config)
+        trainer = GRPOTrainer(job.model.name, job.reward.spec, dataset, config)
     if job.rollout_fn:
         from rlfleet.controller.routing import import_rollout_fn
 

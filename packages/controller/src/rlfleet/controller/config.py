@@ -198,6 +198,19 @@ class RolloutConfig(RolloutSettings):
         "workers / pools set the size it starts with",
     )
 
+    @classmethod
+    def tidy(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """With ``pools`` and no ``workers``, ``workers`` is their total (so a dumped config, which
+        writes both, loads back)."""
+        data = super().tidy(data)
+        pools = data.get("pools")
+        if isinstance(pools, dict) and pools and "workers" not in data:
+            sizes = [pool.get("workers", 1) if isinstance(pool, dict) else getattr(pool, "workers", 1)
+                     for pool in pools.values()]  # fmt: skip
+            if all(isinstance(n, int) for n in sizes):  # else the pools' own validation says what is wrong
+                data = {**data, "workers": sum(sizes)}
+        return data
+
     def settings(self) -> RolloutSettings:
         """The engine settings every rollout worker of the default pool gets (the section as it is)."""
         return RolloutSettings.model_validate(self.model_dump(include=set(RolloutSettings.model_fields)))
@@ -515,7 +528,9 @@ class JobConfig(TrainerConfig):
     spec and the data."""
 
     RENAMED: ClassVar[tuple[Legacy, ...]] = (
-        *TrainerConfig.RENAMED, Legacy("model", ("model", "name")), Legacy("reward", ("reward", "spec")),
+        *TrainerConfig.RENAMED,
+        Legacy("model", ("model", "name")),
+        Legacy("reward", ("reward", "spec")),
     )
 
     model: JobModel = Field(description="the actor model (name) and how the trainer holds it")

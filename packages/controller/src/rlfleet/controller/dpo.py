@@ -33,11 +33,13 @@ from rlfleet.controller.trainer_base import TrainerBase
 def dpo_config(config: TrainerConfig) -> TrainerConfig:
     """``config`` with an offline algorithm (one that trains on preference pairs: ``dpo`` unless it
     names another); an online algorithm set explicitly is a mistake."""
-    if not ALGORITHMS[config.algorithm].online:
+    name = config.algorithm.name
+    if not ALGORITHMS[name].online:
         return config
-    if "algorithm" in config.model_fields_set:
-        raise ValueError(f"DPOTrainer trains dpo but the config sets algorithm={config.algorithm!r}")
-    return type(config).model_validate({**config.model_dump(), "algorithm": "dpo"})
+    if "name" in config.algorithm.model_fields_set:
+        raise ValueError(f"DPOTrainer trains dpo but the config sets algorithm={name!r}")
+    algorithm = {**config.algorithm.model_dump(exclude_unset=True), "name": "dpo"}  # its other settings kept
+    return type(config).model_validate({**dict(config), "algorithm": algorithm})
 
 
 class DPOStep:
@@ -83,9 +85,10 @@ class DPOTrainer(TrainerBase):
         if not isinstance(dataset, PreferenceDataset):
             dataset = PreferenceDataset(
                 dataset, max_prompt_length=config.max_prompt_length,
-                max_response_length=config.max_response_length, seed=config.seed,
+                max_response_length=config.max_response_length, seed=config.placement.seed,
             )  # fmt: skip
-        kl_controller = build_kl_controller(config, config.kl_coef)  # steps carry it; DPO's loss has no KL
+        # the steps carry its coefficient, which DPO's loss does not use
+        kl_controller = build_kl_controller(config.kl, config.update.kl_coef)
         fleet_run = FleetRun(actor_model_name, dataset, config, kl_controller=kl_controller)
         super().__init__(
             fleet_run, DPOStep(fleet_run.state, fleet_run.store, fleet_run.kl_controller, dataset)

@@ -1,8 +1,8 @@
 """Which GPUs each process of an embedded run sees: its ``CUDA_VISIBLE_DEVICES`` (issue 13).
 
-The GPUs a run may use are the job's ``gpus`` setting (ids as ``CUDA_VISIBLE_DEVICES`` names them,
-or a count: the first N), else the controller's own ``CUDA_VISIBLE_DEVICES``, else every GPU torch
-sees; with ``device: cpu`` and no ``gpus`` setting nothing is placed. With no GPU at all nothing is
+The GPUs a run may use are the job's ``launcher.gpus`` setting (ids as ``CUDA_VISIBLE_DEVICES``
+names them, or a count: the first N), else the controller's own ``CUDA_VISIBLE_DEVICES``, else every
+GPU torch sees; with ``device: cpu`` and no ``gpus`` setting nothing is placed. With no GPU at all nothing is
 set, so a CPU-only machine (CI) starts its workers exactly as before. ``gpus: []`` (or 0) hides
 every GPU from every worker.
 
@@ -27,7 +27,12 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
+
 from rlfleet.common.errors import ConfigError
+from rlfleet.common.schema.rollout import RolloutSettings, RolloutWorkerConfig
+from rlfleet.controller.config import TrainerConfig
+from rlfleet.controller.launcher_settings import EmbeddedLauncher
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +63,10 @@ def visible_gpus(setting: Sequence[int | str] | int | None, device: str,
 
 
 def reward_gpu_count(config: Any) -> int:
-    """GPUs a reward worker's config asks for: 1 + the highest ``cuda`` index its spec names, else 0."""
+    """GPUs a reward worker's config (its schema object or a dict) asks for: 1 + the highest ``cuda``
+    index its spec names, else 0."""
+    if isinstance(config, BaseModel):
+        config = config.model_dump(mode="json")
     found = _CUDA_DEVICE.findall(str(config.get("endpoints", "")) if isinstance(config, Mapping) else "")
     return max((int(index or 0) + 1 for index in found), default=0)
 
@@ -96,8 +104,8 @@ def plan_gpus(gpus: Sequence[str], trainer_ranks: int, pools: Mapping[str, PoolN
             for name, count in own.items()
         ]
         raise ConfigError("gpus", gpus, f"{need} GPUs needed for disjoint placement ({', '.join(parts)}), "
-                          f"{len(gpus)} available; add GPUs, use fewer workers, or set rollout.colocate "
-                          "to share the trainer's GPUs")  # fmt: skip
+                          f"{len(gpus)} available; add GPUs, use fewer workers, or set "
+                          "rollout.engine.colocate to share the trainer's GPUs")  # fmt: skip
     layout = GpuLayout(gpus, [[g] for g in gpus[:trainer_ranks]], {}, {n for n, p in pools.items() if p[2]})
     if not gpus:
         return layout
@@ -148,7 +156,8 @@ class GpuAssignment:
             for slot in slots:
                 if not any(s & set(slot) for s in taken):
                     return slot
-            tp = int(getattr(config, "tensor_parallel_size", 1))
+            engine = config.rollout.vllm() if isinstance(config, RolloutWorkerConfig) else None
+            tp = engine.tensor_parallel_size if engine is not None else 1
             return self._spare(worker_id, tp, "its pool's GPUs are all in use")
         count = reward_gpu_count(config)
         if count == 0:
@@ -179,12 +188,21 @@ class GpuAssignment:
         return sep.join(rows)
 
 
-def assignment_for(config: Any, environ: Mapping[str, str] | None = None) -> GpuAssignment | None:
+def _pool_need(workers: int, settings: RolloutSettings) -> PoolNeed:
+    """A pool's workers, GPUs per worker (vLLM's ``tensor_parallel_size``) and whether it is colocated."""
+    engine = settings.vllm()
+    if engine is None:  # the HF engine: one device, never colocated
+        return workers, 1, False
+    return workers, engine.tensor_parallel_size, engine.colocate
+
+
+def assignment_for(config: TrainerConfig, environ: Mapping[str, str] | None = None) -> GpuAssignment | None:
     """The embedded launcher's assignment for a job's ``TrainerConfig``; None: nothing to place."""
-    gpus = visible_gpus(config.gpus, config.device, environ)
+    gpus_setting = config.launcher.gpus if isinstance(config.launcher, EmbeddedLauncher) else None
+    gpus = visible_gpus(gpus_setting, config.placement.device, environ)
     if gpus is None:
         return None
-    pools = {name: (n, s.tensor_parallel_size, s.colocate) for name, (n, s) in config.pools().items()}
+    pools = {name: _pool_need(n, s) for name, (n, s) in config.pools().items()}
     layout = plan_gpus(gpus, config.num_train_workers, pools) if gpus else GpuLayout([], [], {})
     assignment = GpuAssignment(layout)
     logger.info("GPU placement over %s:\n  %s", gpus or "no GPUs (all hidden)", assignment.table("\n  "))

@@ -1,7 +1,7 @@
 """``GRPOTrainer``: Group Relative Policy Optimization over the rlfleet tiers, usable as a library.
 
 The step it runs is online RL's (:mod:`rlfleet.controller.online`: generate, score, train,
-publish); with ``config.algorithm`` set to ``rloo`` or ``reinforce_pp`` the same step trains
+publish); with ``config.algorithm.name`` set to ``rloo`` or ``reinforce_pp`` the same step trains
 those, since only the trainer's advantages differ.
 """
 

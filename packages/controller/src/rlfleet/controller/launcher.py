@@ -15,8 +15,9 @@ the benchmark-only ways to run it otherwise (open, or with TLS too), for
 (the run's main thread): it dies with the thread that forked it.
 
 **The workers.** Each worker is started through its console script (``rlfleet-rollout serve
---config ...``), with its config (the tier's schema object, validated, or a dict) written as YAML and
-its output captured in a log file under the run directory; the pids go to ``processes.json`` there.
+--config ...``), with its config (the tier's schema object, validated, or a dict) written as YAML in
+the previous release's flat form (which workers of both releases read) and its output captured in a
+log file under the run directory; the pids go to ``processes.json`` there.
 The launcher stops exactly the processes it started (each worker leads its own process group, so
 whatever a worker spawned goes with it): on normal exit, on Ctrl-C and on error; stopping waits for
 each worker's drain (its ``drain_s``) before it kills it. Workers also get SIGTERM from the kernel
@@ -68,6 +69,7 @@ from rlfleet.common.control.nats_roles import ROLES, RunCredentials, server_conf
 from rlfleet.common.control.procs import die_with_parent
 from rlfleet.common.control.worker import USER_ERROR_EXIT
 from rlfleet.common.errors import ConfigError, NatsServerError
+from rlfleet.common.schema.config import legacy_dump
 from rlfleet.common.schema.connection import ENV_PREFIX as NATS_ENV_PREFIX
 from rlfleet.common.schema.connection import NatsConnection
 from rlfleet.common.schema.worker import ServiceConfig
@@ -117,14 +119,12 @@ class WorkerSpec:
     def config_data(self, nats_url: str) -> dict[str, Any]:
         """What the worker's config file holds: its config, joining ``nats_url`` as ``worker_id``.
 
-        Only the settings that differ from their defaults are written, so a worker of an older
-        release, which refuses settings it does not know, still reads a newer controller's file
-        while the newer settings keep their defaults (tests/compat)."""
-        config = (
-            self.config.model_dump(mode="json", exclude_defaults=True)
-            if isinstance(self.config, BaseModel)
-            else dict(self.config)
-        )
+        It is written in the previous release's flat form (:func:`~rlfleet.common.schema.config.legacy_dump`;
+        a plain dict as it is given), with only the settings that differ from their defaults, so a
+        worker of the previous release, which refuses settings it does not know, still reads a
+        newer controller's file while the newer settings keep their defaults (tests/compat); a
+        worker of this release reads the flat form too."""
+        config = legacy_dump(self.config) if isinstance(self.config, BaseModel) else dict(self.config)
         config.pop("nats_auth", None)  # credentials travel in the environment, never in a file
         return {**config, "nats_url": nats_url, "worker_id": self.worker_id}
 

@@ -15,8 +15,10 @@ store, its KL controller, and (each step) the fleet client.
 
 The KL-to-reference term enters either the reward (``kl_mode: reward``: ``r_t -= coef * kl_t``, PPO
 as in OpenRLHF/verl) or the loss (``kl_mode: loss``: ``+ coef * kl``, GRPO). Its coefficient comes
-from a controller, built from the config's :class:`~rlfleet.controller.config.KLControlFields` and
-the start value ``kl_coef`` (:func:`build_kl_controller`):
+from a controller, built from the config's ``kl`` section (a tagged union:
+:class:`~rlfleet.controller.config.FixedKL`, :class:`~rlfleet.controller.config.AdaptiveKL`,
+:class:`~rlfleet.controller.config.ScheduledKL`) and the start value ``update.kl_coef``
+(:func:`build_kl_controller`; the registry :data:`KL_CONTROLLERS` is keyed by the section's ``type``):
 
 - :class:`FixedKLController`: a constant;
 - :class:`AdaptiveKLController`: Ziegler et al. (2019), moves the coefficient so the measured KL
@@ -51,7 +53,15 @@ from rlfleet.common.control.messages import (
 )
 from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.trainer import StepSettings
-from rlfleet.controller.config import KLControlFields, KLSchedule, TrainerConfig, check_kl_fields
+from rlfleet.controller.config import (
+    AdaptiveKL,
+    FixedKL,
+    KLControl,
+    KLSchedule,
+    ScheduledKL,
+    TrainerConfig,
+    check_kl_start,
+)
 from rlfleet.controller.dataset import PromptDataset, PromptItem
 from rlfleet.controller.fleet import publish
 from rlfleet.controller.lost_chunks import StepChunks
@@ -87,9 +97,10 @@ class OnlineStep:
     def sampling(self) -> SamplingParams:
         """How this step samples: ``group_size`` samples a prompt, seeded by the step."""
         cfg = self.state.config
-        return SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.rollout.top_p,
-                              top_k=cfg.rollout.top_k, max_tokens=cfg.max_response_length,
-                              seed=cfg.seed + self.state.global_step)  # fmt: skip
+        return SamplingParams(n=cfg.batch.group_size, temperature=cfg.update.temperature,
+                              top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                              max_tokens=cfg.max_response_length,
+                              seed=cfg.placement.seed + self.state.global_step)  # fmt: skip
 
     async def step(self, batch: list[PromptItem], fleet: FleetClient) -> dict[str, float]:
         state, cfg = self.state, self.state.config
@@ -98,7 +109,7 @@ class OnlineStep:
         self.last_routes = routed.routes
         t1 = time.perf_counter()  # a chunk lost with its worker is generated again (lost_chunks.py)
         metadata = chunk_metadata(routed.items, routed.results)
-        chunks = StepChunks(fleet, routed.results, metadata, cfg.reward_endpoint)
+        chunks = StepChunks(fleet, routed.results, metadata, cfg.reward.endpoint)
         await chunks.score()
         t2 = time.perf_counter()
         settings = StepSettings.of(cfg, kl_coef=self.kl_controller.value)
@@ -121,7 +132,7 @@ class OnlineStep:
         metrics.update(publish_metrics(published, loaded))
         generated = sum(r.num_tokens for r in results if r.worker_id != "controller")  # not fn-written
         metrics.update({
-            "kl_coef": float(settings.kl_coef),  # the one this step used; the controller moves on below
+            "kl_coef": float(settings.update.kl_coef),  # this step's; the controller moves on below
             "time/generate_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2,
             "time/publish_s": t4 - t3, "time/step_s": t4 - t0,
             "throughput/gen_tok_s": generated / max(t1 - t0, 1e-9),
@@ -167,15 +178,16 @@ ADAPTIVE_ERROR_CLIP = 0.2
 
 
 def _check_kind(state: dict[str, Any], kind: str, keys: tuple[str, ...]) -> None:
-    """Raise ConfigError when a saved state is of another controller kind or lacks a key."""
+    """Raise ConfigError when a saved state is of another controller kind or lacks a key (a saved
+    ``kind`` is the ``kl.type`` that built it: ``fixed``, ``adaptive`` or ``scheduled``)."""
     saved = state.get("kind")
     if saved != kind:
         raise ConfigError(
-            "kl_ctrl", kind, f"the checkpoint holds a {saved!r} KL controller but the config builds {kind!r}"
+            "kl.type", kind, f"the checkpoint holds a {saved!r} KL controller but the config builds {kind!r}"
         )
     missing = [k for k in keys if k not in state]
     if missing:
-        raise ConfigError("kl_ctrl", sorted(state), f"saved {kind} controller state lacks {missing}")
+        raise ConfigError("kl.type", sorted(state), f"saved {kind} controller state lacks {missing}")
 
 
 class FixedKLController:
@@ -197,7 +209,8 @@ class FixedKLController:
         self.value = float(state["value"])
 
     @classmethod
-    def from_fields(cls, fields: KLControlFields, coef: float) -> FixedKLController:
+    def from_settings(cls, settings: KLControl, coef: float) -> FixedKLController:
+        assert isinstance(settings, FixedKL)
         return cls(coef)
 
 
@@ -228,9 +241,9 @@ class AdaptiveKLController:
         self.horizon = int(state["horizon"])
 
     @classmethod
-    def from_fields(cls, fields: KLControlFields, coef: float) -> AdaptiveKLController:
-        assert fields.kl_target is not None  # check_kl_fields requires it for kl_ctrl=adaptive
-        return cls(coef, fields.kl_target, fields.kl_horizon)
+    def from_settings(cls, settings: KLControl, coef: float) -> AdaptiveKLController:
+        assert isinstance(settings, AdaptiveKL)
+        return cls(coef, settings.target, settings.horizon)
 
 
 class ScheduledKLController:
@@ -291,9 +304,9 @@ class ScheduledKLController:
         self.pinned = None if state["pinned"] is None else float(state["pinned"])
 
     @classmethod
-    def from_fields(cls, fields: KLControlFields, coef: float) -> ScheduledKLController:
-        assert fields.kl_total_steps is not None  # check_kl_fields requires it for kl_ctrl=scheduled
-        return cls(coef, fields.kl_end_coef, fields.kl_total_steps, fields.kl_schedule)
+    def from_settings(cls, settings: KLControl, coef: float) -> ScheduledKLController:
+        assert isinstance(settings, ScheduledKL)
+        return cls(coef, settings.end_coef, settings.total_steps, settings.schedule)
 
 
 AnyKLController = FixedKLController | AdaptiveKLController | ScheduledKLController
@@ -303,13 +316,14 @@ KL_CONTROLLERS: dict[str, type[AnyKLController]] = {
     "adaptive": AdaptiveKLController,
     "scheduled": ScheduledKLController,
 }
-"""Controller kind (``kl_ctrl``) -> class; every class has ``from_fields(fields, coef)``."""
+"""The ``kl`` section's ``type`` -> its controller's class (``from_settings(kl, coef)`` builds one);
+the same names are the ``kind`` of a controller's saved state."""
 
 
-def build_kl_controller(fields: KLControlFields, coef: float) -> AnyKLController:
-    """The controller ``fields.kl_ctrl`` names, starting at ``coef`` (the config's ``kl_coef``)."""
-    check_kl_fields(fields, coef)
-    return KL_CONTROLLERS[fields.kl_ctrl].from_fields(fields, coef)
+def build_kl_controller(kl: KLControl, coef: float) -> AnyKLController:
+    """The controller the ``kl`` section names, starting at ``coef`` (the config's ``update.kl_coef``)."""
+    check_kl_start(kl, coef)
+    return KL_CONTROLLERS[kl.type].from_settings(kl, coef)
 
 
 def advance_kl_controller(controller: KLController, metrics: dict[str, float], num_samples: int) -> None:
@@ -339,14 +353,15 @@ class OnlineTrainer(TrainerBase):
     ) -> None:  # fmt: skip
         if isinstance(dataset, (str, Path)):
             dataset = PromptDataset(
-                str(dataset), max_prompt_length=config.max_prompt_length, seed=config.seed
+                str(dataset), max_prompt_length=config.max_prompt_length, seed=config.placement.seed
             )
+        kl_controller = build_kl_controller(config.kl, config.update.kl_coef)
         fleet_run = FleetRun(
-            actor_model_name, dataset, config, kl_controller=build_kl_controller(config, config.kl_coef),
-            reward=reward, critic_model_name=critic_model_name,
+            actor_model_name, dataset, config, kl_controller=kl_controller, reward=reward,
+            critic_model_name=critic_model_name,
         )  # fmt: skip
         router = RolloutRouter(fleet_run.tokenizer, config.max_response_length, fleet_run.store.get,
-                               list(config.rollout_pools))  # fmt: skip
+                               list(config.rollout.pools))  # fmt: skip
         self.online_step = OnlineStep(fleet_run.state, fleet_run.store, fleet_run.kl_controller, router)
         super().__init__(fleet_run, self.online_step)
 
@@ -363,7 +378,7 @@ class OnlineTrainer(TrainerBase):
 
     def set_rollout_fn(self, fn: RolloutFn | None) -> None:
         """Route each prompt of the next steps: ``fn(item)`` sees a :class:`PromptItem` and returns the
-        name of the rollout pool that serves it (``TrainerConfig.rollout_pools``, or a joined worker's
+        name of the rollout pool that serves it (``TrainerConfig.rollout.pools``, or a joined worker's
         ``--pool``), ``None`` for any pool, or the response text itself (one ``str`` for every sample,
         or a list of ``group_size``). ``None`` instead of a fn restores the default: every pool serves
         every prompt. See :mod:`rlfleet.controller.routing`.
@@ -384,7 +399,7 @@ class OnlineTrainer(TrainerBase):
         ``fn``: a spec (str or dict), a ``package.module:function`` name, a ``CompositeReward`` /
         ``RewardScaler`` built from a spec (or its ``compute_reward``): served by the reward workers;
         any Python callable (``lambda text: ...``, ``fn(prompt, response, **metadata)``, TRL's batched
-        form): called by the controller itself (python_reward.py), never on a shared server (reward_url)."""
+        form): called by the controller itself (python_reward.py), never on a shared server (reward.url)."""
         return self._switch(describe_reward_fn(fn))
 
     def update_reward_model(self, new_rm: Any, *, component: str | None = None, wait: bool = True) -> Any:

@@ -9,7 +9,7 @@ logged its metrics:
 - ``response_length.png`` (``response_length``, tokens), ``kl.png`` (``kl`` to the reference and
   ``approx_kl`` to the rollout policy), ``entropy.png``, ``step_time.png`` (``time/step_s``);
 - ``eval.png``: the held-out mean words, share within the limit, relevance and reward at each
-  evaluation (before the first step, every ``eval_every`` steps, at the end).
+  evaluation (before the first step, every ``eval.every`` steps, at the end).
 
 matplotlib is imported when a plot is drawn (Agg backend: no display needed).
 """

@@ -9,7 +9,7 @@ sequence-classification model scoring each sample); any reward spec works as wel
         actor_model_name="smollm2",
         reward_model_name="/models/my-rm",           # or reward="charset:allowed=0123456789"
         dataset="prompts.jsonl",
-        config=TrainerConfig(rollout_batch_size=64, train_batch_size=32, num_rollout_workers=4,
+        config=TrainerConfig(rollout_batch_size=64, train_batch_size=32, rollout={"workers": 4},
                              num_train_workers=2, kl_coef=0.1),
     )
     trainer.train(num_epochs=3)
@@ -52,14 +52,16 @@ def reward_model_spec(reward_model_name: str | None, reward: Any) -> Any:
 def ppo_config(config: TrainerConfig) -> TrainerConfig:
     """``config`` with an algorithm that trains a critic (``ppo`` unless it names another); an
     explicitly different algorithm is a mistake."""
-    if ALGORITHMS[config.algorithm].needs_critic:
+    name = config.algorithm.name
+    if ALGORITHMS[name].needs_critic:
         return config
-    if "algorithm" in config.model_fields_set:
+    if "name" in config.algorithm.model_fields_set:
         raise ValueError(
-            f"PPOTrainer trains ppo but the config sets algorithm={config.algorithm!r}; use GRPOTrainer for "
+            f"PPOTrainer trains ppo but the config sets algorithm={name!r}; use GRPOTrainer for "
             "grpo, rloo and reinforce_pp, DPOTrainer for dpo"
         )
-    return type(config).model_validate({**config.model_dump(), "algorithm": "ppo"})
+    algorithm = {**config.algorithm.model_dump(exclude_unset=True), "name": "ppo"}  # its other settings kept
+    return type(config).model_validate({**dict(config), "algorithm": algorithm})
 
 
 class PPOTrainer(OnlineTrainer):

@@ -8,7 +8,7 @@ does), and each worker (or the trainer's group) with its largest node, and says 
 is missing. A cluster whose autoscaler publishes its node groups (:func:`read_capacity`) counts
 with the nodes it may add.
 
-A local Ray the run starts (no ``ray_address``, no ``ray_num_cpus``) gets the machine's CPUs, or
+A local Ray the run starts (no ``launcher.address``, no ``launcher.num_cpus``) gets the machine's CPUs, or
 as many logical CPUs as the job reserves when that is more (:func:`local_ray_cpus`): Ray counts
 logical CPUs, which may be more than the cores, and each worker of the tiny job is mostly idle.
 """
@@ -79,7 +79,7 @@ class ClusterCapacity:
     nodes: list[dict[str, float]]
     where: str
     local: bool = False
-    """A local Ray the run starts: only ``ray_num_cpus`` can change what it has."""
+    """A local Ray the run starts: only ``launcher.num_cpus`` can change what it has."""
 
 
 def fit_problem(job: JobReservation, cluster: ClusterCapacity) -> str | None:
@@ -98,13 +98,13 @@ def fit_problem(job: JobReservation, cluster: ClusterCapacity) -> str | None:
 
 
 def _advice(short: list[str], total: dict[str, float], local: bool) -> str:
-    lower = "lower the reservations (ray_resources, num_rollout_workers, num_train_workers)"
+    lower = "lower the reservations (launcher.resources, rollout.workers, num_train_workers)"
     if local and short == ["CPU"]:
         cpus = math.ceil(total["CPU"] - EPSILON)
-        return f"set ray_num_cpus={cpus} for a local Ray (or leave it unset), or {lower}"
+        return f"set launcher.num_cpus={cpus} for a local Ray (or leave it unset), or {lower}"
     if local:
         return (f"a local Ray has this machine's GPUs and no custom resources: {lower}, or join a Ray "
-                "cluster that has them (ray_address)")  # fmt: skip
+                "cluster that has them (launcher.address)")  # fmt: skip
     return f"add nodes that have them to the cluster, or {lower}"
 
 
@@ -112,10 +112,10 @@ def _node_problem(need: TierNeed, one: dict[str, float], cluster: ClusterCapacit
     if need.packed:
         who = (f"the {need.tier}'s {need.workers} ranks reserve {resources_text(one)} together on one node "
                "(one STRICT_PACK placement group)")  # fmt: skip
-        change = f"lower num_train_workers or the {need.tier}'s ray_resources"
+        change = f"lower num_train_workers or the {need.tier}'s launcher.resources"
     else:
         who = f"each {need.tier} worker reserves {resources_text(one)} on one node"
-        change = f"lower the {need.tier}'s ray_resources"
+        change = f"lower the {need.tier}'s launcher.resources"
     shapes = list(dict.fromkeys(resources_text({k: node.get(k, 0.0) for k in one}) for node in cluster.nodes))
     nodes = ", ".join(shapes[:4]) + (" ..." if len(shapes) > 4 else "") if shapes else "none"
     return (f"{who}, and no node of {cluster.where} has that much (its nodes: {nodes}); {change}, or add "
@@ -148,7 +148,7 @@ def resources_text(resources: dict[str, float]) -> str:
 
 
 def local_ray_cpus(reserved_cpus: float, machine_cpus: int) -> int | None:
-    """Logical CPUs for a local Ray the run starts without ``ray_num_cpus``: None (Ray's own count,
+    """Logical CPUs for a local Ray the run starts without ``launcher.num_cpus``: None (Ray's own count,
     ``machine_cpus``) when the job's ``reserved_cpus`` fit in it, else as many as the job reserves."""
     wanted = math.ceil(reserved_cpus - EPSILON)
     return wanted if wanted > machine_cpus else None

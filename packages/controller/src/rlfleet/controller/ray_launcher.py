@@ -1,6 +1,6 @@
 """The Ray launcher (issue 13): every tier as a process placed by Ray, on whichever node Ray picks.
 
-``launcher: ray`` (with ``ray_address``: ``auto``, ``ray://host:10001``, or empty for a local
+``launcher: {type: ray}`` (with ``address``: ``auto``, ``ray://host:10001``, or empty for a local
 Ray started by the run) replaces the embedded launcher's local processes with Ray-placed ones; the
 rest of the run (NATS control plane, gRPC tensor plane, supervision, restarts) is the same.
 
@@ -12,11 +12,11 @@ rest of the run (NATS control plane, gRPC tensor plane, supervision, restarts) i
   actor from the GPUs it reserved, and the worker process inherits it, so no two workers share a
   GPU unless asked to (fractional ``num_gpus``).
 - **Fit.** Before it places anything, the launcher sums what every worker of the job reserves
-  (:func:`job_reservation`: trainer ranks, rollout workers at the most the ``rollout_scale``
+  (:func:`job_reservation`: trainer ranks, rollout workers at the most the ``rollout.scale``
   schedule reaches, the reward worker) and refuses a job the cluster cannot hold, in all or on any
   one node (the trainer's placement group on one), with one line naming both sides
   (:class:`~rlfleet.controller.errors.RayJobDoesNotFit`, :mod:`rlfleet.controller.ray_fit`). A
-  local Ray started for the run without ``ray_num_cpus`` gets the machine's CPUs, or as many
+  local Ray started for the run without ``launcher.num_cpus`` gets the machine's CPUs, or as many
   logical CPUs as the job reserves when that is more (the log says so). Each worker's actor, and
   the trainer's placement group, must be placed within ``startup_timeout_s``, or the run stops with
   :class:`~rlfleet.controller.errors.WorkerStartTimeout` naming it, what it reserves and what is free.
@@ -24,13 +24,13 @@ rest of the run (NATS control plane, gRPC tensor plane, supervision, restarts) i
   its URL names that node's IP (the one Ray reports); every worker's TensorStore listens on every
   interface of its own node and advertises that node's IP. Nothing assumes loopback. A run given
   ``nats_url`` starts no nats-server (:meth:`RayFleet.join_nats`): every worker gets that URL as
-  given and its tier's login (``nats_worker_auth``) in its environment.
+  given and its tier's login (``launcher.worker_auth``) in its environment.
 - **Supervision.** The launcher keeps the restart policy (``faults.restart_budget``), exactly as
   embedded, through the same member (:class:`~rlfleet.controller.launcher.RunProcesses`: the
   server, the workers, their restarts, ``processes.json``): a worker process that exits is
   reported with its log tail (read through its actor, wherever it runs) and started again in a
   fresh actor, which Ray may place on another node.
-- **Ray restarts.** A rollout worker's actor is made with ``max_restarts`` (``ray_max_restarts``):
+- **Ray restarts.** A rollout worker's actor is made with ``max_restarts`` (``launcher.max_restarts``):
   when the actor itself dies (its Ray worker process), Ray makes it again and it starts the worker
   again (:mod:`rlfleet.controller.ray_worker_host`), which rejoins at the current weights.
   :meth:`RayFleet.check` tells the run as soon as the actor is down, so the run forgets the dead
@@ -53,6 +53,7 @@ from typing import Any
 
 from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.connection import NatsConnection
+from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.errors import RayJobDoesNotFit, TierDied, WorkerStartTimeout
 from rlfleet.controller.launcher import (
     NatsSecurity,
@@ -64,6 +65,7 @@ from rlfleet.controller.launcher import (
     tail_of,
     worker_record,
 )
+from rlfleet.controller.launcher_settings import RayLauncher
 from rlfleet.controller.ray_fit import (
     EPSILON,
     JobReservation,
@@ -133,7 +135,7 @@ class TierResources:
 
 @dataclass(frozen=True)
 class RayPlacement:
-    """Per-tier reservations (``ray_resources`` of the job: ``{tier: {num_cpus, num_gpus, resources}}``)."""
+    """Per-tier reservations (``launcher.resources``: ``{tier: {num_cpus, num_gpus, resources}}``)."""
 
     tiers: dict[str, TierResources] = field(default_factory=dict)
 
@@ -145,7 +147,7 @@ class RayPlacement:
             given = dict(settings.get(tier, {}))
             unknown = set(given) - {"num_cpus", "num_gpus", "resources"}
             if unknown:
-                raise ConfigError(f"ray_resources.{tier}", str(sorted(unknown)),
+                raise ConfigError(f"launcher.resources.{tier}", str(sorted(unknown)),
                                   "allowed keys are num_cpus, num_gpus and resources")  # fmt: skip
             tiers[tier] = TierResources(
                 num_cpus=float(given.get("num_cpus", 1.0)),
@@ -155,7 +157,7 @@ class RayPlacement:
         unknown_tiers = set(settings) - set(tiers)
         if unknown_tiers:
             raise ConfigError(
-                "ray_resources", str(sorted(unknown_tiers)), "tiers are trainer, rollout, reward"
+                "launcher.resources", str(sorted(unknown_tiers)), "tiers are trainer, rollout, reward"
             )
         return cls(tiers)
 
@@ -456,35 +458,37 @@ class RayFleet:
 
 
 RAY_RESTARTED_TIERS = ("rollout",)
-"""Tiers whose actors Ray restarts (``ray_max_restarts``): their worker starts again by itself and
+"""Tiers whose actors Ray restarts (``launcher.max_restarts``): their worker starts again by itself and
 rejoins at the current weights. A reward worker's or trainer's death goes to the launcher's
 supervision instead (a trainer needs its checkpoint restored by the run)."""
 
 
-def placement_for(config: Any) -> RayPlacement:
-    """A job's reservations: its ``ray_resources`` over one CPU per worker and, on CUDA, one GPU per
-    trainer rank and ``tensor_parallel_size`` GPUs per rollout worker (half a GPU each for a trainer
-    and rollout workers colocated on it)."""
+def placement_for(config: TrainerConfig) -> RayPlacement:
+    """A job's reservations: its ``launcher.resources`` over one CPU per worker and, on CUDA, one GPU
+    per trainer rank and ``tensor_parallel_size`` GPUs per rollout worker (half a GPU each for a
+    trainer and rollout workers colocated on it)."""
     gpus: dict[str, float] = {}
-    if config.device == "cuda":
-        colocated = bool(config.rollout.colocate)
-        gpus = {"trainer": 0.5 if colocated else 1.0,
-                "rollout": 0.5 if colocated else float(config.rollout.tensor_parallel_size)}  # fmt: skip
-    return RayPlacement.from_settings(config.ray_resources, gpus=gpus)
+    if config.placement.device == "cuda":
+        engine = config.rollout.vllm()
+        colocated = engine is not None and engine.colocate
+        tp = engine.tensor_parallel_size if engine is not None else 1
+        gpus = {"trainer": 0.5 if colocated else 1.0, "rollout": 0.5 if colocated else float(tp)}
+    resources = config.launcher.resources if isinstance(config.launcher, RayLauncher) else {}
+    return RayPlacement.from_settings(resources, gpus=gpus)
 
 
-def job_reservation(config: Any, specs: list[WorkerSpec]) -> JobReservation:
+def job_reservation(config: TrainerConfig, specs: list[WorkerSpec]) -> JobReservation:
     """What ``specs`` (every worker the run starts) reserve on Ray under ``config``'s placement
     (:func:`placement_for`): a trainer's ranks (``RANK`` set) as one group on one node, and the
-    rollout tier at the most workers its ``rollout_scale`` schedule reaches."""
+    rollout tier at the most workers its ``rollout.scale`` schedule reaches."""
     placement = placement_for(config)
     counts: dict[str, int] = {}
     for spec in specs:
         counts[spec.tier] = counts.get(spec.tier, 0) + 1
     if counts.get("rollout"):
         sizes, peak = dict(config.pool_sizes()), sum(config.pool_sizes().values())
-        for step in sorted(config.rollout_scale):
-            sizes.update(config.rollout_scale[step])
+        for step in sorted(config.rollout.scale):
+            sizes.update(config.rollout.scale[step])
             peak = max(peak, sum(sizes.values()))
         counts["rollout"] += peak - sum(config.pool_sizes().values())
     packed = {spec.tier for spec in specs if "RANK" in spec.env}

@@ -1,9 +1,9 @@
 """The controller's handle on the reward tier: the run's own reward worker or a shared reward server.
 
 By default a run starts its own reward worker on its own NATS server and cluster. With
-``reward_url`` set, the run starts none: it scores on a shared server (``rlfleet-reward serve``)
-at that NATS URL and ``reward_cluster``, connecting a second transport when the URL is not the
-run's own, and sends ``reward_token`` with every request, in the ``Rlfleet-Token`` header. That
+``reward.url`` set, the run starts none: it scores on a shared server (``rlfleet-reward serve``)
+at that NATS URL and ``reward.cluster``, connecting a second transport when the URL is not the
+run's own, and sends ``reward.token`` with every request, in the ``Rlfleet-Token`` header. That
 connection meets outages as the run's own does (``faults``): while it is down nobody on it is
 declared dead, a score whose reply may be lost is sent again when it is back, and one still down
 after ``faults.outage_grace_s`` fails the score with a named
@@ -60,9 +60,9 @@ logger = logging.getLogger(__name__)
 TOKEN_ENV = "RLFLEET_REWARD_TOKEN"
 WIRE_KEYS = frozenset({"spec", "scaler", "scaler_state"})
 SHARED_SERVER_RUNS_NO_CODE = (
-    "the run scores on a shared reward server (reward_url), which never runs code sent to it; name a "
+    "the run scores on a shared reward server (reward.url), which never runs code sent to it; name a "
     "reward the server serves (a spec, or a 'package.module:function' its allowed_modules permit), or "
-    "drop reward_url to score with this function in the controller"
+    "drop reward.url to score with this function in the controller"
 )
 
 
@@ -142,19 +142,20 @@ class RewardControl:
     async def connect(
         cls, config: TrainerConfig, transport: Transport, cluster: str, registry: WorkerRegistry, url: str
     ) -> RewardControl:
-        """The reward tier for ``config``: the run's own (``transport``/``cluster``) or ``reward_url``'s."""
-        token = config.reward_token.get_secret_value() or os.environ.get(TOKEN_ENV, "")
+        """The reward tier for ``config``: the run's own (``transport``/``cluster``) or ``reward.url``'s."""
+        reward = config.reward
+        token = reward.token.get_secret_value() or os.environ.get(TOKEN_ENV, "")
         timeout = config.request_timeout_s
-        if config.reward_url is None:
+        if reward.url is None:
             faults = config.faults
             return cls(transport, cluster, registry, token=token, request_timeout=timeout, faults=faults)
-        reward_cluster = config.reward_cluster or "default"
+        reward_cluster = reward.cluster or "default"
         owned: list[Any] = []
-        if config.reward_url != url:
+        if reward.url != url:
             from rlfleet.common.control.nats_transport import NatsTransport
 
-            auth = config.reward_nats_auth.resolved(prefix="RLFLEET_REWARD_NATS_")
-            transport = await NatsTransport.connect(config.reward_url, name="rlfleet-controller-reward",
+            auth = reward.nats_auth.resolved(prefix="RLFLEET_REWARD_NATS_")
+            transport = await NatsTransport.connect(reward.url, name="rlfleet-controller-reward",
                                                     tier="controller", auth=auth,
                                                     outage_grace_s=config.faults.outage_grace_s)  # fmt: skip
             owned.append(transport)
@@ -164,7 +165,7 @@ class RewardControl:
             owned.insert(0, registry)
         control = cls(transport, reward_cluster, registry, token=token, request_timeout=timeout, owned=owned,
                       remote=True, faults=config.faults)  # fmt: skip
-        where = mask_url(config.reward_url)
+        where = mask_url(reward.url)
         logger.info("scoring on the reward server at %s (cluster %s)", where, reward_cluster)
         return control
 

@@ -2,7 +2,7 @@
 
 Between steps, the run's launcher (embedded: local processes; ``launcher: ray``: new Ray actors,
 placed like the pool's other workers) starts or stops rollout workers of ``pool`` until it has
-``n``. The job's ``num_rollout_workers`` (or ``rollout_pools.<pool>.workers``) is the size a run
+``n``. The job's ``rollout.workers`` (or ``rollout.pools.<pool>.workers``) is the size a run
 starts with; this changes it for the rest of the run.
 
 - **Adding.** A new worker gets the pool's engine settings under the next free id
@@ -12,7 +12,7 @@ starts with; this changes it for the rest of the run.
   through the fleet's admission path (:meth:`~rlfleet.controller.fleet.Fleet.admit`); the fleet
   routes generate requests only to workers at the current version in any case. It is supervised
   (restarted within the budget) as the others are.
-- **On a schedule.** The job's ``rollout_scale: {step: {pool: n}}`` does the same before each step
+- **On a schedule.** The job's ``rollout.scale: {step: {pool: n}}`` does the same before each step
   it names (:func:`scale_due`, read by the run's step loop).
 - **Removing.** The newest workers go first. Each leaves the launcher's supervision (so its exit
   is not taken for a crash: :meth:`~rlfleet.controller.ports.Launcher.retire`), then is SIGTERMed:
@@ -73,9 +73,9 @@ def check_request(config: TrainerConfig, launcher: Launcher | None, pool: str, n
 
 
 def scale_due(state: RunState, launcher: Launcher | None) -> dict[str, int]:
-    """The job's ``rollout_scale`` entry for the step about to run: each pool it names that has
+    """The job's ``rollout.scale`` entry for the step about to run: each pool it names that has
     another size now, and the size to give it."""
-    sizes = state.config.rollout_scale.get(state.global_step + 1) or {}
+    sizes = state.config.rollout.scale.get(state.global_step + 1) or {}
     return {pool: n for pool, n in sizes.items()
             if len(pool_workers(launcher, pool) if launcher is not None else []) != n}  # fmt: skip
 
@@ -118,9 +118,10 @@ class RolloutScaler:
         used = {w.spec.worker_id for w in self.launcher.workers}
         added, i = [], 0
         while len(added) < count:
-            name = f"rollout-{pool}-{i}" if cfg.rollout_pools else f"rollout-{i}"
+            name = f"rollout-{pool}-{i}" if cfg.rollout.pools else f"rollout-{i}"
             if name not in used:
-                config = template.model_copy(update={"worker_id": name, "seed": template.seed + i})
+                placement = template.placement.model_copy(update={"seed": template.placement.seed + i})
+                config = template.model_copy(update={"worker_id": name, "placement": placement})
                 self.launcher.spawn(WorkerSpec("rollout", name, config))
                 added.append(name)
             i += 1

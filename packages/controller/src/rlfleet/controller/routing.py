@@ -4,7 +4,7 @@
 of a step (``item.text``, ``item.token_ids``, ``item.metadata``) and returns:
 
 - the name of a rollout pool (``"small"``), or ``Pool("small")``: that pool's workers generate it.
-  A pool is one named in ``TrainerConfig.rollout_pools`` or announced by a joined worker
+  A pool is one named in ``TrainerConfig.rollout.pools`` or announced by a joined worker
   (``rlfleet-rollout serve --pool NAME``); ``Pool`` with an unknown name is an error.
 - ``None``: any pool (the fleet splits such prompts over every worker, as without a fn).
 - the response text itself: any other string (used for all ``group_size`` samples), a list of

@@ -2,7 +2,7 @@
 
 It resolves the model, binds the dataset to its tokenizer, builds the launcher (:func:`build_launcher`)
 and brings up the fleet (its own nats-server or ``nats_url``'s; each tier a local process,
-Ray-placed with ``launcher: ray``, or, with ``nats_url`` alone, started elsewhere), tells the
+Ray-placed with ``launcher: {type: ray}``, or, with ``nats_url`` alone, started elsewhere), tells the
 trainer the run's fixed settings, drives a step program over the dataset's seeded epochs on its
 own event loop (so users train with plain synchronous calls), logs metrics, saves and resumes
 checkpoints, and stops exactly what it started::
@@ -50,7 +50,7 @@ from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptDataset, PromptItem
 from rlfleet.controller.fleet import publish
 from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec
-from rlfleet.controller.launcher_settings import worker_logins
+from rlfleet.controller.launcher_settings import RayLauncher, worker_logins
 from rlfleet.controller.loggers import RunMetrics
 from rlfleet.controller.models import resolve_model
 from rlfleet.controller.own_store import OwnStore
@@ -85,16 +85,16 @@ def build_launcher(config: TrainerConfig, run_dir: Path, specs: Sequence[WorkerS
     ``specs``: the workers the run will start; a ``RayFleet`` refuses at once a job whose
     reservations its Ray cluster cannot hold, and sizes a local Ray it starts to them."""
     budget, code = config.faults.restart_budget, config.python_path  # code: on every worker's PYTHONPATH
-    if config.launcher == "ray":
+    ray = config.launcher
+    if isinstance(ray, RayLauncher):
         from rlfleet.controller.ray_launcher import RayFleet, job_reservation, placement_for
 
-        outside = config.nats_url  # the controller's login may come from RLFLEET_NATS_*: checked now
-        logins = worker_logins(config, config.nats_auth.resolved()) if outside is not None else {}
+        outside = config.fleet.nats_url  # the controller's login may come from RLFLEET_NATS_*: checked now
+        logins = worker_logins(config, config.fleet.nats_auth.resolved()) if outside is not None else {}
         job = job_reservation(config, list(specs)) if specs else None
-        fleet = RayFleet(run_dir, address=config.ray_address, num_cpus=config.ray_num_cpus,
-                         placement=placement_for(config), restart_budget=budget, job=job,
-                         start_timeout_s=config.startup_timeout_s, max_restarts=config.ray_max_restarts,
-                         python_path=code)  # fmt: skip
+        fleet = RayFleet(run_dir, address=ray.address, num_cpus=ray.num_cpus, placement=placement_for(config),
+                         restart_budget=budget, job=job, start_timeout_s=config.startup_timeout_s,
+                         max_restarts=ray.max_restarts, python_path=code)  # fmt: skip
         if outside is not None:
             fleet.join_nats(outside, logins)
         return fleet
@@ -111,7 +111,7 @@ class FleetRun:
         reward: Any = None, critic_model_name: str | None = None,
     ) -> None:  # fmt: skip
         self.config = config
-        cluster = config.cluster or f"run-{uuid.uuid4().hex[:8]}"
+        cluster = config.fleet.cluster or f"run-{uuid.uuid4().hex[:8]}"
         self.state = RunState(config, Path(config.output_dir), cluster, publish_dtype=config.publish_dtype())
         """Where the run stands: what every helper reads, and the step loop moves on."""
         self.resume_path = resolve_resume(config.resume_from, self.state.output_dir)
@@ -119,23 +119,24 @@ class FleetRun:
         self.metrics = RunMetrics(
             config.loggers, self.state.output_dir, config.masked_dump(), config.log_every
         )
-        spec = ALGORITHMS[config.algorithm]
+        spec = ALGORITHMS[config.algorithm.name]
         self.online = spec.online
         """Whether the run generates and scores (rollout and reward tiers); False for DPO."""
         self.kl_controller = kl_controller
-        """The KL coefficient of each step (built from the config's KL fields by the trainer)."""
+        """The KL coefficient of each step (built from the config's ``kl`` section by the trainer)."""
         self.reward = RunReward.of(reward, config) if spec.online else None
-        self.model_path = resolve_model(model_name, seed=config.seed)
+        self.model_name = model_name
+        self.model_path = resolve_model(model_name, seed=config.placement.seed)
         critic = critic_model_name or config.critic_model_name
-        self.critic_path = resolve_model(critic, seed=config.seed) if critic else self.model_path
+        self.critic_path = resolve_model(critic, seed=config.placement.seed) if critic else self.model_path
         """The critic's backbone (PPO): the named model, else the actor's checkpoint."""
-        self.tokenizer = load_run_tokenizer(self.model_path, trust_remote_code=config.trust_remote_code,
+        self.tokenizer = load_run_tokenizer(self.model_path, trust_remote_code=config.model.trust_remote_code,
                                             chat_template=config.chat_template)  # fmt: skip
         dataset.bind_tokenizer(self.tokenizer)
         self.dataset = dataset
         self.launcher: Launcher | None = None
         self.loop = GuardedLoop(lambda: self.launcher)
-        self.store = OwnStore(config, listen_all=config.nats_url is not None)
+        self.store = OwnStore(config.tensor_plane, listen_all=config.fleet.nats_url is not None)
         self.transport: Transport | None = None
         self._fleet: FleetClient | None = None
         self.supervisor = Supervisor(
@@ -144,7 +145,7 @@ class FleetRun:
         )  # fmt: skip
         self.evals = (
             RunEval(self.state, dataset, self.tokenizer, self.store, self.reward, self.metrics.say)
-            if self.online and (config.sample_table_size or config.eval_data)
+            if self.online and (config.sample_table_size or config.eval.data)
             else None
         )
 
@@ -178,24 +179,24 @@ class FleetRun:
         """The control plane this run uses (embedded: its private nats-server)."""
         if self.launcher is not None:
             return self.launcher.url
-        if self.config.nats_url is None:
+        if self.config.fleet.nats_url is None:
             raise RuntimeError("the fleet is not started; call start() or train() first")
-        return self.config.nats_url
+        return self.config.fleet.nats_url
 
     # --- start -----------------------------------------------------------------------------------
 
     def worker_specs(self) -> list[WorkerSpec]:
         """The processes an embedded run starts, each with its validated worker config."""
         spec = self.reward.worker_spec if self.reward is not None else None
-        critic = self.critic_path if ALGORITHMS[self.config.algorithm].needs_critic else None
+        critic = self.critic_path if ALGORITHMS[self.config.algorithm.name].needs_critic else None
         return worker_specs(self.config, self.model_path, self.state.cluster, online=self.online,
                             reward_spec=spec, critic_path=critic)  # fmt: skip
 
     def trainer_configure(self) -> TrainerConfigure:
         """The run's fixed trainer settings, as the trainer is told them before the first step."""
         cfg = self.config
-        return TrainerConfigure(model=cfg.model_settings(), device=cfg.device,
-                                critic=ALGORITHMS[cfg.algorithm].needs_critic,
+        return TrainerConfigure(model=cfg.model.model_copy(deep=True), device=cfg.placement.device,
+                                critic=ALGORITHMS[cfg.algorithm.name].needs_critic,
                                 model_fingerprint=model_fingerprint(self.model_path))  # fmt: skip
 
     def start(self) -> None:
@@ -206,8 +207,9 @@ class FleetRun:
         output_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(output_dir / "config.yaml", self.resolved_config_yaml())
         try:
-            url, auth, env = cfg.nats_url, cfg.nats_auth, None
-            if url is None or cfg.launcher == "ray":  # ray with nats_url: tiers placed, on that server
+            url, auth, env = cfg.fleet.nats_url, cfg.fleet.nats_auth, None
+            ray = isinstance(cfg.launcher, RayLauncher)
+            if url is None or ray:  # ray with nats_url: tiers placed, on that server
                 specs = self.worker_specs()  # ray: the job must fit its cluster before anything starts
                 launcher = self.launcher = build_launcher(cfg, output_dir / "fleet", specs)  # embedded or ray
                 self.supervisor.attach(launcher)
@@ -220,7 +222,7 @@ class FleetRun:
             self.loop.run(self._connect(url, auth, env))
             if self.resume_path is not None:
                 self.resume(self.resume_path)
-            if self.evals is not None:  # the held-out eval (eval_data) and the before/after table
+            if self.evals is not None:  # the held-out eval (eval.data) and the before/after table
                 self.loop.run(self.evals.capture("before", self.fleet))
         except BaseException:
             self.close()
@@ -265,12 +267,12 @@ class FleetRun:
             await fleet.wait_ready(counts, cfg.startup_timeout_s)
         except TimeoutError as exc:
             raise not_ready(self.launcher, fleet.registry, cfg.startup_timeout_s, str(exc)) from None
-        if self.reward is not None:  # the run's own reward tier, or reward_url's
+        if self.reward is not None:  # the run's own reward tier, or reward.url's
             launcher = self.launcher
             start = partial(start_reward_worker, launcher, fleet.registry, self.state) if launcher else None
             await attach_reward(fleet, cfg, url, self.reward, self.store, start)
         await fleet.configure_trainer(self.trainer_configure())
-        if cfg.nats_url is None:
+        if cfg.fleet.nats_url is None:
             logger.info("fleet ready: %s; rollout workers join with: rlfleet-rollout serve --config %s "
                         "--model PATH --pool NAME", counts, self.join_config)  # fmt: skip
         else:
@@ -278,18 +280,19 @@ class FleetRun:
                         "--nats %s --cluster %s --pool NAME", counts, mask_url(url), cluster)  # fmt: skip
 
     def resolved_config_yaml(self) -> str:
-        data = {
-            "model_path": str(self.model_path),
-            "reward": self.reward.spec if self.reward is not None else None,
-            "dataset": str(getattr(self.dataset, "data_path", "")),
-            **self.config.masked_dump(),
-        }
-        return yaml.safe_dump(data, sort_keys=False)
+        """``config.yaml``: the run's config in its nested form, credentials masked, with the model's
+        ``name`` (as given) in its section, the reward's ``spec`` in its, and where they resolved to
+        (``model_path``, the dataset's file)."""
+        data = self.config.masked_dump()
+        data["model"] = {"name": self.model_name, **data["model"]}
+        data["reward"] = {**data["reward"], "spec": self.reward.spec if self.reward is not None else None}
+        where = {"model_path": str(self.model_path), "dataset": str(getattr(self.dataset, "data_path", ""))}
+        return yaml.safe_dump({**where, **data}, sort_keys=False)
 
     # --- steps -----------------------------------------------------------------------------------
 
     def total_steps(self, num_epochs: int, max_steps: int | None) -> int:
-        total = self.dataset.steps_per_epoch(self.config.rollout_batch_size) * num_epochs
+        total = self.dataset.steps_per_epoch(self.config.batch.rollout_batch_size) * num_epochs
         return min(total, max_steps) if max_steps else total
 
     def steps(self, program: StepProgram, num_epochs: int, max_steps: int | None) -> Iterator[StepResult]:
@@ -308,7 +311,7 @@ class FleetRun:
                 if state.global_step >= total:
                     return
                 try:
-                    if self.online and self.config.rollout_scale:  # the job's schedule, before its step
+                    if self.online and self.config.rollout.scale:  # the job's schedule, before its step
                         for pool, n in scale_due(state, self.launcher).items():
                             self.scale_rollout(pool, n)
                     metrics = self.supervisor.run_step(program, batch)
@@ -329,7 +332,7 @@ class FleetRun:
     def _batches(self, num_epochs: int) -> Iterator[tuple[int, list[PromptItem]]]:
         """``(epoch, batch)`` from the dataset's position on (a rewind moves the position back)."""
         for epoch in range(self.state.epoch, num_epochs):
-            for batch in self.dataset.batches(self.config.rollout_batch_size, epoch=epoch):
+            for batch in self.dataset.batches(self.config.batch.rollout_batch_size, epoch=epoch):
                 yield epoch, batch
 
     def _record(self, epoch: int, metrics: dict[str, float]) -> bool:

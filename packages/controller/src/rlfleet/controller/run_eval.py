@@ -1,7 +1,7 @@
-"""A run's held-out evaluation and its before/after table (``eval_data``, ``eval_every``).
+"""A run's held-out evaluation and its before/after table (``eval.data``, ``eval.every``).
 
-Before the first step, every ``eval_every`` steps and at the end the run answers its held-out
-prompts greedily (up to ``eval_max_tokens`` new tokens) through its own rollout tier and scores
+Before the first step, every ``eval.every`` steps and at the end the run answers its held-out
+prompts greedily (up to ``eval.max_tokens`` new tokens) through its own rollout tier and scores
 them on its reward tier, under the reward's spec text
 (:class:`~rlfleet.controller.samples.SampleTable` does both); lengths are measured from the
 answers, and relevance (MiniLM cosine of question and answer) and, for prompts with an ``answer``,
@@ -9,7 +9,7 @@ the ``numeric`` answer check come from an extra endpoint of the run's own reward
 (:data:`~rlfleet.controller.eval_scoring.BUILTIN_ENDPOINT`, created when first needed; a run
 scoring on a shared reward server measures no relevance). Each evaluation is a line of
 ``eval.jsonl``; ``eval.json`` holds the first and the last summaries and every one between, and
-the end of the run prints the before/after summary. Without ``eval_data`` only the before/after
+the end of the run prints the before/after summary. Without ``eval.data`` only the before/after
 table of a few training prompts is made, as before.
 """
 
@@ -45,7 +45,7 @@ def reward_name(spec: Any) -> str:
 
 
 class RunEval:
-    """The held-out evaluations of a run (or just its sample table, without ``eval_data``): its
+    """The held-out evaluations of a run (or just its sample table, without ``eval.data``): its
     ``state``, its training ``dataset`` (the held-out file is read the same way; the table's prompts
     come from it without one), its ``tokenizer``, its own ``store`` (the answers are read back from
     there), its ``reward`` (None: offline) and where it reports (``say``). Each capture answers
@@ -61,14 +61,14 @@ class RunEval:
         self.tokenizer = tokenizer
         self.reward = reward
         self.say = say
-        self.heldout = cfg.eval_data is not None
-        if cfg.eval_data is not None:
+        self.heldout = cfg.eval.data is not None
+        if cfg.eval.data is not None:
             data = dataset
             heldout = PromptDataset(
-                cfg.eval_data,
+                cfg.eval.data,
                 max_prompt_length=cfg.max_prompt_length,
                 prompt_key=data.prompt_key,
-                seed=cfg.seed,
+                seed=cfg.placement.seed,
                 shuffle=False,
                 overlong=data.overlong,
                 system_prompt=data.system_prompt,
@@ -78,7 +78,7 @@ class RunEval:
                 [heldout[i] for i in range(len(heldout))],
                 cfg,
                 shown=cfg.sample_table_size,
-                max_tokens=cfg.eval_max_tokens,
+                max_tokens=cfg.eval.max_tokens,
             )
         else:
             self.table = SampleTable(dataset.sample_items(cfg.sample_table_size), cfg)
@@ -87,11 +87,11 @@ class RunEval:
         self._builtin: RewardControl | bool | None = None  # on the built-in endpoint; False: none to be had
 
     def due(self, step: int) -> bool:
-        every = self.state.config.eval_every
+        every = self.state.config.eval.every
         return self.heldout and every > 0 and step % every == 0
 
     async def capture(self, label: str, fleet: FleetClient) -> None:
-        """Answer (and, with ``eval_data``, measure) the prompts at the run's current weights."""
+        """Answer (and, with ``eval.data``, measure) the prompts at the run's current weights."""
         state = self.state
         last = self.records[-1] if self.records else None
         if label == "after" and last is not None and last["weight_version"] == state.weight_version:
@@ -101,7 +101,7 @@ class RunEval:
         rows = await self.table.capture(label, fleet, state.weight_version, self.store)
         if not self.heldout:
             return
-        limit = state.config.eval_limit_words
+        limit = state.config.eval.limit_words
         name = reward_name(self.reward.spec if self.reward else None)
         evals = []
         for item, row in zip(self.table.items, rows, strict=True):
@@ -114,7 +114,7 @@ class RunEval:
 
     def _record(self, label: str, rows: list[EvalRow]) -> None:
         state = self.state
-        summary = summarize(rows, state.config.eval_limit_words)
+        summary = summarize(rows, state.config.eval.limit_words)
         record = {
             "label": label,
             "step": state.global_step,
@@ -153,7 +153,7 @@ class RunEval:
 
             run_control = fleet.reward
             assert run_control is not None, "an online run attaches its reward tier when it starts"
-            if self.state.config.reward_url or not run_control.registry.workers("reward"):
+            if self.state.config.reward.url or not run_control.registry.workers("reward"):
                 logger.warning("held-out eval: no reward worker of the run's own; relevance is not measured")
                 return None
             control = RewardControl(
@@ -180,12 +180,12 @@ class RunEval:
         if self.records:
             first, last = self.records[0], self.records[-1]
             text += (
-                f"\n\nheld-out eval ({cfg.eval_data}, {first['summary']['prompts']} prompts):\n"
+                f"\n\nheld-out eval ({cfg.eval.data}, {first['summary']['prompts']} prompts):\n"
                 f"- before: {summary_line(first['summary'])}\n- after:  {summary_line(last['summary'])}"
             )
             data = {
-                "eval_data": cfg.eval_data,
-                "limit_words": cfg.eval_limit_words,
+                "eval_data": cfg.eval.data,
+                "limit_words": cfg.eval.limit_words,
                 "before": first["summary"],
                 "after": last["summary"],
                 "evals": [

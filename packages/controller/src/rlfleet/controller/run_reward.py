@@ -40,7 +40,7 @@ class RunReward:
     :class:`RewardControl` (the reward tier it is connected to).
 
     ``reward``: a spec (str or dict), anything :func:`describe_reward_fn` takes, or None (offline).
-    ``shared``: the run scores on a shared server (``reward_url``), so a callable is refused here,
+    ``shared``: the run scores on a shared server (``reward.url``), so a callable is refused here,
     before anything starts."""
 
     def __init__(self, reward: Any, endpoint: str, *, shared: bool = False) -> None:
@@ -65,8 +65,8 @@ class RunReward:
 
     @classmethod
     def of(cls, reward: Any, config: TrainerConfig) -> RunReward:
-        """The reward of a run with ``config`` (its endpoint; a callable refused with ``reward_url``)."""
-        return cls(reward, config.reward_endpoint, shared=bool(config.reward_url))
+        """The reward of a run with ``config`` (its endpoint; a callable refused with ``reward.url``)."""
+        return cls(reward, config.reward.endpoint, shared=bool(config.reward.url))
 
     @property
     def worker_spec(self) -> str | dict[str, Any] | None:
@@ -142,7 +142,7 @@ async def attach_reward(
     fleet: FleetClient, config: TrainerConfig, url: str, reward: RunReward, store: OwnStore,
     start_worker: Callable[[Spec], Awaitable[None]] | None = None,
 ) -> RewardControl:  # fmt: skip
-    """Give ``fleet`` its reward tier (the run's own, on ``url``, or ``reward_url``'s); wait for a
+    """Give ``fleet`` its reward tier (the run's own, on ``url``, or ``reward.url``'s); wait for a
     shared one.
 
     ``store`` (the run's own) feeds a Python reward; ``start_worker`` starts the run's own reward
@@ -154,7 +154,7 @@ async def attach_reward(
         try:
             await control.wait_ready(config.startup_timeout_s)
         except TimeoutError as exc:
-            detail = f"the shared reward server at {mask_url(config.reward_url or '')} did not answer: {exc}"
+            detail = f"the shared reward server at {mask_url(config.reward.url or '')} did not answer: {exc}"
             raise TierNotReady(config.startup_timeout_s, [], detail) from None
     control.store = store
     if not control.remote:

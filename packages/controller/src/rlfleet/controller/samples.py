@@ -43,7 +43,8 @@ class SampleTable:
         self.max_tokens = config.max_response_length if max_tokens is None else max_tokens
         self.captures: dict[str, list[dict[str, Any]]] = {}
         count = len(items) if shown is None else min(shown, len(items))
-        self.shown = sorted(random.Random(f"rlfleet-samples:{config.seed}").sample(range(len(items)), count))
+        picker = random.Random(f"rlfleet-samples:{config.placement.seed}")
+        self.shown = sorted(picker.sample(range(len(items)), count))
         """Positions in ``items`` of the rows the table shows."""
 
     async def capture(
@@ -59,9 +60,9 @@ class SampleTable:
         what it holds of them.
         """
         cfg = self.config
-        sampling = SamplingParams(n=1, temperature=0.0, max_tokens=self.max_tokens, seed=cfg.seed)
+        sampling = SamplingParams(n=1, temperature=0.0, max_tokens=self.max_tokens, seed=cfg.placement.seed)
         results = await fleet.generate([it.token_ids for it in self.items], sampling, weight_version)
-        scored = await fleet.score(results, chunk_metadata(self.items, results), cfg.reward_endpoint)
+        scored = await fleet.score(results, chunk_metadata(self.items, results), cfg.reward.endpoint)
         texts: list[str] = []
         tokens: list[int] = []
         for result in results:
