@@ -46,7 +46,14 @@ import smoke  # noqa: E402  (this folder's helper module)
 from trainer import PEAK_BF16, PRESETS, matmul_tflops, sync, update_flops, write_model  # noqa: E402
 
 from rlfleet.common.schema.batch import RolloutBatch  # noqa: E402
-from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig  # noqa: E402
+from rlfleet.common.schema.trainer import (  # noqa: E402
+    BatchSettings,
+    ModelSettings,
+    StepSettings,
+    TrainerWorkerConfig,
+    UpdateSettings,
+)
+from rlfleet.common.schema.worker import Placement  # noqa: E402
 from rlfleet.trainer.distributed import DistContext, setup_nccl  # noqa: E402
 from rlfleet.trainer.ranks import build_models  # noqa: E402
 from rlfleet.trainer.service import merge_batch, run_step  # noqa: E402
@@ -133,11 +140,13 @@ def run_variant(
     """Build the trainer's models for the variant and time ``--steps`` of ``run_step`` after ``--warmup``."""
     v = parse_variant(name)
     n_prompts = args.rows // args.group
-    cfg = TrainerWorkerConfig(
-        model_path=str(path), device=args.device, algorithm="grpo", micro_batch_size=v["micro_batch"],
-        kl_coef=KL_COEF if v["kl"] else 0.0, rollout_batch_size=n_prompts, train_batch_size=n_prompts,
-        group_size=args.group, seed=0, compile=v["compile"],
-    )  # fmt: skip
+    step = StepSettings(
+        algorithm="grpo",
+        update=UpdateSettings(micro_batch_size=v["micro_batch"], kl_coef=KL_COEF if v["kl"] else 0.0),
+        batch=BatchSettings(rollout_batch_size=n_prompts, train_batch_size=n_prompts, group_size=args.group),
+    )
+    cfg = TrainerWorkerConfig(model_path=str(path), placement=Placement(device=args.device, seed=0),
+                              model=ModelSettings(compile=v["compile"]), step=step)  # fmt: skip
     t0 = time.perf_counter()
     ctx, actor, critic = build_models(cfg)
     load_s = time.perf_counter() - t0

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rlfleet.common.schema.trainer import ModelSettings, StepSettings
+from rlfleet.common.schema.trainer import ModelSettings, StepSettings, UpdateSettings
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.algorithms.grpo import policy_plan
 from rlfleet.trainer.distributed import DistContext, init_distributed, setup_nccl
@@ -211,7 +211,8 @@ def update(
     actor: Actor, batch: dict[str, torch.Tensor], adv: torch.Tensor, micro_batch: int
 ) -> dict[str, float]:
     """One policy update on ``adv`` (no KL term), as a trainer step runs it."""
-    return train_loop(policy_plan(actor, batch, adv, StepSettings(micro_batch_size=micro_batch, kl_coef=0.0)))
+    settings = StepSettings(update=UpdateSettings(micro_batch_size=micro_batch, kl_coef=0.0))
+    return train_loop(policy_plan(actor, batch, adv, settings))
 
 
 def profile_update(args: argparse.Namespace, ctx: DistContext, actor: Actor, vocab: int) -> None:

@@ -33,7 +33,13 @@ import smoke  # noqa: E402  (this folder's helper module)
 from trainer import PRESETS, sync, write_model  # noqa: E402  (benchmarks/trainer.py)
 
 from rlfleet.common.schema.algorithms import ALGORITHMS  # noqa: E402
-from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig  # noqa: E402
+from rlfleet.common.schema.trainer import (  # noqa: E402
+    ModelSettings,
+    StepSettings,
+    TrainerWorkerConfig,
+    UpdateSettings,
+)
+from rlfleet.common.schema.worker import FleetAddress, Placement  # noqa: E402
 from rlfleet.trainer.distributed import setup_nccl  # noqa: E402
 from rlfleet.trainer.ranks import build_models  # noqa: E402
 from rlfleet.trainer.service import merge_batch, run_step  # noqa: E402
@@ -82,8 +88,10 @@ def random_batch(args: argparse.Namespace, algorithm: str, vocab: int) -> dict[s
 
 def run(args: argparse.Namespace, path: Path, vocab: int, algorithm: str) -> dict[str, Any]:
     cfg = TrainerWorkerConfig(
-        model_path=str(path), cluster="bench", device="auto", algorithm=algorithm, mixed_precision="bf16",
-        micro_batch_size=args.micro_batch, learning_rate=1e-6, kl_coef=0.05, seed=0,
+        model_path=str(path), fleet=FleetAddress(cluster="bench"), placement=Placement(device="auto", seed=0),
+        model=ModelSettings(mixed_precision="bf16"),
+        step=StepSettings(algorithm=algorithm, update=UpdateSettings(
+            micro_batch_size=args.micro_batch, learning_rate=1e-6, kl_coef=0.05)),
     )  # fmt: skip
     ctx, actor, critic = build_models(cfg)
     batch = merge_batch(algorithm, [random_batch(args, algorithm, vocab)])

@@ -17,7 +17,7 @@ from test_worker import SCORES, Trainer, _rollouts, trainer  # noqa: F401  (the 
 from rlfleet.common.control.embedded_nats import EmbeddedNats
 from rlfleet.common.control.messages import TrainerConfigure
 from rlfleet.common.control.nats_transport import NatsTransport
-from rlfleet.common.schema.trainer import ModelSettings, StepSettings
+from rlfleet.common.schema.trainer import ModelSettings, StepSettings, UpdateSettings
 from rlfleet.controller.errors import RetriesExhausted, TrainerRestarted
 from rlfleet.controller.fault_settings import FaultSettings
 from rlfleet.controller.fleet import Fleet
@@ -25,7 +25,7 @@ from rlfleet.trainer.service import TrainerWorker
 
 pytestmark = pytest.mark.timeout(120)
 
-SETTINGS = StepSettings(learning_rate=1e-2, micro_batch_size=2, kl_coef=0.0)
+SETTINGS = StepSettings(update=UpdateSettings(learning_rate=1e-2, micro_batch_size=2, kl_coef=0.0))
 CONFIGURE = TrainerConfigure(model=ModelSettings(sharding="full", mixed_precision="none"), device="cpu",
                              critic=False)  # fmt: skip
 FAST = FaultSettings(retry_attempts=8, retry_backoff_s=0.1, retry_backoff_max_s=0.4)
@@ -38,7 +38,7 @@ def tiny_model_dir(trainer_model_dir: Path) -> Path:
 
 
 def _fleet(trainer: Trainer, faults: FaultSettings = FAST) -> Fleet:
-    return Fleet(trainer.client, trainer.worker.config.cluster, request_timeout=30, faults=faults)
+    return Fleet(trainer.client, trainer.worker.config.fleet.cluster, request_timeout=30, faults=faults)
 
 
 async def test_a_step_sent_before_the_trainer_is_up_is_retried_as_one_job(

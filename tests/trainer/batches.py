@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.common.schema.trainer import BatchSettings, StepSettings, UpdateSettings
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.algorithms.grpo import policy_plan
 from rlfleet.trainer.loop import train_loop
@@ -19,12 +19,17 @@ from rlfleet.trainer.loop import train_loop
 VOCAB = 64
 
 
-def update(actor: Actor, batch: dict[str, torch.Tensor], advantages: torch.Tensor, **settings: Any) -> dict:
-    """The policy's steps on ``batch`` and ``advantages`` through the update loop, with ``settings``
-    (StepSettings fields; no KL term unless ``kl_coef`` is given; ``num_updates=k`` for k mini-batches)."""
-    num_updates = settings.pop("num_updates", 1)
-    defaults = {"kl_coef": 0.0, "rollout_batch_size": num_updates, "train_batch_size": 1}
-    step = StepSettings(**{**defaults, **settings})
+def update(
+    actor: Actor, batch: dict[str, torch.Tensor], advantages: torch.Tensor, *, num_updates: int = 1,
+    **settings: Any,
+) -> dict:  # fmt: skip
+    """The policy's steps on ``batch`` and ``advantages`` through the update loop, in ``num_updates``
+    mini-batches, with ``settings`` (the ``update`` section's fields; no KL term unless ``kl_coef``
+    is given)."""
+    step = StepSettings(
+        update=UpdateSettings(**{"kl_coef": 0.0, **settings}),
+        batch=BatchSettings(rollout_batch_size=num_updates, train_batch_size=1),
+    )
     return train_loop(policy_plan(actor, batch, advantages, step))
 
 

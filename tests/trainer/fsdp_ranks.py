@@ -34,7 +34,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rlfleet.common.schema.trainer import ModelSettings, StepSettings
+from rlfleet.common.schema.trainer import ModelSettings, StepSettings, UpdateSettings
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.algorithms.grpo import PolicyObjective, prepare
 from rlfleet.trainer.distributed import init_distributed
@@ -117,7 +117,8 @@ def main(model_dir: str, batch_path: str, out_dir: str) -> None:
     metrics: dict[str, dict[str, float]] = {}
     rows = torch.arange(prepared.inputs.num_samples)
     for agg in AGGS:
-        loss = PolicyObjective(actor, prepared, StepSettings(kl_coef=0.1, entropy_coef=0.01, loss_agg=agg))
+        settings = StepSettings(update=UpdateSettings(kl_coef=0.1, entropy_coef=0.01, loss_agg=agg))
+        loss = PolicyObjective(actor, prepared, settings)
         metrics[agg] = accumulate(loss, rows, 2)
         grads = {
             n: full(p.grad).contiguous() for n, p in actor.model.named_parameters() if p.grad is not None
@@ -127,7 +128,7 @@ def main(model_dir: str, batch_path: str, out_dir: str) -> None:
             save_file(grads, str(out / f"grads_{agg}.safetensors"))
     # gradient checkpointing under FSDP: the blocks recompute (and re-gather) in backward
     checkpointed = Actor(model_dir, ModelSettings(gradient_checkpointing=True), ctx, learning_rate=1e-2)
-    settings = StepSettings(kl_coef=0.1, entropy_coef=0.01, loss_agg=AGGS[0])
+    settings = StepSettings(update=UpdateSettings(kl_coef=0.1, entropy_coef=0.01, loss_agg=AGGS[0]))
     accumulate(PolicyObjective(checkpointed, prepared, settings), rows, 2)
     grads = {
         n: full(p.grad).contiguous() for n, p in checkpointed.model.named_parameters() if p.grad is not None

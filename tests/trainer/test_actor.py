@@ -13,7 +13,7 @@ import torch
 from batches import update  # this folder's helper module (conftest puts it on sys.path)
 from pydantic import ValidationError
 
-from rlfleet.common.schema.trainer import ModelSettings, StepSettings
+from rlfleet.common.schema.trainer import BatchSettings, ModelSettings, StepSettings, UpdateSettings
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.algorithms.grpo import LOSS_AGG_MODES, PolicyObjective, prepare
 from rlfleet.trainer.loop import accumulate, batch_sizes
@@ -48,7 +48,8 @@ def test_micro_batching_gives_the_full_batch_gradient(
     prepared = dataclasses.replace(
         prepared, old_logprobs=prepared.old_logprobs + 0.3 * noise, ref_logprobs=prepared.ref_logprobs - 0.2
     )
-    loss = PolicyObjective(actor, prepared, StepSettings(kl_coef=0.1, entropy_coef=0.01, loss_agg=loss_agg))
+    settings = StepSettings(update=UpdateSettings(kl_coef=0.1, entropy_coef=0.01, loss_agg=loss_agg))
+    loss = PolicyObjective(actor, prepared, settings)
     rows = torch.arange(5)
     full_metrics = accumulate(loss, rows, 5)
     full = _grads(actor)
@@ -179,11 +180,12 @@ def test_update_validates_its_settings(tiny_model_dir: Path, make_batch: Callabl
     with pytest.raises(ValidationError, match="loss_agg"):
         update(actor, batch, torch.zeros(5), micro_batch_size=2, loss_agg="mean-of-means")
     # a micro-batch never spans more than a mini-batch: 5 rows in 3 updates are mini-batches of 2
-    three_updates = StepSettings(micro_batch_size=4, rollout_batch_size=3, train_batch_size=1)
+    three_updates = StepSettings(update=UpdateSettings(micro_batch_size=4),
+                                 batch=BatchSettings(rollout_batch_size=3, train_batch_size=1))  # fmt: skip
     assert batch_sizes(three_updates, 5) == (2, 2)
     prepared = prepare(actor, batch, torch.zeros(5), micro_batch_size=5)
     with pytest.raises(ValueError, match="with_reference"):
-        PolicyObjective(actor, prepared, StepSettings(kl_coef=0.1))
+        PolicyObjective(actor, prepared, StepSettings(update=UpdateSettings(kl_coef=0.1)))
 
 
 def test_gradient_checkpointing_gives_the_same_gradient(tiny_model_dir: Path, make_batch: Callable) -> None:
@@ -193,7 +195,8 @@ def test_gradient_checkpointing_gives_the_same_gradient(tiny_model_dir: Path, ma
     for checkpointing in (False, True):
         actor = _actor(tiny_model_dir, gradient_checkpointing=checkpointing)
         prepared = prepare(actor, batch, adv, micro_batch_size=5)
-        accumulate(PolicyObjective(actor, prepared, StepSettings(kl_coef=0.0)), torch.arange(5), 2)
+        no_kl = StepSettings(update=UpdateSettings(kl_coef=0.0))
+        accumulate(PolicyObjective(actor, prepared, no_kl), torch.arange(5), 2)
         grads.append(_grads(actor))
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)

@@ -12,7 +12,7 @@ import torch
 
 from rlfleet.common.schema.algorithms import ALGORITHM_NAMES, ALGORITHMS
 from rlfleet.common.schema.batch import collate_pairs
-from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.common.schema.trainer import StepSettings, UpdateSettings
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.algorithms import TRAINER_ALGORITHMS
 from rlfleet.trainer.algorithms.dpo import DPOObjective, dpo_loss
@@ -69,7 +69,7 @@ def test_each_algorithms_code_does_what_its_row_says(
 ) -> None:
     spec, algorithm = ALGORITHMS[name], TRAINER_ALGORITHMS[name]
     actor, critic = Actor(tiny_model_dir, seed=0), Critic(tiny_model_dir, seed=0)
-    settings = StepSettings(algorithm=name, kl_coef=0.0, micro_batch_size=2)
+    settings = StepSettings(algorithm=name, update=UpdateSettings(kl_coef=0.0, micro_batch_size=2))
     batch = make_batch(PROMPTS, RESPONSES) if spec.online else _pairs()
     plan = algorithm.plan(actor, critic, batch, SCORES, settings)
     trained = [objective.trainable for objective in plan.objectives]

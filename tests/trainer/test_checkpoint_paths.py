@@ -20,7 +20,8 @@ from rlfleet.common.control.messages import CheckpointLoaded, LoadCheckpoint, Sa
 from rlfleet.common.control.nats_transport import NatsTransport
 from rlfleet.common.control.transport import subject
 from rlfleet.common.errors import RemoteUserError
-from rlfleet.common.schema.trainer import TrainerWorkerConfig
+from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig, UpdateSettings
+from rlfleet.common.schema.worker import FleetAddress, Placement
 from rlfleet.trainer.checkpoint import confine
 from rlfleet.trainer.errors import CheckpointPathRefused
 from rlfleet.trainer.service import TrainerWorker
@@ -33,7 +34,7 @@ class Trainer:
         self.client, self.worker, self.root = client, worker, root
 
     async def ask(self, verb: str, message: Any) -> Any:
-        target = subject(self.worker.config.cluster, "trainer", verb)
+        target = subject(self.worker.config.fleet.cluster, "trainer", verb)
         return await self.client.request(target, message, timeout=60)
 
     async def refused(self, verb: str, message: Any) -> str:
@@ -48,9 +49,9 @@ async def trainer(nats_server: EmbeddedNats, tiny_model_dir: Path, tmp_path: Pat
     root = tmp_path / "root"
     root.mkdir()
     config = TrainerWorkerConfig(
-        nats_url=nats_server.url, cluster=f"c{uuid.uuid4().hex[:8]}", worker_id="trainer-0",
-        model_path=str(tiny_model_dir), device="cpu", kl_coef=0.0, weights_store_mb=64,
-        checkpoint_root=str(root),
+        model_path=str(tiny_model_dir), worker_id="trainer-0", weights_store_mb=64, checkpoint_root=str(root),
+        fleet=FleetAddress(nats_url=nats_server.url, cluster=f"c{uuid.uuid4().hex[:8]}"),
+        placement=Placement(device="cpu"), step=StepSettings(update=UpdateSettings(kl_coef=0.0)),
     )  # fmt: skip
     server = await NatsTransport.connect(nats_server.url, name="trainer", tier="trainer")
     client = await NatsTransport.connect(nats_server.url, name="test", tier="controller")

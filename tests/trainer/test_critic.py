@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.common.schema.trainer import AlgorithmSettings, StepSettings, UpdateSettings
 from rlfleet.trainer.algorithms.ppo import ValueObjective
 from rlfleet.trainer.critic import Critic
 from rlfleet.trainer.errors import ModelLoadError
@@ -62,7 +62,10 @@ def test_micro_batches_accumulate_the_mini_batch_gradient(
     old = critic.compute_values(inputs, micro_batch_size=4) + 0.1
     returns = torch.randn(old.shape, generator=torch.Generator().manual_seed(0)) * inputs.response_mask
     rows = torch.arange(4)
-    loss = ValueObjective(critic, inputs, old, returns, StepSettings(value_clip=0.05, loss_agg=loss_agg))
+    settings = StepSettings(
+        algorithm=AlgorithmSettings(value_clip=0.05), update=UpdateSettings(loss_agg=loss_agg)
+    )
+    loss = ValueObjective(critic, inputs, old, returns, settings)
     grads, metrics = [], []
     for micro in (4, 1, 3):
         metrics.append(accumulate(loss, rows, micro))
@@ -80,7 +83,7 @@ def test_the_value_loss_decreases_on_a_fixed_batch(tiny_model_dir: Path, make_ba
     critic = _critic(tiny_model_dir, lr=1e-2)
     inputs = build_policy_inputs(make_batch(PROMPTS, RESPONSES))
     returns = torch.tensor([1.0, -1.0, 0.5, 2.0])[:, None] * inputs.response_mask
-    unclipped = StepSettings(value_clip=None)
+    unclipped = StepSettings(algorithm=AlgorithmSettings(value_clip=None))
     losses = []
     for _ in range(12):
         old = critic.compute_values(inputs, micro_batch_size=4)

@@ -21,7 +21,7 @@ from batches import contract_batch, update  # this folder's helper module (conft
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.common.schema.trainer import StepSettings, UpdateSettings
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.algorithms.grpo import PolicyObjective, prepare
 from rlfleet.trainer.distributed import build_mesh, init_distributed, resolve_sharding, setup_nccl
@@ -123,7 +123,8 @@ def test_two_ranks_give_the_loss_and_gradients_of_one_process(
     )
     ranked = json.loads((out / "metrics.json").read_text())
     for agg in AGGS:
-        loss = PolicyObjective(actor, prepared, StepSettings(kl_coef=0.1, entropy_coef=0.01, loss_agg=agg))
+        settings = StepSettings(update=UpdateSettings(kl_coef=0.1, entropy_coef=0.01, loss_agg=agg))
+        loss = PolicyObjective(actor, prepared, settings)
         metrics = accumulate(loss, torch.arange(5), 5)
         grads = {n: p.grad for n, p in actor.model.named_parameters() if p.grad is not None}
         got = load_file(str(out / f"grads_{agg}.safetensors"))

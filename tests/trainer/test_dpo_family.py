@@ -11,7 +11,7 @@ import torch
 
 from rlfleet.common.errors import BatchContractError
 from rlfleet.common.schema.batch import check_pairs, merge_preferences, pairs_as_rollouts
-from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.common.schema.trainer import AlgorithmSettings, BatchSettings, StepSettings, UpdateSettings
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.algorithms.dpo import DPO, reference_logps
 from rlfleet.trainer.loop import train_loop
@@ -44,9 +44,12 @@ def _actor(path: Path, lr: float = 1e-3) -> Actor:
     return Actor(path, learning_rate=lr, weight_decay=0.0)
 
 
-def _dpo(actor: Actor, batch: dict[str, torch.Tensor], **settings: object) -> dict[str, float]:
+def _dpo(
+    actor: Actor, batch: dict[str, torch.Tensor], *, beta: float, micro_batch_size: int
+) -> dict[str, float]:
     """One DPO step's plan through the update loop (no learning-rate change: the actor's own)."""
-    step = StepSettings(algorithm="dpo", **settings)  # type: ignore[arg-type]
+    step = StepSettings(algorithm=AlgorithmSettings(name="dpo", beta=beta),
+                        update=UpdateSettings(micro_batch_size=micro_batch_size))  # fmt: skip
     return train_loop(DPO().plan(actor, None, batch, torch.zeros(0), step))
 
 
@@ -115,8 +118,9 @@ def test_precomputed_reference_logps_are_used_as_given(tiny_model_dir: Path) -> 
 
 
 def test_dpo_accuracy_and_margin_rise_over_steps(tiny_model_dir: Path) -> None:
-    settings = StepSettings(algorithm="dpo", micro_batch_size=4, learning_rate=3e-3, beta=0.5,
-                            rollout_batch_size=2, train_batch_size=1)  # fmt: skip
+    settings = StepSettings(algorithm=AlgorithmSettings(name="dpo", beta=0.5),
+                            update=UpdateSettings(micro_batch_size=4, learning_rate=3e-3),
+                            batch=BatchSettings(rollout_batch_size=2, train_batch_size=1))  # fmt: skip
     actor = _actor(tiny_model_dir)  # the step's settings give it its learning rate
     batch = _pairs(8)
     history = [run_step(actor, None, batch, [], settings) for _ in range(6)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from batches import update  # this folder's helper module (conftest puts it on sys.path)
 
-from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.common.schema.trainer import StepSettings, UpdateSettings
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.algorithms import TRAINER_ALGORITHMS
 from rlfleet.trainer.algorithms.dr_grpo import dr_grpo_advantages
@@ -70,7 +70,8 @@ def test_a_dr_grpo_step_is_the_policy_update_on_its_advantages(
     scores = [1.0, 0.0, 0.2, 0.6]  # groups of two: A = [0.5, -0.5, -0.2, 0.2]
     batch = make_batch(prompts, responses)
     settings = StepSettings(
-        algorithm="dr_grpo", loss_agg=NORM, learning_rate=1e-2, micro_batch_size=2, kl_coef=0.0
+        algorithm="dr_grpo",
+        update=UpdateSettings(loss_agg=NORM, learning_rate=1e-2, micro_batch_size=2, kl_coef=0.0),
     )
     ours, theirs = (
         Actor(tiny_model_dir, seed=0, learning_rate=1e-2),

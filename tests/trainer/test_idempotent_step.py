@@ -26,13 +26,13 @@ from rlfleet.common.control.messages import (
     WeightsPublished,
 )
 from rlfleet.common.errors import RemoteUserError
-from rlfleet.common.schema.trainer import ModelSettings, StepSettings
+from rlfleet.common.schema.trainer import ModelSettings, StepSettings, UpdateSettings
 from rlfleet.trainer.errors import JobIdReused
 from rlfleet.trainer.idempotency import ReplyCache
 
 pytestmark = pytest.mark.timeout(120)
 
-SETTINGS = StepSettings(learning_rate=1e-2, micro_batch_size=2, kl_coef=0.0)
+SETTINGS = StepSettings(update=UpdateSettings(learning_rate=1e-2, micro_batch_size=2, kl_coef=0.0))
 
 
 def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:

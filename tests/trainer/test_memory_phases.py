@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.common.schema.trainer import StepSettings, UpdateSettings
 from rlfleet.trainer import service
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.memory_phases import GIB, PhasePeaks, peak_key
@@ -72,7 +72,9 @@ def test_a_phase_that_raises_records_nothing() -> None:
 
 
 def _settings() -> StepSettings:
-    return StepSettings(algorithm="grpo", learning_rate=1e-2, micro_batch_size=2, kl_coef=0.0)
+    return StepSettings(
+        algorithm="grpo", update=UpdateSettings(learning_rate=1e-2, micro_batch_size=2, kl_coef=0.0)
+    )
 
 
 def test_a_cpu_step_reports_no_memory(tiny_model_dir: Path, make_batch: MakeBatch) -> None:

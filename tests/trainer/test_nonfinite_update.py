@@ -13,11 +13,11 @@ from pydantic import ValidationError
 from test_worker import SCORES, Trainer, _rollouts, trainer  # noqa: F401  (the fixture)
 
 from rlfleet.common.control.messages import TrainStepRequest, TrainStepResult, decode
-from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.common.schema.trainer import StepSettings, UpdateSettings
 
 pytestmark = pytest.mark.timeout(120)
 
-SETTINGS = StepSettings(learning_rate=1e-2, micro_batch_size=2, kl_coef=0.0)
+SETTINGS = StepSettings(update=UpdateSettings(learning_rate=1e-2, micro_batch_size=2, kl_coef=0.0))
 
 
 async def test_an_infinite_gradient_skips_the_update_and_the_step_is_reported(

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.common.schema.trainer import AlgorithmSettings, StepSettings, UpdateSettings
 from rlfleet.trainer.algorithms import TRAINER_ALGORITHMS
 from rlfleet.trainer.algorithms.grpo import grpo_advantages
 from rlfleet.trainer.algorithms.reinforce_pp import reinforce_pp_advantages
@@ -16,9 +16,10 @@ from rlfleet.trainer.algorithms.reinforce_pp import reinforce_pp_advantages
 FULL = torch.ones(1, 3, dtype=torch.int64)
 
 
-def _settings(algorithm: str, **kwargs: Any) -> StepSettings:
-    """A step's settings without a KL term unless ``kl_coef`` is given."""
-    return StepSettings(algorithm=algorithm, **{"kl_coef": 0.0, **kwargs})
+def _settings(algorithm: str, kl_coef: float = 0.0, **kwargs: Any) -> StepSettings:
+    """A step's settings: ``algorithm`` with its ``kwargs``, no KL term unless ``kl_coef`` is given."""
+    return StepSettings(algorithm=AlgorithmSettings(name=algorithm, **kwargs),
+                        update=UpdateSettings(kl_coef=kl_coef))  # fmt: skip
 
 
 def test_ppo_puts_the_score_last_and_the_kl_on_every_token() -> None:

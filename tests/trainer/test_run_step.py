@@ -13,7 +13,7 @@ from batches import update  # this folder's helper module (conftest puts it on s
 from pydantic import ValidationError
 
 from rlfleet.common.errors import BatchContractError
-from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.common.schema.trainer import AlgorithmSettings, BatchSettings, StepSettings, UpdateSettings
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.algorithms.grpo import PolicyObjective, grpo_advantages, prepare
 from rlfleet.trainer.critic import Critic
@@ -29,11 +29,17 @@ PROMPTS, RESPONSES = [3, 5, 2, 4], [4, 2, 6, 3]
 SCORES = [1.0, 0.0, 0.2, 0.6]
 
 
+ALGORITHM_KEYS = ("kl_mode", "kl_estimator", "critic_learning_rate")
+
+
 def _settings(algorithm: str, num_updates: int = 1, **kwargs: Any) -> StepSettings:
-    """A step's settings; ``num_updates`` optimizer steps per batch (``rollout / train_batch_size``)."""
+    """A step's settings: ``algorithm`` with its ``ALGORITHM_KEYS`` among ``kwargs``, the others the
+    ``update`` section's; ``num_updates`` optimizer steps per batch (``rollout / train_batch_size``)."""
+    own = {key: kwargs.pop(key) for key in ALGORITHM_KEYS if key in kwargs}
     base: dict[str, Any] = {"learning_rate": 1e-2, "micro_batch_size": 2, "kl_coef": 0.0}
-    return StepSettings(algorithm=algorithm, rollout_batch_size=num_updates, train_batch_size=1,
-                        **{**base, **kwargs})  # fmt: skip
+    return StepSettings(algorithm=AlgorithmSettings(name=algorithm, **own),
+                        update=UpdateSettings(**{**base, **kwargs}),
+                        batch=BatchSettings(rollout_batch_size=num_updates, train_batch_size=1))  # fmt: skip
 
 
 def _actor(path: Path, **kwargs: Any) -> Actor:
@@ -114,10 +120,10 @@ def test_the_entropy_bonus_enters_the_loss(tiny_model_dir: Path, make_batch: Mak
 
 def test_step_settings_resolve_defaults_and_batch_sizes(tiny_model_dir: Path, make_batch: MakeBatch) -> None:
     ppo = _settings("ppo", num_updates=4, micro_batch_size=8, kl_coef=0.3, clip_eps=0.1)
-    assert (ppo.resolved_kl_mode(), ppo.resolved_kl_estimator()) == ("reward", "k1")
+    assert (ppo.algorithm.resolved_kl_mode(), ppo.algorithm.resolved_kl_estimator()) == ("reward", "k1")
     assert batch_sizes(ppo, 12) == (3, 3)  # 4 mini-batches of 3; the micro-batch fits in one
     grpo = _settings("grpo", kl_coef=0.05)
-    assert (grpo.resolved_kl_mode(), grpo.resolved_kl_estimator()) == ("loss", "k3")
+    assert (grpo.algorithm.resolved_kl_mode(), grpo.algorithm.resolved_kl_estimator()) == ("loss", "k3")
     assert batch_sizes(grpo, 8) == (8, 2)
     actor = _actor(tiny_model_dir)
     prepared = prepare(actor, make_batch(PROMPTS, RESPONSES), torch.zeros(4), micro_batch_size=4,

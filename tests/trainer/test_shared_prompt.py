@@ -8,7 +8,7 @@ import pytest
 import torch
 from batches import contract_batch
 
-from rlfleet.common.schema.trainer import ModelSettings, StepSettings
+from rlfleet.common.schema.trainer import ModelSettings, StepSettings, UpdateSettings
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.algorithms.grpo import PolicyObjective, prepare
 from rlfleet.trainer.loop import accumulate
@@ -224,7 +224,8 @@ def test_a_policy_step_shares_prompts_and_computes_the_same_gradient(
         assert actor.share_prompts is share
         shapes = _shapes(actor.model)
         prepared = prepare(actor, batch, adv, micro_batch_size=micro)
-        objective = PolicyObjective(actor, prepared, StepSettings(kl_coef=0.0, entropy_coef=0.01))
+        settings = StepSettings(update=UpdateSettings(kl_coef=0.0, entropy_coef=0.01))
+        objective = PolicyObjective(actor, prepared, settings)
         assert (objective.prompts is not None) is share
         shapes.clear()  # count the update's forwards only
         accumulate(objective, torch.arange(len(prompt_of_row)), micro)

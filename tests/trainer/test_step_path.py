@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import rlfleet.trainer
-from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.common.schema.trainer import AlgorithmSettings, BatchSettings, StepSettings, UpdateSettings
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.service import run_step
 
@@ -65,19 +65,28 @@ def _files_until_backward(monkeypatch: pytest.MonkeyPatch, step: Callable[[], An
     return sorted(seen)
 
 
+UPDATE = UpdateSettings(kl_coef=0.05, micro_batch_size=2)
+
+
 @pytest.mark.parametrize(
-    "settings",
+    "step",
     [
-        {},  # GRPO's defaults: the KL in the loss (k3 to the reference), one on-policy optimizer step
-        {"kl_mode": "reward"},  # each token's KL penalty in its advantage: old and reference logprobs first
-        {"rollout_batch_size": 2, "train_batch_size": 1, "ppo_epochs": 2},  # old logprobs recomputed
+        # GRPO's defaults: the KL in the loss (k3 to the reference), one on-policy optimizer step
+        StepSettings(algorithm="grpo", update=UPDATE),
+        # each token's KL penalty in its advantage: old and reference logprobs first
+        StepSettings(algorithm=AlgorithmSettings(name="grpo", kl_mode="reward"), update=UPDATE),
+        # old logprobs recomputed
+        StepSettings(
+            algorithm="grpo",
+            update=UpdateSettings(kl_coef=0.05, micro_batch_size=2, ppo_epochs=2),
+            batch=BatchSettings(rollout_batch_size=2, train_batch_size=1),
+        ),  # fmt: skip
     ],
     ids=["kl-in-loss", "kl-in-reward", "several-optimizer-steps"],
 )
 def test_a_grpo_step_reaches_backward_through_at_most_four_trainer_files(
-    tiny_model_dir: Path, make_batch: MakeBatch, monkeypatch: pytest.MonkeyPatch, settings: dict[str, Any]
+    tiny_model_dir: Path, make_batch: MakeBatch, monkeypatch: pytest.MonkeyPatch, step: StepSettings
 ) -> None:
-    step = StepSettings(algorithm="grpo", kl_coef=0.05, micro_batch_size=2, **settings)
     actor = Actor(tiny_model_dir, seed=0, learning_rate=1e-3)
     batch, scores = make_batch([3, 5, 2, 4], [4, 2, 6, 3]), [1.0, 0.0, 0.2, 0.6]
     run_step(actor, None, batch, scores, step)  # the first step: loads the reference
@@ -90,7 +99,7 @@ def test_the_profile_sees_every_trainer_file_a_step_calls(
     tiny_model_dir: Path, make_batch: MakeBatch, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The measure itself: a first step, which also loads the reference, is seen doing so."""
-    step = StepSettings(algorithm="grpo", kl_coef=0.05, micro_batch_size=2)
+    step = StepSettings(algorithm="grpo", update=UPDATE)
     actor = Actor(tiny_model_dir, seed=0, learning_rate=1e-3)
     batch = make_batch([3, 5, 2, 4], [4, 2, 6, 3])
     files = _files_until_backward(

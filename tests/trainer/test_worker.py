@@ -25,7 +25,14 @@ from rlfleet.common.control.nats_transport import NatsTransport
 from rlfleet.common.control.transport import subject
 from rlfleet.common.errors import RemoteUserError
 from rlfleet.common.schema.refs import TensorRef
-from rlfleet.common.schema.trainer import ModelSettings, StepSettings, TrainerWorkerConfig, model_fingerprint
+from rlfleet.common.schema.trainer import (
+    ModelSettings,
+    StepSettings,
+    TrainerWorkerConfig,
+    UpdateSettings,
+    model_fingerprint,
+)
+from rlfleet.common.schema.worker import FleetAddress, Placement
 from rlfleet.common.tensors.store import TensorStoreServer
 from rlfleet.trainer import service
 from rlfleet.trainer.memory_phases import GIB, PhasePeaks
@@ -44,7 +51,7 @@ class Trainer:
         self.client, self.worker, self.store = client, worker, store
 
     async def ask(self, verb: str, message: Any) -> Any:
-        target = subject(self.worker.config.cluster, "trainer", verb)
+        target = subject(self.worker.config.fleet.cluster, "trainer", verb)
         return await self.client.request(target, message, timeout=60)
 
     def put(self, batch: dict[str, torch.Tensor]) -> TensorRef:
@@ -54,9 +61,10 @@ class Trainer:
 @pytest.fixture
 async def trainer(nats_server: EmbeddedNats, tiny_model_dir: Path) -> AsyncIterator[Trainer]:
     config = TrainerWorkerConfig(
-        nats_url=nats_server.url, cluster=f"t{uuid.uuid4().hex[:8]}", worker_id="trainer-0",
-        model_path=str(tiny_model_dir), device="cpu", sharding="full", learning_rate=1e-3,
-        micro_batch_size=2, kl_coef=0.0, weights_store_mb=64,
+        model_path=str(tiny_model_dir), worker_id="trainer-0", weights_store_mb=64,
+        fleet=FleetAddress(nats_url=nats_server.url, cluster=f"t{uuid.uuid4().hex[:8]}"),
+        placement=Placement(device="cpu"), model=ModelSettings(sharding="full"),
+        step=StepSettings(update=UpdateSettings(learning_rate=1e-3, micro_batch_size=2, kl_coef=0.0)),
     )  # fmt: skip
     server = await NatsTransport.connect(nats_server.url, name="trainer", tier="trainer")
     client = await NatsTransport.connect(nats_server.url, name="test", tier="controller")
@@ -122,7 +130,9 @@ async def test_each_step_trains_with_the_settings_it_carries(
     trainer: Trainer, make_batch: Callable[..., dict[str, torch.Tensor]]
 ) -> None:
     ref = trainer.put(_rollouts(make_batch))
-    first = StepSettings(learning_rate=2e-3, clip_eps=0.1, micro_batch_size=3, kl_coef=0.0)
+    first = StepSettings(
+        update=UpdateSettings(learning_rate=2e-3, clip_eps=0.1, micro_batch_size=3, kl_coef=0.0)
+    )
     result = await trainer.ask(
         "step", TrainStepRequest(step=1, rollouts=[ref], scores=SCORES, settings=first)
     )
@@ -130,7 +140,7 @@ async def test_each_step_trains_with_the_settings_it_carries(
     assert result.metrics["lr"] == pytest.approx(2e-3)
     assert result.metrics["settings/clip_eps"] == pytest.approx(0.1)
     assert result.metrics["settings/micro_batch_size"] == 3
-    second = first.model_copy(update={"learning_rate": 5e-4, "clip_eps": 0.3, "micro_batch_size": 1})
+    second = StepSettings.of(first, learning_rate=5e-4, clip_eps=0.3, micro_batch_size=1)
     result = await trainer.ask(
         "step", TrainStepRequest(step=2, rollouts=[ref], scores=SCORES, settings=second)
     )
@@ -141,7 +151,7 @@ async def test_each_step_trains_with_the_settings_it_carries(
     # a request that carries no settings (JSON without the field) takes the worker's own
     bare = TrainStepRequest.model_validate({"step": 3, "rollouts": [ref.model_dump()], "scores": SCORES})
     own = trainer.worker.step_settings(bare)
-    assert (own.learning_rate, own.micro_batch_size) == (1e-3, 2)
+    assert (own.update.learning_rate, own.update.micro_batch_size) == (1e-3, 2)
     carried = TrainStepRequest(step=4, rollouts=[ref], scores=SCORES, settings=second)
     assert trainer.worker.step_settings(carried) == second
 

@@ -9,7 +9,7 @@ whose own differ refuses the run with a
 from __future__ import annotations
 
 from rlfleet.common.control.messages import TrainerConfigure
-from rlfleet.common.schema.trainer import ModelSettings, TrainerWorkerConfig, resolve_precision
+from rlfleet.common.schema.trainer import TrainerWorkerConfig, resolve_precision
 
 
 def conflicts(
@@ -28,7 +28,7 @@ def conflicts(
     differs only through the device is the device's conflict); the model is compared by
     fingerprint when both sides have one.
     """
-    mine = ModelSettings.model_validate(config.model_dump(include=set(ModelSettings.model_fields)))
+    mine = config.model
     run_device = device if request.device == "auto" else request.device
     found = [(name, repr(run), repr(ours)) for name, (run, ours) in request.model.conflicts(mine).items()
              if name != "mixed_precision"]  # fmt: skip
@@ -37,13 +37,14 @@ def conflicts(
         resolved = f" ({resolve_precision(ours, device)} on {device})" if ours == "auto" else ""
         found.append(("mixed_precision", repr(theirs), f"{ours!r}{resolved}"))
     if run_device != device:
-        auto = f" ({device})" if config.device == "auto" else ""
-        found.append(("device", repr(request.device), f"{config.device!r}{auto}"))
+        ours_device = config.placement.device
+        auto = f" ({device})" if ours_device == "auto" else ""
+        found.append(("device", repr(request.device), f"{ours_device!r}{auto}"))
     if request.model_fingerprint and fingerprint and request.model_fingerprint != fingerprint:
         found.append(("model", f"fingerprint {request.model_fingerprint}",
                       f"fingerprint {fingerprint} ({config.model_path})"))  # fmt: skip
     if request.critic != holds_critic:
         found.append(("critic", "trains one" if request.critic else "trains none",
                       f"holds {'one' if holds_critic else 'none'} "
-                      f"(algorithm {config.algorithm})"))  # fmt: skip
+                      f"(algorithm {config.step.algorithm.name})"))  # fmt: skip
     return found

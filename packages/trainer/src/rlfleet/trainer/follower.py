@@ -46,11 +46,11 @@ class Follower:
 
     def __init__(self, config: TrainerWorkerConfig) -> None:
         self.config = config
-        self.stores = ClientPool(config)  # TLS to the rollout stores, as rank 0
+        self.stores = ClientPool(config.tensor_plane)  # TLS to the rollout stores, as rank 0
 
     async def run(self) -> None:
         """Build the models (collectively with rank 0), then follow commands until ``stop``."""
-        use_rank_thread(asyncio.get_running_loop(), self.config.device)
+        use_rank_thread(asyncio.get_running_loop(), self.config.placement.device)
         self.dist, self.actor, self.critic = await asyncio.to_thread(build_models, self.config)
         self.channel = CommandChannel(self.dist)
         heartbeat = RankHeartbeat(self.dist).start()

@@ -239,12 +239,13 @@ class Plan:
 
 
 def batch_sizes(settings: StepSettings, num_items: int) -> tuple[int, int]:
-    """``(mini, micro)``: items per optimizer step (the batch in ``num_updates`` parts) and per
-    forward/backward (``micro_batch_size``, at most a mini-batch when there are several)."""
-    if settings.num_updates <= 1:
-        return num_items, settings.micro_batch_size
-    mini = -(-num_items // settings.num_updates)
-    return mini, min(settings.micro_batch_size, mini)
+    """``(mini, micro)``: items per optimizer step (the batch in ``batch.num_updates`` parts) and per
+    forward/backward (``update.micro_batch_size``, at most a mini-batch when there are several)."""
+    updates, micro = settings.batch.num_updates, settings.update.micro_batch_size
+    if updates <= 1:
+        return num_items, micro
+    mini = -(-num_items // updates)
+    return mini, min(micro, mini)
 
 
 def accumulate(objective: Objective, rows: Tensor, micro_batch_size: int) -> dict[str, float]:
@@ -281,7 +282,7 @@ def train_loop(plan: Plan) -> dict[str, float]:
     settings, n = plan.settings, plan.num_items
     mini, micro = batch_sizes(settings, n)
     per_step: list[dict[str, float]] = []
-    for _ in range(settings.ppo_epochs):
+    for _ in range(settings.update.ppo_epochs):
         if plan.generator is not None and mini < n:
             order = torch.randperm(n, generator=plan.generator)
         else:
@@ -292,7 +293,7 @@ def train_loop(plan: Plan) -> dict[str, float]:
                 measured = accumulate(objective, rows, micro)
                 step.update(measured)
                 loss = measured[objective.keys[0]]  # the first key is the objective's loss
-                step.update(objective.trainable.optimizer_step(settings.max_grad_norm, loss=loss))
+                step.update(objective.trainable.optimizer_step(settings.update.max_grad_norm, loss=loss))
             per_step.append(step)
     metrics = dict(plan.metrics)
     metrics.update(mean_over_steps(per_step))

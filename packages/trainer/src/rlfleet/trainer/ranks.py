@@ -46,21 +46,22 @@ def rank_from_env() -> int:
 def build_models(cfg: TrainerWorkerConfig) -> tuple[DistContext, Actor, Critic | None]:
     """Join the trainer ranks (torchrun environment; one process without it), build actor and critic.
 
-    Every rank calls it, in the same order of collectives. The worker's ``algorithm`` and
-    ``kl_coef`` decide what is loaded up front: a critic for PPO, the reference when the algorithm
-    uses one (it is loaded on first use otherwise).
+    Every rank calls it, in the same order of collectives. The worker's ``step.algorithm.name`` and
+    ``step.update.kl_coef`` decide what is loaded up front: a critic for PPO, the reference when the
+    algorithm uses one (it is loaded on first use otherwise).
     """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    ctx = init_distributed(cfg.device, cfg.sharding)
-    spec = ALGORITHMS[cfg.algorithm]
-    actor = Actor(cfg.model_path, cfg, ctx, seed=cfg.seed, learning_rate=cfg.learning_rate,
-                  weight_decay=cfg.weight_decay)  # fmt: skip
-    if spec.uses_reference(cfg.kl_coef):
+    ctx = init_distributed(cfg.placement.device, cfg.model.sharding)
+    seed, update, algorithm = cfg.placement.seed, cfg.step.update, cfg.step.algorithm
+    spec = ALGORITHMS[algorithm.name]
+    actor = Actor(cfg.model_path, cfg.model, ctx, seed=seed, learning_rate=update.learning_rate,
+                  weight_decay=update.weight_decay)  # fmt: skip
+    if spec.uses_reference(update.kl_coef):
         actor.reference()
     critic = None
     if spec.needs_critic:
-        critic = Critic(cfg.critic_model_path or cfg.model_path, cfg, ctx, seed=cfg.seed,
-                        learning_rate=cfg.critic_learning_rate or cfg.learning_rate,
-                        weight_decay=cfg.weight_decay)  # fmt: skip
+        critic = Critic(cfg.critic_model_path or cfg.model_path, cfg.model, ctx, seed=seed,
+                        learning_rate=algorithm.critic_learning_rate or update.learning_rate,
+                        weight_decay=update.weight_decay)  # fmt: skip
     return ctx, actor, critic

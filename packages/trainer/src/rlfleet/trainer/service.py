@@ -15,8 +15,8 @@ error; no rank exits for it. A rank that dies is reported within ``rank_silence_
 
 One train step (:func:`run_step`), as every rank runs it once the batch is merged::
 
-    settings.learning_rate, weight_decay ──> the optimizers (actor; critic: critic_learning_rate)
-    TRAINER_ALGORITHMS[settings.algorithm].plan(actor, critic, batch, scores, settings)
+    settings.update.learning_rate, weight_decay ──> the optimizers (critic: algorithm.critic_learning_rate)
+    TRAINER_ALGORITHMS[settings.algorithm.name].plan(actor, critic, batch, scores, settings)
         ──> Plan: advantages and no-grad forwards done, the algorithm's losses  (algorithms/<name>.py)
     train_loop(plan) ──> metrics (+ time, throughput and the settings used)      (loop.py)
 
@@ -89,7 +89,7 @@ async def fetch_batch(rank: Any, request: TrainStepRequest) -> dict[str, Tensor]
     """A step's own part on every ``rank`` (its ``stores``, ``actor``, ``critic``): the batch, fetched
     from the rollout stores, merged and checked."""
     chunks = await asyncio.gather(*(rank.stores.fetch(ref) for ref in request.rollouts))
-    batch = merge_batch(request.settings.algorithm, chunks)
+    batch = merge_batch(request.settings.algorithm.name, chunks)
     check_step(rank.actor, rank.critic, batch, request.settings)
     return batch
 
@@ -107,10 +107,11 @@ def merge_batch(algorithm: str, chunks: Sequence[Mapping[str, Tensor]]) -> dict[
 def check_step(actor: Actor, critic: Critic | None, batch: Mapping[str, Tensor], settings: StepSettings,
                ) -> None:  # fmt: skip
     """What a step refuses before its first collective (see :func:`run_step`'s ``Raises``)."""
-    if ALGORITHMS[settings.algorithm].needs_critic and critic is None:
+    name = settings.algorithm.name
+    if ALGORITHMS[name].needs_critic and critic is None:
         raise SettingsConflict(
-            "this trainer", [("critic", f"{settings.algorithm} trains one", "holds none (start it with "
-                              f"algorithm={settings.algorithm} so that it loads one)")],
+            "this trainer", [("critic", f"{name} trains one", "holds none (start it with "
+                              f"step.algorithm.name={name} so that it loads one)")],
         )  # fmt: skip
     check_token_ids(batch, actor.model.get_input_embeddings().num_embeddings)
 
@@ -122,19 +123,20 @@ def run_step(
     scores: Sequence[float],
     settings: StepSettings,
 ) -> dict[str, float]:
-    """One train step of ``settings.algorithm`` on ``batch`` (and the rollouts' ``scores``); its metrics.
+    """One train step of ``settings.algorithm.name`` on ``batch`` (and the rollouts' ``scores``); its metrics.
 
     Raises:
         SettingsConflict: the algorithm trains a critic and this trainer holds none.
         BatchContractError: the batch breaks its contract (a token id outside the vocabulary too), or
             the scores do not match it.
     """
-    algorithm = TRAINER_ALGORITHMS[settings.algorithm]
+    algorithm = TRAINER_ALGORITHMS[settings.algorithm.name]
     check_step(actor, critic, batch, settings)  # before any collective
     t0 = time.perf_counter()
-    actor.set_rates(settings.learning_rate, settings.weight_decay)
+    update = settings.update
+    actor.set_rates(update.learning_rate, update.weight_decay)
     if critic is not None:
-        critic.set_rates(settings.critic_learning_rate or settings.learning_rate, settings.weight_decay)
+        critic.set_rates(settings.algorithm.critic_learning_rate or update.learning_rate, update.weight_decay)
     peaks = memory_peaks(actor.device)
     with _phase(peaks, "plan"):  # the no-grad forwards (old, reference logprobs; values), advantages
         plan = algorithm.plan(actor, critic, batch, torch.tensor(scores, dtype=torch.float32), settings)
@@ -144,7 +146,7 @@ def run_step(
     tokens = float(sum(batch[key].sum().item() for key in batch if key.endswith("_mask")))
     metrics["time/update_s"] = seconds
     metrics["throughput/train_tok_s"] = tokens / max(seconds, 1e-9)
-    metrics["settings/clip_eps"] = settings.clip_eps
+    metrics["settings/clip_eps"] = update.clip_eps
     metrics["settings/micro_batch_size"] = float(batch_sizes(settings, plan.num_items)[1])
     if peaks is not None:
         metrics.update(peaks.step_metrics())
@@ -175,7 +177,7 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
 
     async def setup(self) -> None:
         cfg = self.config
-        use_rank_thread(asyncio.get_running_loop(), cfg.device)
+        use_rank_thread(asyncio.get_running_loop(), cfg.placement.device)
         self.dist, self.actor, self.critic = await asyncio.to_thread(build_models, cfg)
         self.channel = CommandChannel(self.dist)  # to trainer ranks 1..W-1 (see the module docstring)
         self._doing = ""  # the command in progress (under the lock), for a dead rank's report
@@ -185,9 +187,11 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
         self.fingerprint = model_fingerprint(cfg.model_path)
         self.weight_version = 0
         capacity = int(cfg.weights_store_mb * 2**20)
-        self.store: TensorStoreServer = await worker_store(cfg, capacity_bytes=capacity, ttl_s=7 * 24 * 3600)
+        plane = cfg.tensor_plane
+        week = 7 * 24 * 3600.0
+        self.store: TensorStoreServer = await worker_store(plane, capacity_bytes=capacity, ttl_s=week)
         self.data_address = self.store.address
-        self.stores = ClientPool(cfg)  # the rollout workers' stores this rank fetches from
+        self.stores = ClientPool(plane)  # the rollout workers' stores this rank fetches from
         self._published: list[TensorRef] = []
         self._shared: list[IpcBucket] = []  # the current version by CUDA IPC, when it was asked for
         self._shared_buffers: list[dict[str, torch.Tensor]] = []  # kept alive for the receivers
@@ -204,7 +208,7 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
         ]
         for verb, kind, method in handlers:
             handler = _expecting(verb, kind, method)
-            await self.subscribe(subject(cfg.cluster, "trainer", verb), handler, queue="trainer",
+            await self.subscribe(subject(cfg.fleet.cluster, "trainer", verb), handler, queue="trainer",
                                  max_concurrency=1)  # fmt: skip
 
     def announce_fields(self) -> dict[str, object]:

@@ -13,7 +13,7 @@ update loop (:mod:`rlfleet.trainer.loop`) runs; the loop names no algorithm:
 - ``ppo``: GAE over a critic, the critic's clipped value loss, GRPO's clipped policy loss;
 - ``dpo``: the DPO loss on preference pairs.
 
-:data:`TRAINER_ALGORITHMS` is keyed by the config's ``algorithm``, like the torch-free table of
+:data:`TRAINER_ALGORITHMS` is keyed by the config's ``algorithm.name``, like the torch-free table of
 what each algorithm needs (critic, reference, groups, online:
 :data:`rlfleet.common.schema.algorithms.ALGORITHMS`); ``tests/trainer/test_algo_registry.py``
 checks that the two have the same keys and that each algorithm's code does what its row says.
@@ -59,4 +59,4 @@ TRAINER_ALGORITHMS: dict[str, Algorithm] = {
     "reinforce_pp": ReinforcePP(),
     "dpo": DPO(),
 }
-"""Algorithm name (the config's ``algorithm``) -> its step."""
+"""Algorithm name (the config's ``algorithm.name``) -> its step."""

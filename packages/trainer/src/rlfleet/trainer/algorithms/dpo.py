@@ -180,8 +180,9 @@ def reference_logps(
 
 @dataclass
 class DPOObjective:
-    """The DPO loss (``settings.beta``, ``dpo_loss``, ``label_smoothing``) on micro-batches of the N
-    pairs of ``inputs`` (2N sequences), against the reference sequence log-probs ``ref`` (2N,)."""
+    """The DPO loss (``settings.algorithm``'s ``beta``, ``dpo_loss``, ``label_smoothing``) on
+    micro-batches of the N pairs of ``inputs`` (2N sequences), against the reference sequence
+    log-probs ``ref`` (2N,)."""
 
     actor: Actor
     inputs: policy.PolicyInputs
@@ -207,9 +208,9 @@ class DPOObjective:
 
     def micro_loss(self, chunk: Tensor, weights: Tensor, divisors: Divisors) -> tuple[Tensor, Tensor]:
         """Loss share of the pairs ``chunk`` (k,) and the shares of :attr:`keys` (see the loop)."""
-        s, n, k = self.settings, self.num_pairs, len(chunk)
+        s, n, k = self.settings.algorithm, self.num_pairs, len(chunk)
         mb = self.inputs.select(torch.cat([chunk, chunk + n]))
-        logp, _ = policy.logprobs(self.actor, mb, temperature=s.temperature, entropy=False)
+        logp, _ = policy.logprobs(self.actor, mb, temperature=self.settings.update.temperature, entropy=False)
         logps = sequence_logprobs(logp, mb.response_mask)
         loss, metrics = dpo_loss(
             logps[:k], logps[k:], self.ref[chunk], self.ref[chunk + n], beta=s.beta, loss_type=s.dpo_loss,
@@ -241,6 +242,6 @@ class DPO:
         n = check_pairs(batch)
         inputs = policy.build_policy_inputs(pairs_as_rollouts(batch)).to(actor.device)
         _, micro = batch_sizes(settings, n)
-        ref = reference_logps(actor, batch, inputs, micro, settings.temperature)
+        ref = reference_logps(actor, batch, inputs, micro, settings.update.temperature)
         metrics = {"response_length": float(inputs.response_mask.sum(dim=-1).float().mean().item())}
         return Plan([DPOObjective(actor, inputs, ref, settings)], settings, n, metrics=metrics)

@@ -490,12 +490,12 @@ def reward_kl(kl: Tensor | None, settings: StepSettings) -> tuple[Tensor | None,
         return None, 0.0
     if kl is None:
         raise ValueError("a KL in the reward with kl_coef > 0 needs the per-token kl")
-    return kl, settings.kl_coef
+    return kl, settings.update.kl_coef
 
 
 def kl_in_reward(settings: StepSettings) -> bool:
     """Whether the step's KL term is a per-token penalty in the reward (``kl_coef > 0``)."""
-    return settings.resolved_kl_mode() == "reward" and settings.kl_coef > 0
+    return settings.algorithm.resolved_kl_mode() == "reward" and settings.update.kl_coef > 0
 
 
 @dataclass(frozen=True)
@@ -602,10 +602,11 @@ class PolicyObjective:
     keys: ClassVar[tuple[str, ...]] = ("loss", "pg_loss", "entropy", "clip_frac", "approx_kl", "kl_loss")
 
     def __post_init__(self) -> None:
-        self.kl_coef = self.settings.kl_coef if self.settings.resolved_kl_mode() == "loss" else 0.0
+        update, algorithm = self.settings.update, self.settings.algorithm
+        self.kl_coef = update.kl_coef if algorithm.resolved_kl_mode() == "loss" else 0.0
         if self.kl_coef > 0 and self.batch.ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs reference logprobs: prepare(..., with_reference=True)")
-        self.kl = KL_ESTIMATORS[self.settings.resolved_kl_estimator()]
+        self.kl = KL_ESTIMATORS[algorithm.resolved_kl_estimator()]
         self.lengths = self.batch.inputs.attention_mask.sum(dim=-1)
         self.prompts = policy.prompt_layout(self.actor, self.batch.inputs)
 
@@ -618,7 +619,7 @@ class PolicyObjective:
 
     def micro_loss(self, chunk: Tensor, weights: Tensor, divisors: Divisors) -> tuple[Tensor, Tensor]:
         """Loss share of the rows ``chunk`` (B,) and the shares of :attr:`keys` (see the loop)."""
-        s, batch, tokens = self.settings, self.batch, divisors.num_tokens
+        s, batch, tokens = self.settings.update, self.batch, divisors.num_tokens
         mb = batch.inputs.select(chunk)
         # the entropy is a metric unless the loss has an entropy term: then its backward costs nothing
         logp, entropy = policy.logprobs(
@@ -661,10 +662,11 @@ def policy_plan(
     """The policy's steps on a rollout batch and given advantages (N,) or (N, R), without a critic."""
     n = int(batch["response_ids"].shape[0])
     mini, micro = batch_sizes(settings, n)
-    loss_kl = settings.kl_coef > 0 and settings.resolved_kl_mode() == "loss"
-    on_policy = settings.ppo_epochs == 1 and mini >= n
+    update = settings.update
+    loss_kl = update.kl_coef > 0 and settings.algorithm.resolved_kl_mode() == "loss"
+    on_policy = update.ppo_epochs == 1 and mini >= n
     prepared = prepare(
-        actor, batch, advantages, micro_batch_size=micro, temperature=settings.temperature,
+        actor, batch, advantages, micro_batch_size=micro, temperature=update.temperature,
         with_reference=loss_kl or actor.ref_model is not None, recompute_old=not on_policy,
     )  # fmt: skip
     if not on_policy:
@@ -703,12 +705,13 @@ def logprobs_before_update(
     """The old logprobs (N, R) of ``inputs`` and, where the step uses a reference, the reference's
     (N, R) and the per-token KL estimate between them (N, R), 0 at padding; else None for both."""
     micro = batch_sizes(settings, inputs.num_samples)[1]
-    old = policy.compute_logprobs(actor, inputs, micro_batch_size=micro, temperature=settings.temperature)
-    if not (ALGORITHMS[settings.algorithm].uses_reference(settings.kl_coef) or actor.ref_model is not None):
+    update, algorithm = settings.update, settings.algorithm
+    old = policy.compute_logprobs(actor, inputs, micro_batch_size=micro, temperature=update.temperature)
+    if not (ALGORITHMS[algorithm.name].uses_reference(update.kl_coef) or actor.ref_model is not None):
         return old, None, None
-    ref = policy.compute_logprobs(actor, inputs, micro_batch_size=micro, temperature=settings.temperature,
+    ref = policy.compute_logprobs(actor, inputs, micro_batch_size=micro, temperature=update.temperature,
                                   reference=True)  # fmt: skip
-    return old, ref, KL_ESTIMATORS[settings.resolved_kl_estimator()](old, ref) * inputs.response_mask
+    return old, ref, KL_ESTIMATORS[algorithm.resolved_kl_estimator()](old, ref) * inputs.response_mask
 
 
 def step_metrics(prepared: PreparedBatch, kl: Tensor | None, settings: StepSettings) -> dict[str, float]:
@@ -717,8 +720,8 @@ def step_metrics(prepared: PreparedBatch, kl: Tensor | None, settings: StepSetti
     mask = prepared.inputs.response_mask
     metrics = batch_metrics(prepared)
     metrics.update(advantage_metrics(prepared.advantages, mask))
-    if kl is not None and settings.resolved_kl_mode() == "reward":
-        metrics["kl_reward"] = float(masked_mean(kl, mask).item()) * settings.kl_coef
+    if kl is not None and settings.algorithm.resolved_kl_mode() == "reward":
+        metrics["kl_reward"] = float(masked_mean(kl, mask).item()) * settings.update.kl_coef
     return metrics
 
 
@@ -750,7 +753,7 @@ class GRPO:
         if kl is None:
             return TokenAdvantages(outcome.float())
         penalty = token_level_rewards(torch.zeros_like(scores), response_mask, kl=kl, kl_coef=coef)
-        advantages = outcome + discounted_returns(penalty, response_mask, gamma=settings.gamma)
+        advantages = outcome + discounted_returns(penalty, response_mask, gamma=settings.algorithm.gamma)
         return TokenAdvantages(advantages.float(), None, penalty)
 
     def plan(

@@ -239,17 +239,17 @@ class ValueObjective:
 
     def micro_loss(self, chunk: Tensor, weights: Tensor, divisors: Divisors) -> tuple[Tensor, Tensor]:
         """Loss share of the rows ``chunk`` (B,) and the shares of :attr:`keys` (see the loop)."""
-        s, tokens = self.settings, divisors.num_tokens
+        tokens = divisors.num_tokens
         mb = self.inputs.select(chunk)
         mask = mb.response_mask * weights[:, None].to(mb.response_mask.device)
         values = self.critic.values(mb)
         per_token, clipped = clipped_value_loss(
-            values, self.old_values[chunk], self.returns[chunk], clip_eps=s.value_clip
+            values, self.old_values[chunk], self.returns[chunk], clip_eps=self.settings.algorithm.value_clip
         )
         loss = aggregate(
             per_token,
             mask,
-            s.loss_agg,
+            self.settings.update.loss_agg,
             num_tokens=tokens,
             num_seqs=divisors.num_seqs,
             response_width=divisors.response_width,
@@ -284,8 +284,9 @@ class PPO:
             raise ValueError("ppo needs the critic's values (N, R)")
         kl, coef = reward_kl(kl, settings)
         rewards = token_level_rewards(scores.float(), response_mask, kl=kl, kl_coef=coef)
-        advantages, returns = gae_advantages(rewards, values, response_mask, gamma=settings.gamma,
-                                             lam=settings.lam, whiten=settings.whiten_advantages)  # fmt: skip
+        gae = settings.algorithm
+        advantages, returns = gae_advantages(rewards, values, response_mask, gamma=gae.gamma, lam=gae.lam,
+                                             whiten=gae.whiten_advantages)  # fmt: skip
         return TokenAdvantages(advantages.float(), returns.float(), rewards)
 
     def plan(

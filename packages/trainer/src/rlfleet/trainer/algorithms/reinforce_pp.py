@@ -91,9 +91,9 @@ class ReinforcePP(GRPO):
     ) -> TokenAdvantages:  # fmt: skip
         """Advantages (N, R): with the KL in the reward the whitened discounted returns of the token
         rewards (``kl``, (N, R), needed when ``kl_coef > 0``), else the whitened scores on every token."""
-        if settings.resolved_kl_mode() != "reward":
+        if settings.algorithm.resolved_kl_mode() != "reward":
             return super().token_advantages(scores, group_index, response_mask, settings)
         kl, coef = reward_kl(kl, settings)
         rewards = token_level_rewards(scores.float(), response_mask, kl=kl, kl_coef=coef)
-        returns = discounted_returns(rewards, response_mask, gamma=settings.gamma)
+        returns = discounted_returns(rewards, response_mask, gamma=settings.algorithm.gamma)
         return TokenAdvantages(masked_whiten(returns, response_mask).float(), None, rewards)
