@@ -107,17 +107,17 @@ def make_prompts(tokenizer: Any, count: int) -> list[list[int]]:
 
 def worker_settings(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
     """The rollout worker's config; left out, a setting keeps the worker's default."""
-    settings: dict[str, Any] = {
-        "model_path": model_path, "engine": "vllm", "device": args.device,
-        "dtype": "float32" if args.device == "cpu" else "bfloat16", "max_batch_size": args.prompts * args.n,
-        "cache_policy": "lru", "max_cache_len": 512, "cluster": CLUSTER, "worker_id": "rollout-bench",
-        "log_level": "WARNING",
-    }  # fmt: skip
+    engine: dict[str, Any] = {"type": "vllm", "enable_prefix_caching": True, "max_model_len": 512}
     if args.eager:
-        settings["enforce_eager"] = True
+        engine["enforce_eager"] = True
     if args.gpu_memory_utilization != "auto":
-        settings["gpu_memory_utilization"] = args.gpu_memory_utilization
-    return settings
+        engine["gpu_memory_utilization"] = args.gpu_memory_utilization
+    return {
+        "model_path": model_path, "placement": {"device": args.device}, "fleet": {"cluster": CLUSTER},
+        "rollout": {"engine": engine, "dtype": "float32" if args.device == "cpu" else "bfloat16",
+                    "max_batch_size": args.prompts * args.n},
+        "worker_id": "rollout-bench", "log_level": "WARNING",
+    }  # fmt: skip
 
 
 def bare_llm_kwargs(cfg: RolloutWorkerConfig, device: str, info: Any) -> dict[str, Any]:
@@ -127,7 +127,7 @@ def bare_llm_kwargs(cfg: RolloutWorkerConfig, device: str, info: Any) -> dict[st
     from rlfleet.rollout.engines.vllm.runtime import DTYPES, context_cap
     from rlfleet.rollout.service import engine_kwargs
 
-    kw = engine_kwargs(cfg, "vllm", device)
+    kw = engine_kwargs(cfg, device)
     tp = kw["tensor_parallel_size"]
     llm_kwargs = {
         "model": str(cfg.model_path), "dtype": DTYPES[kw["dtype"]], "seed": kw["seed"],
@@ -161,7 +161,7 @@ def bare_phase(
     from rlfleet.rollout.engines.checkpoint import read_checkpoint
     from rlfleet.rollout.engines.vllm.runtime import import_vllm
 
-    info = read_checkpoint(cfg.model_path, trust_remote_code=cfg.trust_remote_code)
+    info = read_checkpoint(cfg.model_path, trust_remote_code=cfg.loading.trust_remote_code)
     vllm = import_vllm(device, 1.0)  # 1 GiB of CPU KV cache: the engine's default, as the worker's
     llm_kwargs = bare_llm_kwargs(cfg, device, info)
     llm = vllm.LLM(**llm_kwargs)
@@ -220,7 +220,7 @@ async def service_round(
     assert isinstance(reply, GenerateResult)
     client = clients.get(reply.ref.address)
     if client is None:
-        client = clients[reply.ref.address] = worker_client(reply.ref.address, cfg)
+        client = clients[reply.ref.address] = worker_client(reply.ref.address, cfg.tensor_plane)
     tensors = await client.fetch(reply.ref)
     seconds = time.perf_counter() - t0
     return int(tensors["response_mask"].sum()), seconds, reply.seconds
@@ -228,7 +228,7 @@ async def service_round(
 
 def start_worker(settings: dict[str, Any], nats_url: str, folder: Path) -> subprocess.Popen[bytes]:
     config = folder / "rollout.yaml"
-    config.write_text(yaml.safe_dump({**settings, "nats_url": nats_url}))
+    config.write_text(yaml.safe_dump({**settings, "fleet": {**settings["fleet"], "nats_url": nats_url}}))
     from rlfleet.controller.launcher import find_script
 
     script = find_script("rlfleet-rollout")  # beside the interpreter, else on PATH

@@ -42,7 +42,7 @@ def test_secrets_are_masked_in_dumps_reprs_and_config_errors(tmp_path: Path) -> 
     auth = NatsConnection(user="u", password="hunter2")
     assert "hunter2" not in repr(auth) and "hunter2" not in dump_config(auth)
     path = tmp_path / "w.yaml"
-    path.write_text("model_path: /m\nnats_auth: {user: u, password: hunter2, token: also-secret}\n")
+    path.write_text("model_path: /m\nfleet: {nats_auth: {user: u, password: hunter2, token: also-secret}}\n")
     with pytest.raises(ConfigError) as caught:
         load_config(RolloutWorkerConfig, path)
     assert "hunter2" not in str(caught.value) and "also-secret" not in str(caught.value)
@@ -78,9 +78,9 @@ def test_serve_flags_set_the_connection_but_no_secret_flag_exists() -> None:
     args = parse_service_args("rlfleet-rollout", ["serve", "--nats-user", "rollout", "--nats-ca", "/ca.pem",
                                                   "--nats-tls", "model_path=/m"])  # fmt: skip
     overrides = cli_overrides(args)
-    assert "nats_auth.user=rollout" in overrides and "nats_auth.tls_ca_file=/ca.pem" in overrides
+    assert "fleet.nats_auth.user=rollout" in overrides and "fleet.nats_auth.tls_ca_file=/ca.pem" in overrides
     config = load_config(RolloutWorkerConfig, None, overrides)
-    assert config.nats_auth.user == "rollout" and config.nats_auth.tls
+    assert config.fleet.nats_auth.user == "rollout" and config.fleet.nats_auth.tls
     assert connection_from_args(args).tls_ca_file == "/ca.pem"
     with pytest.raises(SystemExit):
         parse_service_args("rlfleet-rollout", ["serve", "--nats-password", "x"])

@@ -24,7 +24,7 @@ from rlfleet.common.control.transport import subject
 from rlfleet.common.control.worker import Worker
 from rlfleet.common.errors import RemoteError, RequestTimeout
 from rlfleet.common.schema.refs import TensorRef
-from rlfleet.common.schema.worker import ServiceConfig
+from rlfleet.common.schema.worker import FleetAddress, ServiceConfig
 
 CLUSTER = "drain"
 WORK = subject(CLUSTER, "reward", "score")
@@ -75,8 +75,8 @@ class Cluster:
     async def worker(self, worker_id: str, drain_s: float = 10.0, max_concurrency: int = 4) -> SlowWorker:
         transport = await NatsTransport.connect(self.url, name=worker_id, tier="reward")
         self.transports.append(transport)
-        config = ServiceConfig(nats_url=self.url, cluster=CLUSTER, worker_id=worker_id, heartbeat_s=0.1,
-                               drain_s=drain_s)  # fmt: skip
+        config = ServiceConfig(fleet=FleetAddress(nats_url=self.url, cluster=CLUSTER), worker_id=worker_id,
+                               heartbeat_s=0.1, drain_s=drain_s)  # fmt: skip
         worker = SlowWorker(config, transport, max_concurrency)
         await worker.start()
         self.workers.append(worker)

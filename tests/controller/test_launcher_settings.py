@@ -16,9 +16,7 @@ pytestmark = pytest.mark.timeout(30)
 def test_ray_settings_need_launcher_ray_but_a_dumped_config_loads_again() -> None:
     with pytest.raises(ValidationError, match="launcher.address: only used with launcher=ray"):
         TrainerConfig(launcher={"address": "auto"})
-    with pytest.raises(
-        ValidationError, match=r"launcher\.embedded\.address\n  Extra inputs are not permitted"
-    ):
+    with pytest.raises(ValidationError, match="launcher.address: only used with launcher=ray"):
         TrainerConfig(launcher={"type": "embedded", "address": "auto"})
     with (
         pytest.warns(FutureWarning, match="ray_address -> launcher.address"),

@@ -142,12 +142,13 @@ def test_each_container_starts_with_a_config_that_loads(deployment: str) -> None
         source = maps[volumes[mount["name"]]["configMap"]["name"]][mount["subPath"]]
         config = load_config(TIERS[program], source, cli_overrides(args))
         assert config.worker_id == POD_FIELDS["metadata.name"]
-        assert config.nats_url == "nats://nats:4222"
+        assert config.fleet.nats_url == "nats://nats:4222"
         ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
         assert config.metrics_port == ports["metrics"], (config.metrics_port, ports)
-        assert (config.metrics_host or config.bind_host) == "0.0.0.0"  # reachable from Prometheus
+        plane = config.tensor_plane
+        assert (config.metrics_host or plane.bind_host) == "0.0.0.0"  # reachable from Prometheus
         if program == "rlfleet-rollout":
-            assert (config.bind_host, config.advertise_host) == ("0.0.0.0", POD_FIELDS["status.podIP"])
+            assert (plane.bind_host, plane.advertise_host) == ("0.0.0.0", POD_FIELDS["status.podIP"])
         else:
             state = next(m for m in container["volumeMounts"] if volumes[m["name"]].get("emptyDir") == {})
             assert str(config.state_dir) == state["mountPath"]

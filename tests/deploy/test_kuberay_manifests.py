@@ -6,7 +6,7 @@ properties refuses any other field, as ``kubectl apply --validate=strict`` does 
 would otherwise drop a misspelt field silently). The pod templates inside them are validated too,
 against the Kubernetes schemas (kubernetes-validate, strict). The job file is loaded from the
 ConfigMap with the RayJob entrypoint's own overrides through the real CLI parser and JobConfig,
-and every custom resource its ``ray_resources`` asks for is one a worker group declares.
+and every custom resource its ``launcher.resources`` asks for is one a worker group declares.
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from rlfleet.common.schema.config import load_config
+from rlfleet.common.schema.reward import RewardWorkerConfig
 from rlfleet.controller.cli import _load_job, build_parser
+from rlfleet.controller.launcher_settings import RayLauncher
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -145,17 +148,19 @@ def test_the_rayjob_runs_on_the_raycluster() -> None:
 
 def test_the_entrypoint_job_loads_as_a_ray_run() -> None:
     job = _entrypoint_job()
-    assert (job.launcher, job.ray_address, job.nats_url) == ("ray", "auto", None)
-    assert job.model.startswith("/models/") and job.data.path.startswith("/models/")
+    assert isinstance(job.launcher, RayLauncher)
+    assert (job.launcher.type, job.launcher.address, job.fleet.nats_url) == ("ray", "auto", None)
+    assert job.model.name.startswith("/models/") and job.data.path.startswith("/models/")
 
 
 def test_every_custom_resource_the_job_asks_for_is_offered_by_a_worker_group() -> None:
-    """ray_resources names rlfleet_gpu_node / rlfleet_cpu_node: a group declares each, enough of it
+    """launcher.resources names rlfleet_gpu_node / rlfleet_cpu_node: a group declares each, enough of it
     (and GPUs) for a trainer's ranks on one node (STRICT_PACK), and the head takes no tier."""
     job = _entrypoint_job()
     groups = _groups()
     assert groups[0]["rayStartParams"]["num-cpus"] == "0" and not _ray_resources(groups[0])
-    for tier, wanted in job.ray_resources.items():
+    assert isinstance(job.launcher, RayLauncher)
+    for tier, wanted in job.launcher.resources.items():
         world = job.num_train_workers if tier == "trainer" else 1
         fits = []
         for group in groups[1:]:
@@ -176,15 +181,16 @@ def test_every_custom_resource_the_job_asks_for_is_offered_by_a_worker_group() -
 def test_the_shared_reward_variant_of_the_readme_loads() -> None:
     """deploy/kuberay/README.md's entrypoint that scores on deploy/k8s's shared reward server."""
     readme = (KUBERAY / "README.md").read_text()
-    found = re.search(r"^\s*(rlfleet train /config/job\.yaml .*reward_url=.*)$", readme, re.M)
-    assert found, "no entrypoint with reward_url in deploy/kuberay/README.md"
+    found = re.search(r"^\s*(rlfleet train /config/job\.yaml .*reward\.url=.*)$", readme, re.M)
+    assert found, "no entrypoint with reward.url in deploy/kuberay/README.md"
     line = found.group(1)
     args = build_parser().parse_args(shlex.split(line)[1:])
     job = _load_job(KUBERAY / "job.yaml", args.overrides)
-    assert (job.reward_cluster, job.reward_endpoint) == ("shared", "team-a/helpful")
-    assert job.reward_url == "nats://nats.rlfleet.svc:4222"
-    reward = yaml.safe_load((ROOT / "deploy" / "reward.yaml").read_text())
-    assert job.reward_cluster == reward["cluster"] and job.reward_endpoint in reward["endpoints"]
+    assert (job.reward.cluster, job.reward.endpoint) == ("shared", "team-a/helpful")
+    assert job.reward.url == "nats://nats.rlfleet.svc:4222"
+    assert isinstance(job.launcher, RayLauncher) and job.launcher.address == "auto"
+    reward = load_config(RewardWorkerConfig, ROOT / "deploy" / "reward.yaml")
+    assert job.reward.cluster == reward.fleet.cluster and job.reward.endpoint in reward.endpoints
 
 
 def test_every_secret_and_claim_the_pods_use_is_one_the_readme_creates() -> None:

@@ -122,7 +122,7 @@ async def reward_server() -> AsyncIterator[ServerFactory]:
     async def start(config: dict[str, Any]) -> tuple[InProcessTransport, RewardWorker]:
         broker = InProcessBroker()
         # No NATS here: quotas are counted in the process (tests/reward/test_shared_quotas.py shares them).
-        data = {"cluster": "test", "worker_id": "reward-0", "quota_store": "process", **config}
+        data = {"fleet": {"cluster": "test"}, "worker_id": "reward-0", "quota_store": "process", **config}
         cfg = load_config(RewardWorkerConfig, data=data)
         server = InProcessTransport(broker, tier="reward", name="server")
         client = InProcessTransport(broker, tier="controller", name="client")

@@ -70,8 +70,8 @@ async def test_a_killed_reward_worker_comes_back_with_its_model_and_scaler_stati
     state = tmp_path / "state"
     config = tmp_path / "reward.yaml"
     config.write_text(yaml.safe_dump({
-        "nats_url": nats_server.url, "cluster": CLUSTER, "worker_id": "reward-0", "quota_store": "process",
-        "heartbeat_s": 0.5, "state_dir": str(state), "state_save_s": 3600,
+        "fleet": {"nats_url": nats_server.url, "cluster": CLUSTER}, "worker_id": "reward-0",
+        "quota_store": "process", "heartbeat_s": 0.5, "state_dir": str(state), "state_save_s": 3600,
         "endpoints": {"e": {"spec": f"charset:allowed=0123456789 + 0.5*rm:path={rm1}",
                             "scaler": {"normalize": True, "temperature": 0.5}}},
     }))  # fmt: skip
@@ -128,7 +128,7 @@ def test_a_hostile_state_file_stops_the_worker_naming_the_file(
                                   '"scaler_state": {"count": -4, "mean": 0, "m2": 0}}')  # fmt: skip
     config = tmp_path / "reward.yaml"
     config.write_text(yaml.safe_dump({
-        "nats_url": nats_server.url, "cluster": CLUSTER + "-bad", "worker_id": "reward-0",
+        "fleet": {"nats_url": nats_server.url, "cluster": CLUSTER + "-bad"}, "worker_id": "reward-0",
         "quota_store": "process", "state_dir": str(state), "endpoints": {"e": "charset:allowed=1"},
     }))  # fmt: skip
     proc = spawn.serve("reward-0", config, env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -55,7 +55,8 @@ def write_config(where: Path, quota: int) -> Path:
 def server_config(quota: int) -> dict[str, Any]:
     tenant = {"requests_per_s": 0.001, "burst": quota, "concurrency": 2 * quota, "stores": ["127.0.0.1:*"]}
     return {
-        "cluster": "shared", "max_concurrency": 4 * quota, "admin": {"token": ADMIN}, "quota_store": "nats",
+        "fleet": {"cluster": "shared"}, "max_concurrency": 4 * quota, "admin": {"token": ADMIN},
+        "quota_store": "nats",
         "endpoints": {"team-a/digits": "charset:allowed=0123456789", "team-b/short": "concise:max_words=3"},
         "tenants": [{"name": "team-a", "token": TOKEN_A, "endpoints": ["team-a/digits"], **tenant},
                     {"name": "team-b", "token": TOKEN_B, "endpoints": ["team-b/short"], **tenant}],

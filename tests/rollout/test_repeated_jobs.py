@@ -21,7 +21,8 @@ from rlfleet.common.control.messages import (
 )
 from rlfleet.common.control.nats_transport import NatsTransport
 from rlfleet.common.errors import RemoteUserError
-from rlfleet.common.schema.rollout import RolloutWorkerConfig
+from rlfleet.common.schema.rollout import HFEngineSettings, RolloutSettings, RolloutWorkerConfig
+from rlfleet.common.schema.worker import FleetAddress, Placement
 from rlfleet.rollout.service import RolloutWorker
 
 CLUSTER = "repeats"
@@ -37,8 +38,10 @@ def server() -> Iterator[EmbeddedNats]:
 
 @pytest.fixture
 async def worker(server: EmbeddedNats, make_checkpoint) -> AsyncIterator[RolloutWorker]:  # noqa: ANN001
-    config = RolloutWorkerConfig(cluster=CLUSTER, worker_id="rollout-0", model_path=str(make_checkpoint()),
-                                 engine="hf", device="cpu", catch_up_timeout_s=0.5)  # fmt: skip
+    config = RolloutWorkerConfig(fleet=FleetAddress(cluster=CLUSTER), worker_id="rollout-0",
+                                 model_path=str(make_checkpoint()), placement=Placement(device="cpu"),
+                                 rollout=RolloutSettings(engine=HFEngineSettings(type="hf")),
+                                 catch_up_timeout_s=0.5)  # fmt: skip
     transport = await NatsTransport.connect(server.url, name="rollout-0", tier="rollout", **FAST)  # type: ignore[arg-type]
     worker = RolloutWorker(config, transport)
     await worker.start()

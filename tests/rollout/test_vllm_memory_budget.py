@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig
 
 from rlfleet.common.errors import ConfigError
-from rlfleet.common.schema.rollout import RolloutSettings
+from rlfleet.common.schema.rollout import RolloutSettings, VLLMEngineSettings
 from rlfleet.rollout.engines.vllm.memory_budget import (
     FIXED_OVERHEAD_BYTES,
     MARGIN,
@@ -101,8 +101,9 @@ def test_from_a_checkpoints_config_and_weight_specs(caplog: pytest.LogCaptureFix
 
 
 def test_the_setting_takes_auto_or_a_share() -> None:
-    assert RolloutSettings().gpu_memory_utilization == "auto"
-    assert RolloutSettings(gpu_memory_utilization=0.4).gpu_memory_utilization == 0.4
+    assert VLLMEngineSettings(type="vllm").gpu_memory_utilization == "auto"
+    assert RolloutSettings(engine="vllm").vllm().gpu_memory_utilization == "auto"
+    assert VLLMEngineSettings(type="vllm", gpu_memory_utilization=0.4).gpu_memory_utilization == 0.4
     for bad in (0.0, 1.5, "most"):
         with pytest.raises(ValueError, match="gpu_memory_utilization"):
-            RolloutSettings(gpu_memory_utilization=bad)
+            VLLMEngineSettings(type="vllm", gpu_memory_utilization=bad)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import subprocess
 import sys
 
 import pytest
 
 from rlfleet.common.errors import ConfigError
-from rlfleet.common.schema.rollout import RolloutWorkerConfig
+from rlfleet.common.schema.rollout import RolloutSettings, RolloutWorkerConfig, VLLMEngineSettings
+from rlfleet.common.schema.worker import FleetAddress, Placement
 from rlfleet.rollout.engines import ENGINES, make_engine
 from rlfleet.rollout.engines.registry import resolve_engine_name, vllm_available
 from rlfleet.rollout.errors import EngineUnavailable, UnknownEngine
@@ -37,21 +39,35 @@ def test_auto_picks_vllm_exactly_when_it_is_installed() -> None:
         make_engine("sglang", "/nowhere")
 
 
+def _worker(engine: dict[str, object]) -> RolloutWorkerConfig:
+    return RolloutWorkerConfig(model_path="/m", fleet=FleetAddress(cluster="c"), placement=Placement(seed=3),
+                               rollout=RolloutSettings(engine=engine))  # fmt: skip
+
+
 def test_worker_settings_map_to_engine_arguments() -> None:
-    cfg = RolloutWorkerConfig(model_path="/m", cluster="c", seed=3, cache_policy="none", max_cache_len=512,
-                               tensor_parallel_size=2, colocate=True, sleep_level=2)  # fmt: skip
+    vllm = {"type": "vllm", "enable_prefix_caching": False, "max_model_len": 512, "tensor_parallel_size": 2,
+            "colocate": True, "sleep_level": 2}  # fmt: skip
     common = {"dtype": "float32", "device": "cuda", "seed": 3, "max_batch_size": 64,
               "trust_remote_code": False}  # fmt: skip
-    assert engine_kwargs(cfg, "hf", "cuda") == common
-    assert engine_kwargs(cfg, "vllm", "cuda") == {
+    assert engine_kwargs(_worker({"type": "hf"}), "cuda") == common
+    assert engine_kwargs(_worker(vllm), "cuda") == {
         **common, "tensor_parallel_size": 2, "gpu_memory_utilization": "auto", "enforce_eager": False,
         "enable_prefix_caching": False, "max_model_len": 512, "colocate": True, "sleep_level": 2,
     }  # fmt: skip
-    lru = RolloutWorkerConfig(model_path="/m", cluster="c")
-    on_cpu = engine_kwargs(lru, "vllm", "cpu")
+    on_cpu = engine_kwargs(_worker({"type": "vllm"}), "cpu")
     assert on_cpu["enable_prefix_caching"] and on_cpu["enforce_eager"] and on_cpu["max_model_len"] == 2048
-    explicit = RolloutWorkerConfig(model_path="/m", cluster="c", enforce_eager=False)
-    assert engine_kwargs(explicit, "vllm", "cpu")["enforce_eager"] is False
+    assert engine_kwargs(_worker({"type": "vllm", "enforce_eager": False}), "cpu")["enforce_eager"] is False
+    auto = engine_kwargs(_worker({"type": "auto", "max_model_len": 512}), "cpu")  # vLLM settings iff vLLM
+    assert auto.get("max_model_len") == (512 if vllm_available() else None) and auto["seed"] == 3
+
+
+def test_the_vllm_section_holds_the_engine_keywords_under_their_own_names() -> None:
+    """Every setting of ``engine: {type: vllm}`` is a keyword of VLLMEngine (so none is renamed)."""
+    from rlfleet.rollout.engines.vllm.engine import VLLMEngine
+
+    keywords = inspect.signature(VLLMEngine.__init__).parameters
+    assert set(VLLMEngineSettings.model_fields) - {"type"} <= set(keywords)
+    assert set(engine_kwargs(_worker({"type": "vllm"}), "cpu")) <= set(keywords)
 
 
 @pytest.mark.timeout(60)

@@ -297,6 +297,7 @@ class TrainerConfig(ConfigModel):
         {*UpdateSettings.model_fields, *BatchSettings.model_fields, "device", "seed", "nats_url"}
     )
     WARN_LEGACY: ClassVar[bool] = True
+    DEFAULT_TAGS: ClassVar[dict[str, str]] = {"launcher": "embedded", "kl": "fixed"}
 
     # --- the run as a whole ----------------------------------------------------------------------
     num_train_workers: int = Field(
@@ -377,15 +378,17 @@ class TrainerConfig(ConfigModel):
 
     @classmethod
     def tidy(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """A launcher section without a type is the embedded one, which takes only ``gpus``."""
+        """A ``kl`` or ``launcher`` section without a type is the default one (fixed, embedded); the
+        embedded launcher takes only ``gpus``, and a Ray setting beside it (the flat form's
+        ``ray_address`` without ``launcher: ray``) is named."""
+        for name, tag in cls.DEFAULT_TAGS.items():
+            if isinstance(data.get(name), dict) and "type" not in data[name]:
+                data = {**data, name: {"type": tag, **data[name]}}
         launcher = data.get("launcher")
-        if isinstance(launcher, dict) and "type" not in launcher:
-            ray_only = sorted(set(launcher) - {"gpus"})
+        if isinstance(launcher, dict) and launcher.get("type") == "embedded":
+            ray_only = sorted(set(launcher) - {"type", "gpus"})
             if ray_only:
                 raise ValueError(f"launcher.{', launcher.'.join(ray_only)}: only used with launcher=ray")
-            data = {**data, "launcher": {"type": "embedded", **launcher}}
-        if isinstance(data.get("kl"), dict) and "type" not in data["kl"]:
-            data = {**data, "kl": {"type": "fixed", **data["kl"]}}
         return data
 
     @model_validator(mode="after")

@@ -3,7 +3,7 @@
 Models load from local directories (``local_files_only``); a Hugging Face Hub id (``org/name``,
 ``org/name@revision``) names its snapshot in the local Hugging Face cache, fetched first unless
 ``HF_HUB_OFFLINE`` is set (:mod:`rlfleet.common.hub`). Whether a model may run the Python code its
-folder ships is the worker's own ``trust_remote_code`` (:func:`allow_remote_code`, set once at
+folder ships is the worker's own ``loading.trust_remote_code`` (:func:`allow_remote_code`, set once at
 start), never a tenant's spec.
 Loaded models are shared: components (or endpoints) naming the same directory, device and dtype
 hold one copy, and the copy goes once the last reward using it is dropped, so a hot swap to
@@ -52,7 +52,7 @@ class LoadedModel:
 
 
 _REMOTE_CODE = threading.Event()
-"""Set: reward models may run the code their folders ship (the worker's ``trust_remote_code``)."""
+"""Set: reward models may run the code their folders ship (the worker's ``loading.trust_remote_code``)."""
 _CACHE: weakref.WeakValueDictionary[CacheKey, LoadedModel] = weakref.WeakValueDictionary()
 _CACHE_LOCK = threading.Lock()
 
@@ -82,7 +82,7 @@ def resolve_dtype(dtype: DtypeName, device: torch.device) -> torch.dtype:
 
 
 def allow_remote_code(enabled: bool) -> None:
-    """The worker's ``trust_remote_code``: whether loaders pass it to ``from_pretrained``."""
+    """The worker's ``loading.trust_remote_code``: whether loaders pass it to ``from_pretrained``."""
     if enabled:
         _REMOTE_CODE.set()
     else:

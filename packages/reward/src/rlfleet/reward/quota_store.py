@@ -252,9 +252,10 @@ async def open_quotas(config: RewardWorkerConfig, transport: Transport) -> Quota
         logger.warning("quota_store: process: each replica counts tenants' quotas alone (N replicas give "
                        "a tenant N times its requests_per_s)")  # fmt: skip
         return ProcessQuotas()
+    cluster = config.fleet.cluster
     if not isinstance(transport, NatsTransport):
         kind = type(transport).__name__
-        raise QuotaStoreMissing(quota_bucket(config.cluster), f"this worker's transport ({kind}) is not NATS")
-    store = await SharedQuotas.open(transport.client, config.cluster)
+        raise QuotaStoreMissing(quota_bucket(cluster), f"this worker's transport ({kind}) is not NATS")
+    store = await SharedQuotas.open(transport.client, cluster)
     logger.info("tenant quotas counted in %s, shared by every replica", store.name)
     return store

@@ -75,7 +75,7 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         self.tenants = TenantTable(cfg.tenants, admin=cfg.admin, allowed_modules=cfg.allowed_modules,
                                    max_concurrency=cfg.max_concurrency,
                                    quotas=await open_quotas(cfg, self.transport))  # fmt: skip
-        allow_remote_code(cfg.trust_remote_code)  # the server's own setting, never a tenant's
+        allow_remote_code(cfg.loading.trust_remote_code)  # the server's own setting, never a tenant's
         self.endpoints = Endpoints(cfg.state_dir)
         await self.endpoints.start(cfg.endpoints)
         self._stores: ClientPool | None = None  # made on the first fetch (the tensor plane imports torch)
@@ -83,7 +83,7 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         self._saver: asyncio.Task[None] | None = None
         if cfg.state_dir:
             self._saver = asyncio.create_task(self._save_periodically(), name="reward-state-saver")
-        verb = subject(cfg.cluster, "reward", "score")
+        verb = subject(cfg.fleet.cluster, "reward", "score")
         await self.subscribe(verb, self._on_score, queue="reward", max_concurrency=cfg.max_concurrency)
         if self.tenants.open:
             logger.warning("no tenants configured: every request is accepted (open server)")
@@ -218,7 +218,7 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         if self._stores is None:
             from rlfleet.common.tensors.client import ClientPool
 
-            self._stores = ClientPool(self.config, max_clients=MAX_STORE_CLIENTS)
+            self._stores = ClientPool(self.config.tensor_plane, max_clients=MAX_STORE_CLIENTS)
         return await self._stores.fetch(ref, names)
 
     async def _save_periodically(self) -> None:

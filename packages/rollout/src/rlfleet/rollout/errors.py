@@ -25,7 +25,7 @@ class UnknownEngine(UserError, ValueError):
 class InvalidPrompt(UserError, ValueError):
     """A prompt given to ``generate`` cannot be generated from: it is empty, holds token ids outside
     the vocabulary (``reason`` says which), or with ``max_tokens`` does not fit the engine's context
-    cap (``cap``: ``rollout.max_cache_len``, bounded by the model's ``max_position_embeddings``).
+    cap (``cap``: ``rollout.engine.max_model_len``, bounded by the model's ``max_position_embeddings``).
 
     A long prompt is refused, never truncated: a truncated prompt would silently train on text the
     user did not write. Shorten prompts (``max_prompt_length``) or raise the cap.
@@ -41,7 +41,7 @@ class InvalidPrompt(UserError, ValueError):
         if cap:
             reason = (
                 f"has {prompt_len} tokens; with max_tokens={max_tokens} it needs {prompt_len + max_tokens} > "
-                f"the context cap of {cap} tokens (rollout.max_cache_len, bounded by the model's "
+                f"the context cap of {cap} tokens (rollout.engine.max_model_len, bounded by the model's "
                 "max_position_embeddings); shorten prompts or raise the cap"
             )
         self.reason = reason

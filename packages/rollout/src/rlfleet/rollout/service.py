@@ -97,18 +97,18 @@ def to_rollout_tensors(
     }
 
 
-def engine_kwargs(cfg: RolloutWorkerConfig, engine: str, device: str) -> dict[str, Any]:
-    """Constructor arguments of ``engine`` (a resolved engine name) from the worker's config."""
-    kwargs: dict[str, Any] = {"dtype": cfg.dtype, "device": device, "seed": cfg.seed,
-                              "max_batch_size": cfg.max_batch_size,
-                              "trust_remote_code": cfg.trust_remote_code}  # fmt: skip
-    if engine == "vllm":
-        eager = cfg.enforce_eager if cfg.enforce_eager is not None else device == "cpu"
-        kwargs.update(
-            tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enforce_eager=eager, enable_prefix_caching=cfg.cache_policy == "lru",
-            max_model_len=cfg.max_cache_len, colocate=cfg.colocate, sleep_level=cfg.sleep_level,
-        )  # fmt: skip
+def engine_kwargs(cfg: RolloutWorkerConfig, device: str) -> dict[str, Any]:
+    """Constructor arguments of the worker's engine (``rollout.engine.type``, ``auto`` resolved) on
+    ``device``: the vLLM engine takes its section's settings under their own names."""
+    settings = cfg.rollout
+    kwargs: dict[str, Any] = {"dtype": settings.dtype, "device": device, "seed": cfg.placement.seed,
+                              "max_batch_size": settings.max_batch_size,
+                              "trust_remote_code": cfg.loading.trust_remote_code}  # fmt: skip
+    vllm = settings.vllm()
+    if vllm is not None and resolve_engine_name(vllm.type) == "vllm":
+        kwargs.update(vllm.model_dump(exclude={"type"}))
+        if vllm.enforce_eager is None:  # compilation pays off on a GPU only
+            kwargs["enforce_eager"] = device == "cpu"
     return kwargs
 
 
@@ -119,31 +119,35 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
 
     async def setup(self) -> None:
         cfg = self.config
-        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        name = resolve_engine_name(cfg.engine)
+        device = cfg.placement.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        name = resolve_engine_name(cfg.rollout.engine.type)
         try:
             self.engine: Any = await asyncio.to_thread(
-                make_engine, name, cfg.model_path, **engine_kwargs(cfg, name, device)
+                make_engine, name, cfg.model_path, **engine_kwargs(cfg, device)
             )  # fmt: skip
         except ValueError as exc:
             if refused_remote_code(exc):
-                raise ConfigError("trust_remote_code", False, remote_code_reason(cfg.model_path)) from None
+                reason = remote_code_reason(cfg.model_path)
+                raise ConfigError("loading.trust_remote_code", False, reason) from None
             raise
         self.weight_version = self.engine.weight_version
         self.gpu_uuids: list[str] = list(getattr(self.engine, "gpu_uuids", []))
         capacity = int(cfg.results_store_mb * 2**20)
         self.store: TensorStoreServer = await worker_store(
-            cfg, capacity_bytes=capacity, ttl_s=cfg.store_ttl_s
-        )  # noqa: E501
+            cfg.tensor_plane, capacity_bytes=capacity, ttl_s=cfg.store_ttl_s
+        )
         self.data_address = self.store.address
         self._batches: list[tuple[int, str]] = []  # (weight version, key) of the batches in the store
-        self._stores = ClientPool(cfg)  # one client per trainer store the weights come from
+        self._stores = ClientPool(cfg.tensor_plane)  # one client per trainer store the weights come from
         self._gpu = asyncio.Lock()  # one engine call at a time: generation and weight loads never overlap
         self.replies = ReplyCache()  # a repeated generate or load (same job_id) gets its first reply
         # late join: hold the trainer's current version before the first announce (never serve stale)
-        self.weight_version = await catch_up(self.transport, cfg.cluster, self.worker_id, self.weight_version,
+        cluster = cfg.fleet.cluster
+        self.weight_version = await catch_up(self.transport, cluster, self.worker_id, self.weight_version,
                                              self.load_weights, timeout=cfg.catch_up_timeout_s)  # fmt: skip
-        await self.subscribe(subject(cfg.cluster, "rollout", "generate"), self._on_generate,
+        await self.subscribe(subject(cluster, "rollout", "generate"), self._on_generate,
                              queue=f"rollout-{cfg.pool}", max_concurrency=cfg.capacity)  # fmt: skip
 
     def announce_fields(self) -> dict[str, object]:

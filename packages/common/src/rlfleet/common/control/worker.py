@@ -105,7 +105,7 @@ class Worker(Generic[C]):
 
     @property
     def own_subject(self) -> str:
-        return worker_subject(self.config.cluster, self.tier, self.worker_id)
+        return worker_subject(self.config.fleet.cluster, self.tier, self.worker_id)
 
     def announcement(self) -> WorkerAnnounce:
         return WorkerAnnounce(
@@ -127,12 +127,13 @@ class Worker(Generic[C]):
         self._set_up = True
         await self.transport.subscribe(self.own_subject, self._on_own)
         self._membership = Heartbeater(
-            self.transport, self.config.cluster, self.announcement, interval=self.config.heartbeat_s,
+            self.transport, self.config.fleet.cluster, self.announcement, interval=self.config.heartbeat_s,
             status=self.status,
         )  # fmt: skip
         await self._membership.start()
+        release = " ".join(release_of(self.tier).values())
         logger.info("%s worker %s is up on cluster %s (%s, wire %s)", self.tier, self.worker_id,
-                    self.config.cluster, " ".join(release_of(self.tier).values()), PROTOCOL)  # fmt: skip
+                    self.config.fleet.cluster, release, PROTOCOL)  # fmt: skip
 
     def _start_metrics(self) -> None:
         if self.metrics_server is None:
@@ -269,7 +270,8 @@ class _JsonFormatter(logging.Formatter):
 
 
 def parse_service_args(prog: str, argv: Sequence[str] | None) -> argparse.Namespace:
-    """``PROG serve [--config FILE] [--nats URL] [--nats-*] [--cluster NAME] [--worker-id ID] [k=v ...]``."""
+    """``PROG serve [--config FILE] [--nats URL] [--nats-*] [--cluster NAME] [--worker-id ID] [k=v ...]``
+    (overrides name a setting by its place, ``placement.device=cpu``, or by its flat name, ``device=cpu``)."""
     parser = argparse.ArgumentParser(prog=prog, description=f"run a {prog} worker")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start a worker and join a cluster")
@@ -305,11 +307,11 @@ def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def nats_overrides(args: argparse.Namespace) -> list[str]:
-    """The ``--nats-*`` flags as ``nats_auth.<field>=value`` overrides."""
-    out = [f"nats_auth.{field}={getattr(args, dest)}" for dest, (field, _) in NATS_FLAGS.items()
+    """The ``--nats-*`` flags as ``fleet.nats_auth.<field>=value`` overrides."""
+    out = [f"fleet.nats_auth.{field}={getattr(args, dest)}" for dest, (field, _) in NATS_FLAGS.items()
            if getattr(args, dest, None) is not None]  # fmt: skip
     if getattr(args, "nats_tls", None):
-        out.append("nats_auth.tls=true")
+        out.append("fleet.nats_auth.tls=true")
     return out
 
 
@@ -318,17 +320,18 @@ def connection_from_args(args: argparse.Namespace) -> NatsConnection:
     (the reward admin CLI); the rest from ``RLFLEET_NATS_*`` when it connects."""
     from rlfleet.common.schema.config import apply_overrides
 
-    data = apply_overrides({}, nats_overrides(args)).get("nats_auth", {})
+    data = apply_overrides({}, nats_overrides(args)).get("fleet", {}).get("nats_auth", {})
     return NatsConnection.model_validate(data)
 
 
 def cli_overrides(args: argparse.Namespace) -> list[str]:
-    """Turn the common flags into ``key=value`` overrides, after the free-form ones."""
+    """Turn the common flags into ``key=value`` overrides of the worker config's sections, after the
+    free-form ones."""
     extra = [
         f"{key}={value}"
         for key, value in (
-            ("nats_url", args.nats_url),
-            ("cluster", args.cluster),
+            ("fleet.nats_url", args.nats_url),
+            ("fleet.cluster", args.cluster),
             ("worker_id", args.worker_id),
             ("pool", args.pool),
         )
@@ -370,7 +373,7 @@ def run_worker_main(
 
     async def _main() -> None:
         transport = await NatsTransport.connect(
-            config.nats_url, name=prog, tier=prog.removeprefix("rlfleet-"), auth=config.nats_auth
+            config.fleet.nats_url, name=prog, tier=prog.removeprefix("rlfleet-"), auth=config.fleet.nats_auth
         )
         try:
             await serve(make_worker(config, transport))

@@ -2,7 +2,7 @@
 
 Every :class:`~rlfleet.common.control.worker.Worker` keeps a :class:`WorkerMetrics` (its own
 registry, so several workers in one process never mix) and, when its config sets
-``metrics_port``, serves it on ``metrics_host`` (``bind_host`` when empty):
+``metrics_port``, serves it on ``metrics_host`` (``tensor_plane.bind_host`` when empty):
 
 - ``GET /metrics``: Prometheus text format. Per worker (labels ``tier``, ``worker``):
   ``rlfleet_requests_total{kind,outcome}`` (ok / error / refused), ``rlfleet_request_seconds``
@@ -27,10 +27,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from rlfleet.common.schema.worker import ServiceConfig
 
 logger = logging.getLogger(__name__)
 
@@ -187,14 +188,14 @@ class MetricsServer:
 
 
 def serve_metrics(
-    metrics: WorkerMetrics, health: Callable[[], Health], config: Any, name: str,
+    metrics: WorkerMetrics, health: Callable[[], Health], config: ServiceConfig, name: str,
     on_scrape: Callable[[], None] | None = None,
 ) -> MetricsServer | None:  # fmt: skip
     """Start ``name``'s metrics server on ``config.metrics_port`` (None: no server) and
-    ``config.metrics_host`` (empty: ``config.bind_host``)."""
+    ``config.metrics_host`` (empty: the TensorStore's ``tensor_plane.bind_host``)."""
     if config.metrics_port is None:
         return None
-    host = config.metrics_host or config.bind_host
+    host = config.metrics_host or config.tensor_plane.bind_host
     server = MetricsServer(metrics, health, host, config.metrics_port, on_scrape=on_scrape).start()
     logger.info("%s metrics on http://%s:%d/metrics (health: /healthz)", name, host, server.port)
     return server

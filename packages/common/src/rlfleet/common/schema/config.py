@@ -75,6 +75,9 @@ class ConfigModel(BaseModel):
     """Flat keys whose place is not ``<section>.<same name>`` (or whose value is spelled otherwise)."""
     SHORT: ClassVar[frozenset[str]] = frozenset()
     """Flat keys kept as documented short forms (no warning)."""
+    DEFAULT_TAGS: ClassVar[dict[str, str]] = {}
+    """Tagged-union sections whose tag the flat form left to a default (``engine`` -> ``hf``): a section
+    the flat form creates gets it; a nested one must name its ``type``."""
     WARN_LEGACY: ClassVar[bool] = False
     """Whether the flat form of this class is deprecated (a FutureWarning names the new keys)."""
     PLACE: ClassVar[str] = ""
@@ -176,16 +179,21 @@ def nest_legacy(cls: type[ConfigModel], data: Mapping[str, Any]) -> dict[str, An
         table: dict[str, Any] = out
         owner: type[ConfigModel] | None = cls
         for part in legacy.path[:-1]:
+            created = table.get(part) is None
             inner = _as_section(owner, part, table.get(part))
             if not isinstance(inner, dict):  # not a section: leave the key for validation to name
                 out[key] = value
                 break
+            if created and owner is not None and part in owner.DEFAULT_TAGS:  # the previous default
+                tag = next(m.SHORT_FORM for m in _members(owner, part) if m.SHORT_FORM)
+                inner.setdefault(tag, owner.DEFAULT_TAGS[part])
             table[part] = inner
             table = inner
             members = _members(owner, part) if owner is not None and part in owner.model_fields else []
             owner = members[0] if len(members) == 1 else None
         else:
-            table[legacy.path[-1]] = value
+            last, held = legacy.path[-1], table.get(legacy.path[-1])
+            table[last] = merge(held, value) if isinstance(held, dict) and isinstance(value, dict) else value
             if key not in cls.SHORT:
                 moved.append(f"{key} -> {'.'.join(legacy.path)}")
     if moved and cls.WARN_LEGACY:
@@ -441,7 +449,9 @@ def _dotted(loc: tuple[int | str, ...]) -> str:
 
 
 def _suggest(model_cls: type[BaseModel], loc: tuple[int | str, ...]) -> str:
-    """``"; did you mean 'lr'? known fields: ..."`` for an unknown field at ``loc``, when findable."""
+    """``"; did you mean 'lr'? known fields: ..."`` for an unknown field at ``loc``, when findable. A
+    short form is suggested as it is (``learning_rate``), a flat key of the previous release by its
+    new place (``eval_dat`` -> ``eval.data``)."""
     owner: Any = model_cls
     for part in loc[:-1]:
         if isinstance(part, int):
@@ -453,8 +463,12 @@ def _suggest(model_cls: type[BaseModel], loc: tuple[int | str, ...]) -> str:
     if not _is_model(owner):
         return ""
     known = list(owner.model_fields)
-    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    places = {name: name for name in known}
+    if issubclass(owner, ConfigModel):
+        for key, legacy in owner.legacy().items():
+            places.setdefault(key, key if key in owner.SHORT else ".".join(legacy.path))
+    close = difflib.get_close_matches(str(loc[-1]), list(places), n=1)
+    hint = f"; did you mean {places[close[0]]!r}?" if close else ""
     return f"{hint} known fields: {', '.join(known)}"
 
 

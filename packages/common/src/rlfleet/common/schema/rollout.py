@@ -81,6 +81,7 @@ class RolloutSettings(ConfigModel):
     (``engine: vllm`` beside ``colocate``, ``cache_policy``, ``max_cache_len``) loads too."""
 
     FLAT_SECTIONS: ClassVar[frozenset[str]] = frozenset({"engine"})
+    DEFAULT_TAGS: ClassVar[dict[str, str]] = {"engine": "hf"}
     RENAMED: ClassVar[tuple[Legacy, ...]] = (
         Legacy("cache_policy", ("engine", "enable_prefix_caching"), _prefix_caching, _cache_policy),
         Legacy("max_cache_len", ("engine", "max_model_len")),
@@ -99,8 +100,7 @@ class RolloutSettings(ConfigModel):
         """The previous release let vLLM-only settings sit beside ``engine: hf`` (unused); they go."""
         if isinstance(data.get("engine"), dict):
             engine = dict(data["engine"])
-            engine.setdefault("type", "hf")
-            if engine["type"] == "hf":
+            if engine.get("type") == "hf":
                 dropped = [k for k in VLLM_ONLY if engine.pop(k, None) is not None]
                 if dropped:
                     logger.warning("rollout: the HF engine has no %s; ignored", ", ".join(dropped))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator
 
 from rlfleet.common.schema.config import ConfigModel
 from rlfleet.common.schema.connection import NatsConnection, mask_url
@@ -94,19 +94,20 @@ class ServiceConfig(ConfigModel):
 
     FLAT_SECTIONS: ClassVar[frozenset[str]] = frozenset({"fleet", "placement", "tensor_plane"})
 
-    fleet: FleetAddress = Field(default_factory=FleetAddress, description="the fleet this worker joins")
+    fleet: FleetAddress = Field(
+        default_factory=FleetAddress, validate_default=True, description="the fleet this worker joins"
+    )
     placement: Placement = Field(default_factory=Placement, description="where it computes; its seed")
     tensor_plane: TensorPlaneSettings = Field(
         default_factory=TensorPlaneSettings, description="its TensorStore's address and TLS"
     )
 
-    @model_validator(mode="after")
-    def _defaults(self) -> ServiceConfig:
-        if not self.fleet.nats_url:
-            self.fleet.nats_url = DEFAULT_NATS_URL
-        if not self.fleet.cluster:
-            self.fleet.cluster = "default"
-        return self
+    @field_validator("fleet")
+    @classmethod
+    def _defaults(cls, fleet: FleetAddress) -> FleetAddress:
+        """A worker started alone joins the default server and cluster (a copy: the caller's stays)."""
+        defaults = {"nats_url": fleet.nats_url or DEFAULT_NATS_URL, "cluster": fleet.cluster or "default"}
+        return fleet.model_copy(update=defaults)
 
     worker_id: str = Field(default="", description="unique worker id; empty: <tier>-<host>-<pid>")
     pool: str = Field(default="default", description="pool this worker serves (rollout routing)")
@@ -123,7 +124,9 @@ class ServiceConfig(ConfigModel):
         description="serve Prometheus /metrics and /healthz over HTTP on this port (0: any free one); "
         "None: no metrics server",
     )  # fmt: skip
-    metrics_host: str = Field(default="", description="interface of the metrics server; empty: bind_host")
+    metrics_host: str = Field(
+        default="", description="interface of the metrics server; empty: tensor_plane.bind_host"
+    )
 
 
 class ModelWorkerConfig(ServiceConfig):

@@ -159,7 +159,7 @@ def engine_memory_fraction(
         logger.warning(
             "the engine's estimated need (%.1f GB for %d sequences of %d tokens) passes %.0f%% of the "
             "card; it takes that share and vLLM runs fewer sequences at once (lower max_batch_size "
-            "or rollout.max_cache_len to fit)",
+            "or rollout.engine.max_model_len to fit)",
             budget.need / 1e9, max_num_seqs, max_model_len, MAX_SHARE * 100,
         )  # fmt: skip
     return budget
