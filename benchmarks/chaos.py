@@ -20,9 +20,10 @@ the next fault in turn:
 
 Recorded (``benchmarks/results/chaos.json``): each fault (kind, the step when it was sent, the pid,
 whether the run went on), the distinct steps completed (a replayed step counts once), samples lost
-(expected ``rollout_batch_size x group_size`` per step, or a samples metric if the run logs one,
-against what the completed steps trained), the longest gap between consecutive metric lines and the
-time from each fault to the next step line, the exit code, and the machine and its load average.
+(expected ``batch.rollout_batch_size x batch.group_size`` per step, or a samples metric if the run
+logs one, against what the completed steps trained), the longest gap between consecutive metric
+lines and the time from each fault to the next step line, the exit code, and the machine and its
+load average.
 The issue's target: every fault survived, 0 samples lost, every stall under 60 s.
 """
 
@@ -41,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import smoke
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "chaos.json"
@@ -169,12 +169,13 @@ def wait_for(proc: subprocess.Popen[bytes], watch: Watch, done, timeout: float) 
     return False
 
 
-def job_settings(job: str, overrides: list[str]) -> dict[str, Any]:
-    settings = yaml.safe_load((REPO / job).read_text())
-    for item in overrides:
-        key, _, value = item.partition("=")
-        settings[key] = yaml.safe_load(value)
-    return settings
+def samples_per_step(job: str, overrides: list[str]) -> int:
+    """``batch.rollout_batch_size x batch.group_size`` of the job with its overrides, as the run reads it."""
+    from rlfleet.common.schema.config import load_config
+    from rlfleet.controller.config import JobConfig
+
+    batch = load_config(JobConfig, REPO / job, overrides).batch
+    return batch.rollout_batch_size * batch.group_size
 
 
 def start(command: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -189,8 +190,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                  "loggers=[jsonl]", "sample_table_size=0", "log_every=1",
                  f"num_epochs={args.epochs}", *args.overrides]  # fmt: skip
     command = [sys.executable, "-m", "rlfleet.controller.cli", "train", args.job, *overrides]
-    settings = job_settings(args.job, overrides)
-    per_step = int(settings["rollout_batch_size"]) * int(settings["group_size"])
+    per_step = samples_per_step(args.job, overrides)
     log = work / "controller.log"
     load_before = os.getloadavg()
     started = time.time()
@@ -238,10 +238,10 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             proc.wait()
     exit_codes.append(proc.returncode)
     watch.poll()
-    return summarise(args, command, settings, per_step, watch, faults, exit_codes, started, load_before, log)
+    return summarise(args, command, per_step, watch, faults, exit_codes, started, load_before, log)
 
 
-def summarise(args, command, settings, per_step, watch, faults, exit_codes, started, load_before, log):
+def summarise(args, command, per_step, watch, faults, exit_codes, started, load_before, log):
     lines = watch.lines
     sample_key = next((k for k in SAMPLE_KEYS if lines and k in lines[0]), None)
     trained: dict[int, float] = {}
@@ -262,7 +262,7 @@ def summarise(args, command, settings, per_step, watch, faults, exit_codes, star
         "save_every": args.save_every,
         "expected_samples_per_step": per_step,
         "samples_basis": sample_key
-        or "rollout_batch_size x group_size per completed step (the run logs no samples metric)",
+        or "batch.rollout_batch_size x batch.group_size per completed step (the run logs no samples metric)",
         "faults_injected": faults,
         "not_injected": NOT_INJECTED,
         "faults_survived": sum(f["survived"] for f in faults),

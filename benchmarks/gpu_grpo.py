@@ -106,27 +106,30 @@ def main_job(name: str) -> dict[str, Any]:
     """A shipped job file with its data paths made absolute (the run's working directory is elsewhere)."""
     job = yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())
     job["data"]["path"] = str(ROOT / job["data"]["path"])
-    if job.get("eval_data"):
-        job["eval_data"] = str(ROOT / job["eval_data"])
+    if job.get("eval", {}).get("data"):
+        job["eval"]["data"] = str(ROOT / job["eval"]["data"])
     return job
 
 
 def job_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """The job file of ``name`` for ``args.device`` (colocated vLLM on CUDA, CUDA graphs on, the
     engine's memory share sized from the job: the rollout defaults)."""
+    from rlfleet.common.schema.config import merge
+
     out = args.workdir / name
+    vllm = {"rollout": {"engine": {"type": "vllm"}}}
     if name == "tiny":
-        job = main_job("tiny_grpo")
-        job["rollout"] = {"engine": "vllm"}
+        job = merge(main_job("tiny_grpo"), vllm)
     elif name == "smollm2-concise":  # the main job as shipped; held-out evaluation after every step
-        job = main_job("smollm2_concise")
-        job.update(eval_every=1, rollout={"engine": "vllm"})
+        job = merge(main_job("smollm2_concise"), {**vllm, "eval": {"every": 1}})
     elif name == "numeric":  # GSM8K-style problems on SmolLM2, held-out accuracy (pass@1) every 5 steps
-        job = main_job("gsm8k_numeric")
-        job.update(model="smollm2", num_epochs=4, max_steps=args.numeric_steps, rollout_batch_size=32,
-                   train_batch_size=16, micro_batch_size=64, group_size=8, max_prompt_length=128,
-                   max_response_length=192, learning_rate=2e-6, eval_data=str(ROOT / NUMERIC_HELDOUT),
-                   eval_every=5, eval_max_tokens=192, rollout={"engine": "vllm"})  # fmt: skip
+        job = merge(main_job("gsm8k_numeric"), {
+            **vllm, "model": "smollm2", "num_epochs": 4, "max_steps": args.numeric_steps,
+            "batch": {"rollout_batch_size": 32, "train_batch_size": 16, "group_size": 8},
+            "update": {"micro_batch_size": 64, "learning_rate": 2e-6},
+            "max_prompt_length": 128, "max_response_length": 192,
+            "eval": {"data": str(ROOT / NUMERIC_HELDOUT), "every": 5, "max_tokens": 192},
+        })  # fmt: skip
     elif name == "qwen2.5-0.5b":
         sys.path.insert(0, str(Path(__file__).parent))
         from colocated_sync import write_model
@@ -136,24 +139,24 @@ def job_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
             write_model("qwen2.5-0.5b", model, seed=0)
         job = {
             "description": "GRPO on a Qwen2.5-0.5B-shaped model (random init), digits reward",
-            "model": str(model), "reward": "charset:allowed=0123456789",
+            "model": {"name": str(model), "mixed_precision": "bf16"}, "reward": "charset:allowed=0123456789",
             "data": {"path": str(write_prompts(out / "prompts.jsonl", 512))},
             "max_prompt_length": 64,
-            "num_epochs": 1, "max_steps": 8, "rollout_batch_size": 32, "train_batch_size": 32,
-            "micro_batch_size": 32, "group_size": 8, "max_response_length": 256, "learning_rate": 1e-6,
-            "kl_coef": 0.0, "temperature": 1.0, "seed": 0, "log_every": 1, "mixed_precision": "bf16",
-            "weight_bucket_mb": 256,
+            "num_epochs": 1, "max_steps": 8, "max_response_length": 256, "log_every": 1,
+            "batch": {"rollout_batch_size": 32, "train_batch_size": 32, "group_size": 8},
+            "update": {"micro_batch_size": 32, "learning_rate": 1e-6, "kl_coef": 0.0, "temperature": 1.0},
+            "placement": {"seed": 0}, "weight_bucket_mb": 256,
             # the whole step's 256 samples in one engine batch, each up to 64 + 256 tokens
-            "rollout": {"engine": "vllm", "max_batch_size": 256, "max_cache_len": 512},
+            "rollout": {"engine": {"type": "vllm", "max_model_len": 512}, "max_batch_size": 256},
         }  # fmt: skip
     else:
         raise SystemExit(f"unknown job {name!r}")
-    job.update(output_dir=str(out / "run"), device=args.device, loggers=["jsonl"], sample_table_size=0)
-    job["rollout"].update(
-        dtype="bfloat16" if args.device == "cuda" else "float32", colocate=args.device == "cuda"
-    )
+    job = merge(job, {"output_dir": str(out / "run"), "placement": {"device": args.device},
+                      "loggers": ["jsonl"], "sample_table_size": 0})  # fmt: skip
+    job["rollout"]["dtype"] = "bfloat16" if args.device == "cuda" else "float32"
+    job["rollout"]["engine"]["colocate"] = args.device == "cuda"
     if args.eager:
-        job["rollout"]["enforce_eager"] = True
+        job["rollout"]["engine"]["enforce_eager"] = True
     if args.steps:
         job["max_steps"] = args.steps
     return job
@@ -231,13 +234,17 @@ def rescore_report(path: Path) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from heldout_targets import concise_target, first_step_meeting, rescore
 
+    from rlfleet.common.schema.config import load_config
+    from rlfleet.controller.config import JobConfig
+
     report = json.loads(path.read_text())
     for name, result in report["jobs"].items():
         if not result.get("evals"):
             continue
-        job = result["job"]
-        data = ROOT / "examples" / "data" / Path(job["eval_data"]).name  # the file as it is in this checkout
-        evals = rescore(result["evals"], data, job.get("eval_limit_words", 50))
+        held = load_config(JobConfig, data=result["job"]).eval  # a result of the previous release: flat
+        assert held.data is not None, "a job with held-out answers has eval.data"
+        data = ROOT / "examples" / "data" / Path(held.data).name  # the file as it is in this checkout
+        evals = rescore(result["evals"], data, held.limit_words)
         result["heldout"] = evals
         first, last = evals[0]["summary"], evals[-1]["summary"]
         result["heldout_before"], result["heldout_after"] = first, last

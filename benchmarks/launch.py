@@ -5,13 +5,13 @@
     uv run --extra cpu python benchmarks/launch.py --quick              # 3 steps, one repeat
     uv run --extra cpu python benchmarks/launch.py --smoke              # 2 steps, one repeat (CI's check)
 
-Each run is the real CLI, ``rlfleet train <job> launcher=<name>``, as a subprocess (the venv's
+Each run is the real CLI, ``rlfleet train <job> launcher.type=<name>``, as a subprocess (the venv's
 ``rlfleet`` script, no ``uv run`` in the timing), with ``max_steps``, a fresh ``output_dir`` and
 only the jsonl logger. ``metrics.jsonl`` stamps every step line with the time the step ended, so:
 time to first step = first line's ``time`` - the moment the command was started; per-step = the
 gaps between consecutive lines from step 2 on (steps 2..N, the first step also pays warm-up) and the
 controller's own ``time/step_s`` for the same steps; total = command start to process exit (this
-includes shutting the fleet down). The Ray run starts its own local Ray (``ray_num_cpus``), so its
+includes shutting the fleet down). The Ray run starts its own local Ray (``launcher.num_cpus``), so its
 time to first step includes ``ray.init``. Results: ``benchmarks/results/launch.json``.
 """
 
@@ -58,10 +58,10 @@ def parse_args() -> argparse.Namespace:
 def run_once(args: argparse.Namespace, launcher: str, workdir: Path) -> dict[str, Any]:
     """One ``rlfleet train`` run; its timings from the wall clock and its ``metrics.jsonl``."""
     out = workdir / "run"
-    overrides = [f"launcher={launcher}", f"max_steps={args.steps}", f"output_dir={out}", "loggers=[jsonl]",
-                 "sample_table_size=0", "save_every=0", *args.overrides]  # fmt: skip
+    overrides = [f"launcher.type={launcher}", f"max_steps={args.steps}", f"output_dir={out}",
+                 "loggers=[jsonl]", "sample_table_size=0", "save_every=0", *args.overrides]  # fmt: skip
     if launcher == "ray":
-        overrides.append(f"ray_num_cpus={args.ray_num_cpus}")
+        overrides.append(f"launcher.num_cpus={args.ray_num_cpus}")
     # Ray 2.60 may ask for token auth; a throwaway local Ray needs none. No uv runtime-env hook:
     # the workers use this venv as it is.
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1",

@@ -81,14 +81,14 @@ def in_process_steps(args: argparse.Namespace, out: Path) -> list[dict[str, floa
     cfg = trainer.config
     specs = {spec.tier: spec.config for spec in reversed(trainer.fleet_run.worker_specs())}
     rollout_cfg = specs["rollout"]  # the first rollout worker's config, as the launcher would write it
-    name = resolve_engine_name(rollout_cfg.engine)
-    device = "cuda" if rollout_cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
-    engine = make_engine(name, rollout_cfg.model_path, **engine_kwargs(rollout_cfg, name, device))
+    name = resolve_engine_name(rollout_cfg.rollout.engine.type)
+    device = "cuda" if rollout_cfg.placement.device != "cpu" and torch.cuda.is_available() else "cpu"
+    engine = make_engine(name, rollout_cfg.model_path, **engine_kwargs(rollout_cfg, device))
     reward = build_reward(trainer.reward_spec)
     worker_cfg = specs["trainer"]  # the trainer's TrainerWorkerConfig
     _, actor, critic = build_models(worker_cfg)
     rows, version = [], 0
-    batches = trainer.dataset.batches(cfg.rollout_batch_size, epoch=0)
+    batches = trainer.dataset.batches(cfg.batch.rollout_batch_size, epoch=0)
     try:
         for step in range(args.warmup + args.steps):
             batch = next(batches)
@@ -97,7 +97,7 @@ def in_process_steps(args: argparse.Namespace, out: Path) -> list[dict[str, floa
             completions = engine.generate([it.token_ids for it in batch], trainer.online_step.sampling())
             tensors = to_rollout_tensors(completions, engine.pad_token_id, engine.tokenizer)
             t1 = time.perf_counter()
-            n = cfg.group_size
+            n = cfg.batch.group_size
             # the prompt and response texts the reward tier reads from the batch
             prompts = unpack_texts(tensors["prompt_text"], tensors["prompt_text_offsets"])
             texts = unpack_texts(tensors["response_text"], tensors["response_text_offsets"])
@@ -105,7 +105,7 @@ def in_process_steps(args: argparse.Namespace, out: Path) -> list[dict[str, floa
             scores = reward.score(prompts, texts, metadata).total
             t2 = time.perf_counter()
             settings = StepSettings.of(cfg, kl_coef=trainer.kl_coef)  # what the fleet sends with the step
-            metrics = run_step(actor, critic, merge_batch(cfg.algorithm, [tensors]), scores, settings)
+            metrics = run_step(actor, critic, merge_batch(cfg.algorithm.name, [tensors]), scores, settings)
             t3 = time.perf_counter()
             version += 1
             for bucket in actor.iter_weight_buckets(int(cfg.weight_bucket_mb * 2**20)):

@@ -12,21 +12,21 @@ GRPOTrainer from the GRPOConfig and calls the rlfleet reward once, then stops be
 Both sides train SmolLM2-135M-Instruct (the local folder rlfleet's ``smollm2`` alias resolves to)
 with the main job's settings (examples/smollm2_concise.yaml: reward spec, learning rate, KL
 coefficient, temperature, clip range, weight decay, gradient clipping, micro-batch, and the
-precision rlfleet's trainer resolves from ``mixed_precision``; where that is bf16, rlfleet's vLLM
-engine generates in bf16 too, as TRL generates under its bf16 autocast), changed only where the
-comparison says so: every parameter trains (``trainable_layers`` unset), 8 prompts x 4 samples a step with one
-optimizer step (TRL's ``num_iterations=1`` over one generation batch), at most 96 response tokens,
-no held-out evaluation, no sample table. The prompts are the first ``8 * steps`` of
+precision rlfleet's trainer resolves from ``model.mixed_precision``; where that is bf16, rlfleet's
+vLLM engine generates in bf16 too, as TRL generates under its bf16 autocast), changed only where the
+comparison says so: every parameter trains (``model.trainable_layers`` unset), 8 prompts x 4 samples
+a step with one optimizer step (TRL's ``num_iterations=1`` over one generation batch), at most 96
+response tokens, no held-out evaluation, no sample table. The prompts are the first ``8 * steps`` of
 examples/data/questions.jsonl; TRL gets them in the order rlfleet's seeded shuffle visits them
 (``PromptDataset.batches``), unshuffled, so step k sees the same 8 prompts on both sides. TRL's
 reward function calls the job's rlfleet reward in-process on what rlfleet's reward tier is handed
 (the chat-rendered prompt decoded without special tokens, the answer text), so both optimize the
 same function. TRL: no vLLM (CPU), AdamW with rlfleet's betas and epsilon, constant learning rate,
-``loss_type='dapo'`` (token mean over the batch, as rlfleet's ``loss_agg=token-mean``),
+``loss_type='dapo'`` (token mean over the batch, as rlfleet's ``update.loss_agg=token-mean``),
 ``scale_rewards='group'`` (GRPO's group std), activation checkpointing off.
 
 TRL runs twice, as two sides: ``trl`` computes the 32 samples in micro-batches of the job's
-``micro_batch_size`` with gradient accumulation, as rlfleet's trainer does (the like-for-like
+``update.micro_batch_size`` with gradient accumulation, as rlfleet's trainer does (the like-for-like
 comparison); ``trl_one_micro_batch`` computes them in one forward and backward, the configuration
 issue 14's reference numbers (about 47 s/step, 14.6 GiB) were measured with. Ratios are reported
 against each.
@@ -107,18 +107,16 @@ def parse_args() -> argparse.Namespace:
 def bench_overrides(steps: int, data: Path, out: Path, device: str = "cpu") -> list[str]:
     """``key=value`` overrides that turn the main job into the benchmark's rlfleet side (on CUDA: vLLM
     colocated with the trainer on the one GPU, bf16, CUDA graphs and the memory share at their defaults)."""
-    from rlfleet.controller.config import JobConfig
-
     overrides = [
         f"max_steps={steps}", "num_epochs=1", f"data.path={data}", f"output_dir={out}",
-        f"rollout_batch_size={PROMPTS_PER_STEP}", f"train_batch_size={PROMPTS_PER_STEP}",
-        f"group_size={SAMPLES_PER_PROMPT}", f"max_response_length={RESPONSE_TOKENS}",
-        "trainable_layers=null", "loggers=[jsonl]", "sample_table_size=0", "save_every=0",
+        f"batch.rollout_batch_size={PROMPTS_PER_STEP}", f"batch.train_batch_size={PROMPTS_PER_STEP}",
+        f"batch.group_size={SAMPLES_PER_PROMPT}", f"max_response_length={RESPONSE_TOKENS}",
+        "model.trainable_layers=null", "loggers=[jsonl]", "sample_table_size=0", "save_every=0",
+        "eval.data=null",  # no held-out evaluation in the timed run
     ]  # fmt: skip
-    if "eval_data" in JobConfig.model_fields:  # no held-out evaluation in the timed run
-        overrides.append("eval_data=null")
     if device == "cuda":
-        overrides += ["device=cuda", "rollout.engine=vllm", "rollout.colocate=true", "rollout.dtype=bfloat16"]
+        overrides += ["placement.device=cuda", "rollout.engine.type=vllm", "rollout.engine.colocate=true",
+                      "rollout.dtype=bfloat16"]  # fmt: skip
     return overrides
 
 
@@ -137,12 +135,13 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     data.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     overrides = bench_overrides(args.steps, data, workdir / "rlfleet", args.device)
     job = load_config(JobConfig, args.job, overrides)
-    if resolve_precision(job.mixed_precision, args.device) == "bf16" and job.rollout.dtype == "float32":
+    if resolve_precision(job.model.mixed_precision, args.device) == "bf16" and job.rollout.dtype == "float32":
         # TRL generates under the bf16 autocast it trains with: the engine generates in bf16 too
         overrides.append("rollout.dtype=bfloat16")
         job = load_config(JobConfig, args.job, overrides)
-    model_dir = resolve_model(job.model, seed=job.seed)
-    dataset = PromptDataset(data, max_prompt_length=job.max_prompt_length, seed=job.seed,
+    seed = job.placement.seed
+    model_dir = resolve_model(job.model.name, seed=seed)
+    dataset = PromptDataset(data, max_prompt_length=job.max_prompt_length, seed=seed,
                             system_prompt=job.data.system_prompt, overlong=job.data.overlong,
                             tokenizer=model_dir)  # fmt: skip
     order = [item.index for batch in dataset.batches(PROMPTS_PER_STEP) for item in batch]
@@ -151,11 +150,11 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     setup = {
         "steps": args.steps, "model_dir": str(model_dir), "job_file": str(args.job), "overrides": overrides,
         "rows": [json.loads(lines[i]) for i in order], "order": order,
-        "settings": job.trainer_config().model_dump(mode="json"), "reward": job.reward,
-        "prompt_key": job.data.prompt_key, "system_prompt": job.data.system_prompt, "seed": job.seed,
-        "device": args.device, "max_cache_len": job.rollout.max_cache_len,
-        "max_batch_size": job.rollout.max_batch_size, "eval_max_tokens": job.eval_max_tokens,
-        "eval_limit_words": job.eval_limit_words,
+        "settings": job.trainer_config().model_dump(mode="json"), "reward": job.reward.spec,
+        "prompt_key": job.data.prompt_key, "system_prompt": job.data.system_prompt, "seed": seed,
+        "device": args.device, "max_model_len": job.rollout.context_cap,
+        "max_batch_size": job.rollout.max_batch_size, "eval_max_tokens": job.eval.max_tokens,
+        "eval_limit_words": job.eval.limit_words,
     }  # fmt: skip
     if args.device == "cuda":
         setup["engine_share"] = engine_share(setup)
@@ -274,8 +273,9 @@ def trl_config(setup: dict[str, Any], workdir: Path, one_micro_batch: bool = Fal
     from rlfleet.common.schema.trainer import resolve_precision
     from rlfleet.trainer.loop import BETAS, EPS
 
-    s, samples, device = setup["settings"], PROMPTS_PER_STEP * SAMPLES_PER_PROMPT, setup["device"]
-    bf16 = resolve_precision(s["mixed_precision"], device) == "bf16"  # as rlfleet's trainer computes
+    settings, samples, device = setup["settings"], PROMPTS_PER_STEP * SAMPLES_PER_PROMPT, setup["device"]
+    s = settings["update"]  # the run's update section
+    bf16 = resolve_precision(settings["model"]["mixed_precision"], device) == "bf16"  # as rlfleet's trainer
     micro = samples if one_micro_batch else min(s["micro_batch_size"], samples)
     return GRPOConfig(**trl_generation(setup),
         output_dir=str(workdir / "trl"), max_steps=setup["steps"], per_device_train_batch_size=micro,
@@ -300,7 +300,7 @@ def trl_generation(setup: dict[str, Any]) -> dict[str, Any]:
     if setup["device"] != "cuda":
         return {"use_vllm": False}
     return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": setup["engine_share"],
-            "vllm_max_model_length": setup["max_cache_len"], "vllm_enable_sleep_mode": True}  # fmt: skip
+            "vllm_max_model_length": setup["max_model_len"], "vllm_enable_sleep_mode": True}  # fmt: skip
 
 
 def engine_share(setup: dict[str, Any]) -> float:
@@ -311,7 +311,7 @@ def engine_share(setup: dict[str, Any]) -> float:
     info = read_checkpoint(setup["model_dir"])
     return engine_memory_fraction(info.config, info.weights, dtype="bfloat16",
                                   max_num_seqs=setup["max_batch_size"],
-                                  max_model_len=setup["max_cache_len"]).share  # fmt: skip
+                                  max_model_len=setup["max_model_len"]).share  # fmt: skip
 
 
 def trl_child(workdir: Path, one_micro_batch: bool, build_only: bool = False) -> int:

@@ -7,7 +7,10 @@ the previous controller (its launcher finds them on PATH). A MAJOR skew (this tr
 version bumped) is refused at connect: this controller stops the run at once, naming the worker
 and both versions, and the worker's own log names both versions too. What the previous controller
 does on a MAJOR skew is recorded as it is: it logs the refused announce, naming both versions, and
-gives up when its startup timeout runs out.
+gives up when its startup timeout runs out. Each controller trains its own release's tiny GRPO
+example (the previous one reads the previous release's flat form; this one, the nested form); this
+controller writes its workers' config files and the step settings in the flat form, which the
+previous tiers read.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ STEPS = 2
 TIERS = ("rollout", "reward", "trainer")
 
 
-def _train(rlfleet: str, out: Path, env: dict[str, str], *overrides: str) -> subprocess.CompletedProcess[str]:
-    command = [rlfleet, "train", "--log-level", "INFO", str(EXAMPLE), f"max_steps={STEPS}",
+def _train(
+    rlfleet: str, out: Path, env: dict[str, str], *overrides: str, example: Path = EXAMPLE
+) -> subprocess.CompletedProcess[str]:
+    command = [rlfleet, "train", "--log-level", "INFO", str(example), f"max_steps={STEPS}",
                f"output_dir={out}", "log_every=1", "loggers=[console,jsonl]", "sample_table_size=0",
                *overrides]  # fmt: skip
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
@@ -69,10 +74,11 @@ def test_the_previous_tiers_train_under_this_controller(
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_this_releases_tiers_train_under_the_previous_controller(
-    previous_controller: Release, run_env: dict[str, str], tmp_path: Path
+    previous_controller: Release, previous_source: Path, run_env: dict[str, str], tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    run = _train(previous_controller.script("rlfleet"), out, run_env)  # its launcher: the tiers on PATH
+    example = previous_source / "examples" / "tiny_grpo.yaml"  # the job as the previous release wrote it
+    run = _train(previous_controller.script("rlfleet"), out, run_env, example=example)  # the tiers on PATH
     assert run.returncode == 0, run.stderr[-3000:]
     assert _steps(out) == list(range(1, STEPS + 1))
     assert "rollout worker rollout-0 joined (pool default)\n" in run.stderr  # the previous controller's words
@@ -105,8 +111,8 @@ def test_a_worker_of_another_major_version_is_refused_at_connect(
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_previous_controller_on_a_major_skew(
-    previous_controller: Release, next_major: Release, previous: dict[str, Any], run_env: dict[str, str],
-    tmp_path: Path,
+    previous_controller: Release, next_major: Release, previous: dict[str, Any], previous_source: Path,
+    run_env: dict[str, str], tmp_path: Path,
 ) -> None:  # fmt: skip
     """The previous release as it is: it refuses every message of the other MAJOR version (a
     warning naming both versions) and fails once its startup timeout runs out."""
@@ -115,7 +121,8 @@ def test_the_previous_controller_on_a_major_skew(
     (shim / "rlfleet-rollout").symlink_to(next_major.script("rlfleet-rollout"))
     env = {**run_env, "PATH": f"{shim}:{run_env['PATH']}"}
     out = tmp_path / "run"
-    run = _train(previous_controller.script("rlfleet"), out, env, "startup_timeout_s=30")
+    example = previous_source / "examples" / "tiny_grpo.yaml"
+    run = _train(previous_controller.script("rlfleet"), out, env, "startup_timeout_s=30", example=example)
     assert run.returncode == 1, run.stderr[-3000:]
     protocol = previous["protocol"]
     refused = f"wire protocol mismatch: this process speaks {protocol}, the message is {next_major.protocol}"

@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
+from rlfleet.common.schema.config import merge
+
 TESTS = Path(__file__).resolve().parents[1]
 
 
@@ -49,7 +51,7 @@ def serve_tier(tmp_path: Path, venv_script, cli_env) -> Iterator[Callable[..., s
 
     def start(tier: str, url: str, config: dict[str, object], env: dict[str, str] | None = None) -> Any:
         path = tmp_path / f"{tier}-{len(started)}.yaml"
-        path.write_text(yaml.safe_dump({"nats_url": url, **config}))
+        path.write_text(yaml.safe_dump(merge({"fleet": {"nats_url": url}}, config)))
         command = [venv_script(f"rlfleet-{tier}"), "serve", "--config", str(path)]
         with open(tmp_path / f"{tier}-{len(started)}.log", "wb") as log:
             env = {**cli_env, **(env or {})}
@@ -79,7 +81,7 @@ class TinyCliRun:
         self.rlfleet, self.model_dir = rlfleet, model_dir
 
     def command(self, out: Path, steps: int, *overrides: str) -> list[str]:
-        return [self.rlfleet, "train", str(self.example), f"output_dir={out}", f"model={self.model_dir}",
+        return [self.rlfleet, "train", str(self.example), f"output_dir={out}", f"model.name={self.model_dir}",
                 f"max_steps={steps}", "rollout_batch_size=4", "train_batch_size=4", "group_size=4",
                 "sample_table_size=0", "log_every=1", *overrides]  # fmt: skip
 

@@ -164,19 +164,20 @@ def test_a_chunk_lost_with_its_rollout_worker_is_generated_again(
     monkeypatch.syspath_prepend(str(tmp_path))
     cluster = f"lost-{uuid.uuid4().hex[:6]}"
     model = str(tiny_model_dir)
-    common = {"cluster": cluster, "heartbeat_s": 1.0}
-    rollout = {**common, "model_path": model, "device": "cpu"}
+    common = {"fleet": {"cluster": cluster}, "heartbeat_s": 1.0}
+    rollout = {**common, "model_path": model, "placement": {"device": "cpu"}}
     with EmbeddedNats(jetstream=False) as nats:
         url = nats.url
-        serve_tier("trainer", url, {**common, "model_path": model, "device": "cpu", "worker_id": "trainer-0"})
+        serve_tier("trainer", url, {**rollout, "worker_id": "trainer-0"})
         rollouts = {f"rollout-{i}": serve_tier("rollout", url, {**rollout, "worker_id": f"rollout-{i}"})
                     for i in (0, 1)}  # fmt: skip
         env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                "LOST_BATCH_DIR": str(box)}  # fmt: skip
         serve_tier("reward", url, {**common, "endpoints": {"default": REWARD}, "worker_id": "reward-0"}, env)
         config = TrainerConfig(
-            nats_url=url, cluster=cluster, reward_url=url, reward_cluster=cluster, num_rollout_workers=2,
-            rollout_batch_size=BATCH, train_batch_size=BATCH, group_size=GROUP, micro_batch_size=BATCH,
+            fleet={"nats_url": url, "cluster": cluster}, reward={"url": url, "cluster": cluster},
+            rollout={"workers": 2}, rollout_batch_size=BATCH, train_batch_size=BATCH, group_size=GROUP,
+            micro_batch_size=BATCH,
             max_prompt_length=32, max_response_length=6, kl_coef=0.0, device="cpu", seed=3,
             output_dir=str(tmp_path / "run"), loggers=["jsonl"], sample_table_size=0, startup_timeout_s=240,
             faults=FaultSettings(dead_after_s=6.0, retry_backoff_s=0.3),
@@ -229,7 +230,7 @@ def test_embedded_a_chunk_lost_with_its_crashed_rollout_worker_is_generated_agai
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     monkeypatch.setenv("LOST_BATCH_DIR", str(box))  # the embedded workers inherit the environment
     config = TrainerConfig(
-        num_rollout_workers=2, rollout_batch_size=BATCH, train_batch_size=BATCH, group_size=GROUP,
+        rollout={"workers": 2}, rollout_batch_size=BATCH, train_batch_size=BATCH, group_size=GROUP,
         micro_batch_size=BATCH, max_prompt_length=32, max_response_length=6, kl_coef=0.0, device="cpu",
         seed=3, output_dir=str(tmp_path / "run"), loggers=["jsonl"], sample_table_size=0,
         startup_timeout_s=240,

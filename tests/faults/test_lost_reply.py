@@ -53,7 +53,7 @@ async def _fleet(
                                               auth=credentials.connection("controller"))  # fmt: skip
         link = await NatsTransport.connect(server.url, name="rollout-0", tier="rollout",
                                            auth=credentials.connection("rollout"))  # fmt: skip
-        config = ServiceConfig(cluster=CLUSTER, worker_id="rollout-0", heartbeat_s=0.3)
+        config = ServiceConfig(fleet={"cluster": CLUSTER}, worker_id="rollout-0", heartbeat_s=0.3)
         worker = SlowRollout(config, link, delay_s)
         registry = WorkerRegistry(control, CLUSTER, dead_after=30.0)
         try:

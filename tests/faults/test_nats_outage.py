@@ -40,18 +40,19 @@ def workers(serve_tier) -> Starter:  # noqa: ANN001 - tests/faults/conftest.py's
 
 
 def _fleet(start: Starter, url: str, cluster: str, model: str) -> None:
-    common = {"cluster": cluster, "heartbeat_s": 1.0}
-    start("trainer", url, {**common, "model_path": model, "device": "cpu", "worker_id": "trainer-0"})
-    start("rollout", url, {**common, "model_path": model, "device": "cpu", "worker_id": "rollout-0"})
+    common = {"fleet": {"cluster": cluster}, "heartbeat_s": 1.0}
+    tier = {**common, "model_path": model, "placement": {"device": "cpu"}}
+    start("trainer", url, {**tier, "worker_id": "trainer-0"})
+    start("rollout", url, {**tier, "worker_id": "rollout-0"})
     start("reward", url, {**common, "endpoints": {"default": REWARD}, "worker_id": "reward-0"})
 
 
 def _trainer(url: str, cluster: str, model: str, tmp_path: Path) -> GRPOTrainer:
     config = TrainerConfig(
-        nats_url=url, cluster=cluster, reward_url=url, reward_cluster=cluster, rollout_batch_size=4,
-        train_batch_size=4, group_size=2, micro_batch_size=4, max_prompt_length=32, max_response_length=6,
-        kl_coef=0.0, device="cpu", seed=3, output_dir=str(tmp_path / "run"), loggers=["jsonl"],
-        sample_table_size=0, startup_timeout_s=180,
+        fleet={"nats_url": url, "cluster": cluster}, reward={"url": url, "cluster": cluster},
+        rollout_batch_size=4, train_batch_size=4, group_size=2, micro_batch_size=4, max_prompt_length=32,
+        max_response_length=6, kl_coef=0.0, device="cpu", seed=3, output_dir=str(tmp_path / "run"),
+        loggers=["jsonl"], sample_table_size=0, startup_timeout_s=180,
     )  # fmt: skip
     dataset = PromptDataset(str(DATA), max_prompt_length=32, seed=3)
     return GRPOTrainer(model, REWARD, dataset, config)

@@ -67,7 +67,8 @@ async def test_sigterm_mid_score_answers_it_and_a_restart_keeps_created_endpoint
     (tmp_path / "slow_reward.py").write_text(SLOW)
     config = tmp_path / "reward.yaml"
     config.write_text(yaml.safe_dump({
-        "nats_url": nats_server.url, "cluster": CLUSTER, "worker_id": "reward-0", "quota_store": "process",
+        "fleet": {"nats_url": nats_server.url, "cluster": CLUSTER}, "worker_id": "reward-0",
+        "quota_store": "process",
         "state_dir": str(tmp_path / "state"), "drain_s": 30, "heartbeat_s": 0.5,
         "endpoints": {"slow": "slow_reward:slow:seconds=3"},
     }))  # fmt: skip
@@ -135,7 +136,7 @@ async def test_two_replicas_one_killed_mid_score_the_resend_is_answered_by_the_o
     for name in ("reward-a", "reward-b"):
         config = tmp_path / f"{name}.yaml"
         config.write_text(yaml.safe_dump({
-            "nats_url": nats_server.url, "cluster": CLUSTER + "-2", "worker_id": name,
+            "fleet": {"nats_url": nats_server.url, "cluster": CLUSTER + "-2"}, "worker_id": name,
             "quota_store": "process", "heartbeat_s": 0.5, "endpoints": {"slow": "slow_reward:slow:seconds=2"},
         }))  # fmt: skip
         procs[name] = serve(tmp_path, config, name)

@@ -1,5 +1,5 @@
 """A shared reward server's NATS outage (issue 12, point 4): the run's second connection, to
-``reward_url``, meets it as the run's own connection does. Its nats-server stopped and started
+``reward.url``, meets it as the run's own connection does. Its nats-server stopped and started
 again on its port after three times ``faults.dead_after_s`` reaps no reward worker, and a score
 sent during the outage is answered once the connection is back; a server that does not come back
 fails the score after ``faults.outage_grace_s`` with a named error instead of waiting out the
@@ -57,7 +57,7 @@ async def batch() -> AsyncIterator[TensorRef]:
 @pytest.fixture
 async def reward_worker(servers: tuple[EmbeddedNats, EmbeddedNats]) -> AsyncIterator[RewardWorker]:
     data: dict[str, Any] = {
-        "cluster": SHARED, "worker_id": "reward-0", "quota_store": "process", "heartbeat_s": 0.25,
+        "fleet": {"cluster": SHARED}, "worker_id": "reward-0", "quota_store": "process", "heartbeat_s": 0.25,
         "endpoints": {ENDPOINT: "concise:max_words=2"},
         "tenants": [{"name": "team-o", "token": TOKEN, "endpoints": [ENDPOINT]}],
     }  # fmt: skip
@@ -72,10 +72,10 @@ async def reward_worker(servers: tuple[EmbeddedNats, EmbeddedNats]) -> AsyncIter
 
 
 async def _control(own: EmbeddedNats, shared: EmbeddedNats, faults: FaultSettings) -> RewardControl:
-    """What ``attach_reward`` makes of a job with ``reward_url`` on another server than the run's."""
+    """What ``attach_reward`` makes of a job with ``reward.url`` on another server than the run's."""
     run = await NatsTransport.connect(own.url, name="controller", tier="controller", **FAST)  # type: ignore[arg-type]
     registry = WorkerRegistry(run, "run")
-    config = TrainerConfig(reward_url=shared.url, reward_cluster=SHARED, reward_token=TOKEN, faults=faults)
+    config = TrainerConfig(reward={"url": shared.url, "cluster": SHARED, "token": TOKEN}, faults=faults)
     control = await RewardControl.connect(config, run, "run", registry, own.url)
     control._owned.append(run)  # closed with it
     await control.wait_ready(10)

@@ -116,7 +116,7 @@ def test_a_run_survives_sigkill_of_a_rollout_worker_and_of_the_reward_worker(
 ) -> None:
     out, steps = tmp_path / "run", 10
     command = [venv_script("rlfleet"), "train", str(EXAMPLE), f"output_dir={out}", f"model={tiny_model_dir}",
-               f"max_steps={steps}", "num_rollout_workers=2", "rollout_batch_size=4", "train_batch_size=4",
+               f"max_steps={steps}", "rollout.workers=2", "rollout_batch_size=4", "train_batch_size=4",
                "group_size=4", "sample_table_size=0", "log_every=1", "loggers=[jsonl]",
                "request_timeout_s=60"]  # fmt: skip
     proc = subprocess.Popen(command, cwd=REPO, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

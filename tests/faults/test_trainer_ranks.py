@@ -38,7 +38,7 @@ from rlfleet.common.control.messages import (
     TrainStepResult,
 )
 from rlfleet.common.errors import RemoteError
-from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.common.schema.trainer import BatchSettings, StepSettings, UpdateSettings
 from rlfleet.trainer.rank_liveness import RANK_LOST_EXIT
 
 
@@ -57,13 +57,12 @@ TwoRanks, rollouts = _two_ranks.TwoRanks, _two_ranks._rollouts
 _trainer = _module(TESTS / "faults" / "test_trainer_restart.py", "rlfleet_trainer_restart")._trainer
 
 SCORES = [1.0, 0.0, 0.0, 1.0, 1.0, 0.5]
-STEP = StepSettings(learning_rate=2e-3, micro_batch_size=2, rollout_batch_size=3, train_batch_size=1,
-                    kl_coef=0.0)  # fmt: skip
+STEP = StepSettings(update=UpdateSettings(learning_rate=2e-3, micro_batch_size=2, kl_coef=0.0),
+                    batch=BatchSettings(rollout_batch_size=3, train_batch_size=1))  # fmt: skip
 
 
 def _settings(model_dir: Path) -> dict[str, object]:
-    return {"cluster": _two_ranks.CLUSTER, "model_path": str(model_dir), "device": "cpu", "seed": 0,
-            "micro_batch_size": 2, "learning_rate": 1e-3, "threads": 1, "kl_coef": 0.0}  # fmt: skip
+    return _two_ranks.worker_settings(model_dir, kl_coef=0.0)
 
 
 def _step(ranks: object, step: int) -> TrainStepRequest:

@@ -31,18 +31,19 @@ def test_help_lists_the_commands_without_importing_torch(venv_script, cli_env) -
 
 @pytest.mark.timeout(60)
 def test_config_command_applies_overrides(venv_script, cli_env) -> None:
-    shown = _run(
-        venv_script, cli_env, "config", str(EXAMPLE), "rollout.engine=hf", "max_steps=2", "kl_coef=0.1"
-    )
+    overrides = ["rollout.engine.type=hf", "max_steps=2", "update.kl_coef=0.1"]
+    shown = _run(venv_script, cli_env, "config", str(EXAMPLE), *overrides)
     assert shown.returncode == 0, shown.stderr
     job = json.loads(shown.stdout)
-    assert (job["rollout"]["engine"], job["max_steps"], job["kl_coef"]) == ("hf", 2, 0.1)
+    assert (job["rollout"]["engine"], job["max_steps"], job["update"]["kl_coef"]) == ({"type": "hf"}, 2, 0.1)
 
 
 @pytest.mark.timeout(60)
 def test_bad_input_exits_2_with_a_one_line_reason(venv_script, cli_env, tmp_path: Path) -> None:
     typo = _run(venv_script, cli_env, "train", str(EXAMPLE), "learning_rat=0.1")
-    assert typo.returncode == 2 and "did you mean 'learning_rate'" in typo.stderr
+    assert typo.returncode == 2 and "did you mean 'learning_rate'" in typo.stderr  # a short form as it is
+    flat = _run(venv_script, cli_env, "train", str(EXAMPLE), "eval_dat=held.jsonl")
+    assert flat.returncode == 2 and "did you mean 'eval.data'" in flat.stderr  # a flat key by its new place
     missing = _run(venv_script, cli_env, "train", str(tmp_path / "nope.yaml"))
     assert missing.returncode == 2 and "no such config file" in missing.stderr
 

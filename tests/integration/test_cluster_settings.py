@@ -2,7 +2,7 @@
 
 Every tier is started by hand (``rlfleet-<tier> serve``) against a nats-server, as an orchestrator
 would, each from its own config. The trainer's own file says learning rate 0.5, clip 0.9 and
-micro-batch 1; the job says 0.003, 0.15 and 4. The run joins with ``nats_url`` and its step
+micro-batch 1; the job says 0.003, 0.15 and 4. The run joins with ``fleet.nats_url`` and its step
 metrics, which the trainer reports, show the job's values. A trainer started with another
 sharding and trained layers than the job's refuses to serve the run, naming both fields.
 """
@@ -41,7 +41,7 @@ def cluster(
 
         def start(tier: str, config: dict[str, object]) -> None:
             path = tmp_path / f"{tier}-{len(started)}.yaml"
-            path.write_text(yaml.safe_dump({"nats_url": nats.url, "cluster": name, **config}))
+            path.write_text(yaml.safe_dump({"fleet": {"nats_url": nats.url, "cluster": name}, **config}))
             log = open(tmp_path / f"{tier}-{len(started)}.log", "wb")  # noqa: SIM115 (closed with the process)
             started.append(subprocess.Popen([venv_script(f"rlfleet-{tier}"), "serve", "--config", str(path)],
                                             stdout=log, stderr=subprocess.STDOUT, env=cli_env))  # fmt: skip
@@ -63,11 +63,11 @@ def cluster(
 
 def _job(url: str, name: str, tmp_path: Path, **overrides: object) -> TrainerConfig:
     settings = dict(
-        nats_url=url, cluster=name, rollout_batch_size=4, train_batch_size=4, group_size=2,
+        fleet={"nats_url": url, "cluster": name}, rollout_batch_size=4, train_batch_size=4, group_size=2,
         micro_batch_size=4, max_prompt_length=32, max_response_length=6, learning_rate=0.003, clip_eps=0.15,
         kl_coef=0.0,
         device="cpu", seed=3, output_dir=str(tmp_path / "run"), loggers=["jsonl"], sample_table_size=0,
-        reward_url=url, reward_cluster=name, startup_timeout_s=120,
+        reward={"url": url, "cluster": name}, startup_timeout_s=120,
     )  # fmt: skip
     return TrainerConfig(**{**settings, **overrides})
 
@@ -77,9 +77,10 @@ def test_standalone_workers_train_with_the_jobs_settings(
 ) -> None:
     url, name, start = cluster
     model = str(tiny_model_dir)
-    start("trainer", {"model_path": model, "device": "cpu", "learning_rate": 0.5, "clip_eps": 0.9,
-                      "micro_batch_size": 1, "kl_coef": 0.0, "worker_id": "trainer-own"})  # fmt: skip
-    start("rollout", {"model_path": model, "device": "cpu", "worker_id": "rollout-own"})
+    start("trainer", {"model_path": model, "placement": {"device": "cpu"}, "worker_id": "trainer-own",
+                      "step": {"update": {"learning_rate": 0.5, "clip_eps": 0.9, "micro_batch_size": 1,
+                                          "kl_coef": 0.0}}})  # fmt: skip
+    start("rollout", {"model_path": model, "placement": {"device": "cpu"}, "worker_id": "rollout-own"})
     start("reward", {"endpoints": {"default": "charset:allowed=0123456789"}, "worker_id": "reward-own"})
     dataset = PromptDataset(str(DATA), max_prompt_length=32, seed=3)
     trainer = GRPOTrainer(model, "charset:allowed=0123456789", dataset, _job(url, name, tmp_path))
@@ -99,13 +100,13 @@ def test_a_trainer_that_cannot_follow_the_job_refuses_it(
 ) -> None:
     url, name, start = cluster
     model = str(tiny_model_dir)
-    start("trainer", {"model_path": model, "device": "cpu", "trainable_layers": 1, "sharding": "none",
-                      "worker_id": "trainer-odd"})  # fmt: skip
-    start("rollout", {"model_path": model, "device": "cpu", "worker_id": "rollout-own"})
+    start("trainer", {"model_path": model, "placement": {"device": "cpu"}, "worker_id": "trainer-odd",
+                      "model": {"trainable_layers": 1, "sharding": "none"}})  # fmt: skip
+    start("rollout", {"model_path": model, "placement": {"device": "cpu"}, "worker_id": "rollout-own"})
     start("reward", {"endpoints": {"default": "charset:allowed=0123456789"}, "worker_id": "reward-own"})
     dataset = PromptDataset(str(DATA), max_prompt_length=32, seed=3)
     trainer = GRPOTrainer(
-        model, "charset:allowed=0123456789", dataset, _job(url, name, tmp_path, sharding="full")
+        model, "charset:allowed=0123456789", dataset, _job(url, name, tmp_path, model={"sharding": "full"})
     )
     try:
         with pytest.raises(SettingsConflict) as info:

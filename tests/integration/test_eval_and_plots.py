@@ -1,7 +1,7 @@
 """``rlfleet eval``, ``rlfleet plot`` and a tiny GRPO run's held-out eval, through the console script.
 
 One tiny GRPO run (examples/tiny_grpo.yaml, 4 steps, a checkpoint every 2, a held-out eval every 2
-answering up to eval_max_tokens=20 new tokens while training responses stop at 12) is shared by the
+answering up to eval.max_tokens=20 new tokens while training responses stop at 12) is shared by the
 tests of this module: its eval files and plots, ``rlfleet eval`` on it and on ``tiny:digits``, and
 ``rlfleet plot`` on it and overlaid with a second run. Every number checked is recomputed from the
 answers the JSON holds. Bad input exits with code 2 and one line naming it.
@@ -24,7 +24,7 @@ EXAMPLE = REPO / "examples" / "tiny_grpo.yaml"
 REWARD = "charset:allowed=0123456789"
 """The example's reward spec: eval.jsonl names the run's reward by it."""
 RESPONSE_TOKENS, EVAL_TOKENS = 12, 20
-"""The example's max_response_length, and the run's eval_max_tokens (held-out answers only)."""
+"""The example's max_response_length, and the run's eval.max_tokens (held-out answers only)."""
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -49,9 +49,9 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory, rlfleet_cache: Path, venv
         str(EXAMPLE),
         "max_steps=4",
         "save_every=2",
-        "eval_every=2",
-        f"eval_data={held}",
-        f"eval_max_tokens={EVAL_TOKENS}",
+        "eval.every=2",
+        f"eval.data={held}",
+        f"eval.max_tokens={EVAL_TOKENS}",
         f"max_response_length={RESPONSE_TOKENS}",
         f"output_dir={out}",
         "log_every=1",

@@ -63,8 +63,8 @@ async def fleet(tmp_path: Path) -> AsyncIterator[tuple[EmbeddedNats, Rollout, su
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
         link = await NatsTransport.connect(server.url, name="rollout-0", tier="rollout")
-        rollout = Rollout(ServiceConfig(cluster=CLUSTER, worker_id="rollout-0", pool="fast", heartbeat_s=0.5,
-                                        metrics_port=0), link)  # fmt: skip
+        rollout = Rollout(ServiceConfig(fleet={"cluster": CLUSTER}, worker_id="rollout-0", pool="fast",
+                                        heartbeat_s=0.5, metrics_port=0), link)  # fmt: skip
         try:
             await rollout.start()
             rollout.weight_version = 3

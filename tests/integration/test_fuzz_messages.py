@@ -39,8 +39,8 @@ from rlfleet.common.control.nats_transport import NatsTransport
 from rlfleet.common.control.transport import subject
 from rlfleet.common.errors import WIRE_CODES, MessageDecodeError
 from rlfleet.common.schema.reward import RewardWorkerConfig
-from rlfleet.common.schema.rollout import RolloutWorkerConfig
-from rlfleet.common.schema.trainer import TrainerWorkerConfig
+from rlfleet.common.schema.rollout import RolloutSettings, RolloutWorkerConfig
+from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig, UpdateSettings
 from rlfleet.reward.service import RewardWorker
 from rlfleet.rollout.service import RolloutWorker
 from rlfleet.trainer.service import TrainerWorker
@@ -185,14 +185,16 @@ class Fleet:
 @pytest.fixture
 async def fleet(nats_server: EmbeddedNats, tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[Fleet]:
     cluster = f"fz{uuid.uuid4().hex[:8]}"
-    common = {"nats_url": nats_server.url, "cluster": cluster}
+    common = {"fleet": {"nats_url": nats_server.url, "cluster": cluster}}
     root = tmp_path / "checkpoints"
     root.mkdir()
+    cpu = {"device": "cpu"}
     trainer_cfg = TrainerWorkerConfig(**common, worker_id="trainer-0", model_path=str(tiny_model_dir),
-                                      device="cpu", kl_coef=0.0, weights_store_mb=64, threads=1,
-                                      checkpoint_root=str(root))  # fmt: skip
+                                      placement=cpu, step=StepSettings(update=UpdateSettings(kl_coef=0.0)),
+                                      weights_store_mb=64, threads=1, checkpoint_root=str(root))  # fmt: skip
     rollout_cfg = RolloutWorkerConfig(**common, worker_id="rollout-0", model_path=str(tiny_model_dir),
-                                      device="cpu", engine="hf", results_store_mb=64)  # fmt: skip
+                                      placement=cpu, rollout=RolloutSettings(engine="hf"),
+                                      results_store_mb=64)  # fmt: skip
     reward_cfg = RewardWorkerConfig(
         **common, worker_id="reward-0", endpoints={"default": "charset:allowed=0123456789"}
     )

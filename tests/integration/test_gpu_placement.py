@@ -1,8 +1,9 @@
 """The embedded launcher gives each process it starts its own CUDA_VISIBLE_DEVICES (issue 13).
 
 The job's real worker specs (trainer ranks, reward, two rollout pools) go through the job's launcher
-(``build_launcher``) with a ``gpus`` list; each process is a stand-in that sleeps (``WorkerSpec.command``:
-the GPU environment is the launcher's, whatever the program), so this runs in seconds on a CPU machine.
+(``build_launcher``) with a ``launcher.gpus`` list; each process is a stand-in that sleeps
+(``WorkerSpec.command``: the GPU environment is the launcher's, whatever the program), so this runs in
+seconds on a CPU machine.
 The environment is read from each started process's ``/proc/<pid>/environ``.
 """
 
@@ -30,8 +31,10 @@ def _environ(pid: int) -> dict[str, str]:
 @pytest.mark.timeout(60)
 def test_each_started_process_sees_its_own_gpus(tmp_path: Path) -> None:
     cfg = TrainerConfig(
-        device="cpu", num_train_workers=2, gpus=[0, 1, 2, 3, 4, 5], output_dir=str(tmp_path / "run"),
-        rollout_pools={"small": {"workers": 1}, "big": {"workers": 1, "tensor_parallel_size": 2}},
+        device="cpu", num_train_workers=2, launcher={"gpus": [0, 1, 2, 3, 4, 5]},
+        output_dir=str(tmp_path / "run"),
+        rollout={"pools": {"small": {"workers": 1},
+                           "big": {"workers": 1, "engine": {"type": "vllm", "tensor_parallel_size": 2}}}},
     )  # fmt: skip
     specs = worker_specs(cfg, tmp_path / "model", "c1", online=True,
                          reward_spec="reward_model:path=/m,device=cuda")  # fmt: skip

@@ -32,7 +32,8 @@ def test_a_worker_joins_a_running_job_at_the_trainers_weights(
 ) -> None:
     cluster = f"join-{uuid.uuid4().hex[:6]}"
     config = TrainerConfig(
-        cluster=cluster, rollout_pools={"local": {"workers": 1}}, rollout_batch_size=8, train_batch_size=8,
+        fleet={"cluster": cluster}, rollout={"pools": {"local": {"workers": 1}}}, rollout_batch_size=8,
+        train_batch_size=8,
         group_size=4, micro_batch_size=64, max_prompt_length=32, max_response_length=8,
         learning_rate=3e-2, kl_coef=0.0, seed=5, output_dir=str(tmp_path / "run"), loggers=["jsonl"],
         sample_table_size=0,
@@ -49,7 +50,8 @@ def test_a_worker_joins_a_running_job_at_the_trainers_weights(
         log = open(tmp_path / "late-0.log", "wb")  # noqa: SIM115 (closed with the process)
         worker = subprocess.Popen(
             [venv_script("rlfleet-rollout"), "serve", "--model", str(tiny_model_dir), "--config",
-             str(trainer.fleet_run.join_config), "--pool", "late", "--worker-id", "late-0", "device=cpu"],
+             str(trainer.fleet_run.join_config), "--pool", "late", "--worker-id", "late-0",
+             "placement.device=cpu"],
             stdout=log, stderr=subprocess.STDOUT, env=cli_env,
         )  # fmt: skip
         log.close()

@@ -75,7 +75,8 @@ def test_a_ray_placed_worker_joins_by_the_node_address_and_is_restarted(
         fleet.start_nats(CLUSTER)
         node_ip = ray.util.get_node_ip_address()
         assert fleet.url.startswith(f"nats://{node_ip}:")
-        spec = WorkerSpec("reward", "reward-0", {"cluster": CLUSTER, "heartbeat_s": 0.5, "drain_s": 1})
+        settings = {"fleet": {"cluster": CLUSTER}, "heartbeat_s": 0.5, "drain_s": 1}
+        spec = WorkerSpec("reward", "reward-0", settings)
         worker = fleet.spawn(spec)
         pids.append(worker.pid)
         seen = asyncio.run(_announced(fleet, "reward-0", 90.0))

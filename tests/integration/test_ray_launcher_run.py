@@ -1,4 +1,4 @@
-"""``launcher=ray``: the tiny GRPO job trains through Ray-placed tiers on a real local Ray (issue 13).
+"""``launcher.type=ray``: the tiny GRPO job trains through Ray-placed tiers on a real local Ray (issue 13).
 
 The run starts its own Ray (4 logical CPUs), its nats-server on every interface named by the node
 IP, and every tier in a Ray actor; it trains, the reward rises over the steps, ``rlfleet status
@@ -38,8 +38,8 @@ def test_tiny_grpo_trains_through_ray_placed_tiers(tmp_path: Path, tiny_model_di
     ray = import_ray(local=True)
     out = tmp_path / "run"
     config = TrainerConfig(
-        launcher="ray", ray_num_cpus=4, output_dir=str(out), rollout_batch_size=16, train_batch_size=16,
-        micro_batch_size=128, group_size=8, max_prompt_length=32, max_response_length=12,
+        launcher={"type": "ray", "num_cpus": 4}, output_dir=str(out), rollout_batch_size=16,
+        train_batch_size=16, micro_batch_size=128, group_size=8, max_prompt_length=32, max_response_length=12,
         learning_rate=3e-3, kl_coef=0.0, seed=0, loggers=["jsonl"], sample_table_size=0,
     )  # fmt: skip
     trainer = GRPOTrainer(str(tiny_model_dir), "charset:allowed=0123456789",

@@ -1,10 +1,10 @@
-"""``launcher=ray`` on an outside, permissioned nats-server (issue 13 point 1: "NATS comes from
-``nats_url`` or is started by the launcher").
+"""``launcher.type=ray`` on an outside, permissioned nats-server (issue 13 point 1: "NATS comes from
+``fleet.nats_url`` or is started by the launcher").
 
 The test starts the nats-server itself, on every interface, with one user per role allowed only
 its role's subjects (``nats_roles.server_config``), and names it by this node's IP (never
 loopback). ``rlfleet train`` (a real CLI process; the controller's login in ``RLFLEET_NATS_*``, the
-workers' in a ``nats_worker_auth`` file) places every tier through a local Ray and trains on that
+workers' in a ``launcher.worker_auth`` file) places every tier through a local Ray and trains on that
 server without starting one of its own. Each worker announced itself, which only its own role's
 user may do on that server, so each logged in with its role's login; no password reaches a file
 the run wrote. A trainer given a wrong password is refused by the server, and the run says so.
@@ -63,8 +63,9 @@ def test_rlfleet_train_places_the_tiers_with_ray_on_an_outside_nats(
     controller = credentials.connection("controller")
     env = {**cli_env, "RLFLEET_NATS_USER": controller.user,
            "RLFLEET_NATS_PASSWORD": controller.password.get_secret_value()}  # fmt: skip
-    args = ["train", str(EXAMPLE), "launcher=ray", "ray_num_cpus=4", f"nats_url={url}", f"cluster={CLUSTER}",
-            f"nats_worker_auth={_logins(credentials, tmp_path / 'logins.yaml')}", "max_steps=3",
+    logins = _logins(credentials, tmp_path / "logins.yaml")
+    args = ["train", str(EXAMPLE), "launcher.type=ray", "launcher.num_cpus=4", f"fleet.nats_url={url}",
+            f"fleet.cluster={CLUSTER}", f"launcher.worker_auth={logins}", "max_steps=3",
             f"output_dir={out}", "loggers=[jsonl]", "sample_table_size=0", "log_every=1"]  # fmt: skip
     run = subprocess.run([venv_script("rlfleet"), *args], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=400)  # fmt: skip
@@ -79,7 +80,7 @@ def test_rlfleet_train_places_the_tiers_with_ray_on_an_outside_nats(
     assert all(w["node_ip"] == url.split("//")[1].split(":")[0] for w in processes["workers"])
     for worker in processes["workers"]:
         written = yaml.safe_load((out / "fleet" / "workers" / f"{worker['worker_id']}.yaml").read_text())
-        assert written["nats_url"] == url and "nats_auth" not in written
+        assert written["nats_url"] == url and "nats_auth" not in written  # the previous release's flat form
     files = [out / "config.yaml", out / "fleet" / "processes.json", *(out / "fleet" / "workers").iterdir()]
     shown = [path.read_text(errors="replace") for path in files] + [run.stdout, run.stderr]
     assert not any(password in text for password in credentials.passwords.values() for text in shown)
@@ -94,8 +95,9 @@ def test_a_worker_with_a_wrong_login_is_refused_by_the_outside_nats(
     url, credentials = outside
     logins = _logins(credentials, tmp_path / "logins.yaml", trainer="not-its-password")
     config = TrainerConfig(
-        launcher="ray", ray_num_cpus=4, nats_url=url, cluster=CLUSTER, nats_worker_auth=str(logins),
-        nats_auth=credentials.connection("controller"), output_dir=str(tmp_path / "run"),
+        launcher={"type": "ray", "num_cpus": 4, "worker_auth": str(logins)},
+        fleet={"nats_url": url, "cluster": CLUSTER, "nats_auth": credentials.connection("controller")},
+        output_dir=str(tmp_path / "run"),
         rollout_batch_size=4, train_batch_size=4, group_size=2, max_prompt_length=32, max_response_length=8,
         loggers=["jsonl"], sample_table_size=0,
     )  # fmt: skip

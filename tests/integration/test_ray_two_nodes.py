@@ -3,8 +3,8 @@
 ``ray start --head`` and a second ``ray start --address`` (each in the foreground, ``--block``,
 so the test stops exactly the two processes it started, and they take their Ray processes with
 them) give two Ray nodes: the head with a custom resource ``trainer_node``, the other with
-``rollout_node``. ``rlfleet train examples/tiny_grpo.yaml launcher=ray ray_address=...`` with
-``ray_resources`` asking for those puts the rollout worker on the second node and the trainer on
+``rollout_node``. ``rlfleet train examples/tiny_grpo.yaml launcher.type=ray launcher.address=...``
+with ``launcher.resources`` asking for those puts the rollout worker on the second node and the trainer on
 the head, and the run trains over the addresses Ray reports.
 """
 
@@ -91,9 +91,9 @@ def test_the_rollout_tier_runs_on_the_node_its_resources_name(
         out = tmp_path / "run"
         resources = "{rollout: {resources: {rollout_node: 1}}, trainer: {resources: {trainer_node: 1}}}"
         run = subprocess.run(
-            [str(BIN / "rlfleet"), "train", str(REPO / "examples" / "tiny_grpo.yaml"), "launcher=ray",
-             f"ray_address={address}", f"ray_resources={resources}", "max_steps=3", f"output_dir={out}",
-             "loggers=[jsonl]", "sample_table_size=0", "log_every=1"],
+            [str(BIN / "rlfleet"), "train", str(REPO / "examples" / "tiny_grpo.yaml"), "launcher.type=ray",
+             f"launcher.address={address}", f"launcher.resources={resources}", "max_steps=3",
+             f"output_dir={out}", "loggers=[jsonl]", "sample_table_size=0", "log_every=1"],
             capture_output=True, text=True, timeout=420, env=env,
         )  # fmt: skip
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]

@@ -51,8 +51,8 @@ class Workers:
         log = (self.logs / f"{worker_id}.log").open("wb")
         self.procs[worker_id] = subprocess.Popen(
             [self.script, "serve", "--model", str(self.model), "--nats", self.url, "--cluster", CLUSTER,
-             "--pool", "default", "--worker-id", worker_id, "device=cpu", "max_batch_size=1",
-             "heartbeat_s=0.3", "catch_up_timeout_s=5"],
+             "--pool", "default", "--worker-id", worker_id, "placement.device=cpu",
+             "rollout.max_batch_size=1", "heartbeat_s=0.3", "catch_up_timeout_s=5"],
             stdout=log, stderr=subprocess.STDOUT, env=self.env,
         )  # fmt: skip
 

@@ -35,7 +35,7 @@ def test_a_rollout_fn_routes_prompts_to_named_pools_or_answers_them(
     tmp_path: Path, tiny_model_dir: Path, procs
 ) -> None:
     config = TrainerConfig(
-        rollout_pools={"short": {"engine": "hf"}, "long": {"engine": LONG_ENGINE}},
+        rollout={"pools": {"short": {"engine": "hf"}, "long": {"engine": LONG_ENGINE}}},
         rollout_batch_size=BATCH, train_batch_size=BATCH, group_size=4, micro_batch_size=64,
         max_prompt_length=32, max_response_length=8, learning_rate=1e-3, kl_coef=0.0, seed=3,
         output_dir=str(tmp_path / "run"), loggers=["jsonl"], sample_table_size=0,

@@ -40,7 +40,8 @@ def script(name: str) -> str:
 @pytest.fixture
 def shared_server(nats_server: EmbeddedNats, tmp_path: Path, rlfleet_env: dict[str, str], spawn) -> Path:
     config = {
-        "nats_url": nats_server.url, "cluster": CLUSTER, "worker_id": "reward-shared", "max_concurrency": 4,
+        "fleet": {"nats_url": nats_server.url, "cluster": CLUSTER}, "worker_id": "reward-shared",
+        "max_concurrency": 4,
         "admin": {"token": ADMIN},
         "endpoints": {"team-a/digits": "charset:allowed=0123456789",
                       "team-b/short": "0.5*concise:max_words=3 + 0.5*exact_match:key=digits"},
@@ -70,8 +71,8 @@ def metrics(output_dir: Path) -> list[dict[str, float]]:
 def run_b(nats_url: str, out: Path, env: dict[str, str]) -> subprocess.Popen[str]:
     command = [script("rlfleet"), "train", str(EXAMPLE), "max_steps=8", f"output_dir={out}",
                "sample_table_size=0", "rollout_batch_size=8", "train_batch_size=8", "group_size=4",
-               "loggers=[jsonl]", f"reward_url={nats_url}", f"reward_cluster={CLUSTER}",
-               "reward_endpoint=team-b/short", f"reward_token={TOKEN_B}"]  # fmt: skip
+               "loggers=[jsonl]", f"reward.url={nats_url}", f"reward.cluster={CLUSTER}",
+               "reward.endpoint=team-b/short", f"reward.token={TOKEN_B}"]  # fmt: skip
     return subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -83,8 +84,8 @@ def trainer_a(nats_url: str, out: Path):  # -> GRPOTrainer
     config = TrainerConfig(
         rollout_batch_size=8, train_batch_size=8, micro_batch_size=64, group_size=4, max_prompt_length=32,
         max_response_length=12, learning_rate=0.003, kl_coef=0.0, seed=0, output_dir=str(out),
-        loggers=["jsonl"], sample_table_size=0, reward_url=nats_url, reward_cluster=CLUSTER,
-        reward_endpoint="team-a/digits", reward_token=TOKEN_A,
+        loggers=["jsonl"], sample_table_size=0,
+        reward={"url": nats_url, "cluster": CLUSTER, "endpoint": "team-a/digits", "token": TOKEN_A},
     )  # fmt: skip
     return GRPOTrainer("tiny:digits", "charset:allowed=0123456789", str(DATA), config)
 

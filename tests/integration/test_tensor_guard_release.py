@@ -23,8 +23,9 @@ from rlfleet.rollout.service import RolloutWorker
 
 @pytest.mark.timeout(120)
 async def test_a_rollout_worker_frees_its_batches_when_it_loads_newer_weights(tiny_model_dir: Path) -> None:
-    config = RolloutWorkerConfig(cluster="release", worker_id="rollout-0", model_path=str(tiny_model_dir),
-                                 engine="hf", device="cpu", catch_up_timeout_s=0.5)  # fmt: skip
+    config = RolloutWorkerConfig(fleet={"cluster": "release"}, worker_id="rollout-0",
+                                 model_path=str(tiny_model_dir), rollout={"engine": "hf"},
+                                 placement={"device": "cpu"}, catch_up_timeout_s=0.5)  # fmt: skip
     transport = InProcessTransport(InProcessBroker(), tier="rollout", name="rollout-0")
     worker = RolloutWorker(config, transport)
     await worker.setup()  # no trainer here: it starts at its own weight version

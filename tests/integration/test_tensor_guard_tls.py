@@ -160,8 +160,8 @@ def test_an_embedded_run_trains_over_mutual_tls(tmp_path: Path, tiny_model_dir: 
     config = TrainerConfig(
         rollout_batch_size=4, train_batch_size=4, group_size=2, max_prompt_length=32, max_response_length=8,
         num_train_workers=2, output_dir=str(tmp_path / "run"), loggers=["jsonl"], sample_table_size=2,
-        device="cpu", tensor_tls_cert=cert, tensor_tls_key=key, tensor_tls_ca=ca.file,
-        tensor_tls_client_ca=ca.file,
+        device="cpu", tensor_plane=TensorPlaneSettings(tensor_tls_cert=cert, tensor_tls_key=key,
+                                                       tensor_tls_ca=ca.file, tensor_tls_client_ca=ca.file),
     )  # fmt: skip
     trainer = GRPOTrainer(str(tiny_model_dir), "charset:allowed=0123456789",
                           PromptDataset(str(data), max_prompt_length=32, seed=1), config)  # fmt: skip

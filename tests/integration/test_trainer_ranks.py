@@ -27,7 +27,7 @@ from rlfleet.common.control.messages import (
 from rlfleet.common.control.nats_transport import NatsTransport
 from rlfleet.common.control.transport import subject
 from rlfleet.common.errors import NoResponders
-from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig
+from rlfleet.common.schema.trainer import BatchSettings, StepSettings, TrainerWorkerConfig, UpdateSettings
 from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer
 from rlfleet.controller.launcher import EmbeddedFleet, trainer_rank_specs
 from rlfleet.trainer.model_io import load_causal_lm
@@ -52,6 +52,14 @@ def _rollouts(vocab: int) -> dict[str, torch.Tensor]:
     batch["rollout_logprobs"] = -torch.rand((n, r), generator=gen) * batch["response_mask"]
     batch["group_index"] = torch.arange(n) // 2
     return batch
+
+
+def worker_settings(model_dir: Path, algorithm: str = "grpo", **update: object) -> dict[str, object]:
+    """A trainer worker's config on CPU (seed 0, one thread) with its default step settings: micro-batches
+    of 2 at learning rate 1e-3, and ``update``'s over them."""
+    step = {"algorithm": algorithm, "update": {"micro_batch_size": 2, "learning_rate": 1e-3, **update}}
+    return {"fleet": {"cluster": CLUSTER}, "model_path": str(model_dir), "threads": 1,
+            "placement": {"device": "cpu", "seed": 0}, "step": step}  # fmt: skip
 
 
 async def _ask(transport: NatsTransport, verb: str, message: object, deadline: float) -> object:
@@ -116,14 +124,13 @@ class TwoRanks:
 @pytest.mark.timeout(240)
 async def test_two_trainer_ranks_serve_like_one_process(tmp_path: Path, tiny_model_dir: Path, procs) -> None:
     vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
-    settings = {"cluster": CLUSTER, "model_path": str(tiny_model_dir), "device": "cpu", "micro_batch_size": 2,
-                "learning_rate": 1e-3, "threads": 1, "seed": 0}  # fmt: skip
+    settings = worker_settings(tiny_model_dir)
     batch = _rollouts(vocab)
     # the step's own settings, not the worker's: rank 1 must train with them too (two updates of 3
     # rows in micro-batches of 1; another count of forwards or steps would hang the collectives, and
     # another learning rate would give other weights)
-    step = StepSettings(learning_rate=2e-3, micro_batch_size=1, clip_eps=0.1, rollout_batch_size=2,
-                        train_batch_size=1, kl_coef=0.05)  # fmt: skip
+    update = UpdateSettings(learning_rate=2e-3, micro_batch_size=1, clip_eps=0.1, kl_coef=0.05)
+    step = StepSettings(update=update, batch=BatchSettings(rollout_batch_size=2, train_batch_size=1))
     async with TwoRanks(tmp_path / "fleet", settings, batch) as ranks:
         request = TrainStepRequest(step=1, rollouts=[ranks.ref], scores=[1.0, 0.0, 0.0, 1.0, 1.0, 0.5],
                                    settings=step)  # fmt: skip
@@ -172,9 +179,7 @@ async def test_two_ranks_shard_the_ppo_critic_and_step_like_one_process(
     """PPO over two gloo ranks: actor, reference and critic are all FSDP-sharded (each rank writes its
     own critic shards in a full checkpoint), and the step's actor and critic metrics equal one process's."""
     vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
-    settings = {"cluster": CLUSTER, "model_path": str(tiny_model_dir), "device": "cpu", "micro_batch_size": 2,
-                "learning_rate": 1e-3, "threads": 1, "seed": 0, "algorithm": "ppo",
-                "kl_coef": 0.05}  # fmt: skip
+    settings = worker_settings(tiny_model_dir, "ppo", kl_coef=0.05)
     batch = _rollouts(vocab)
     full = tmp_path / "full"
     async with TwoRanks(tmp_path / "fleet", settings, batch) as ranks:
@@ -221,8 +226,7 @@ async def test_two_ranks_split_dpo_pairs_and_step_like_one_process(
 ) -> None:
     """DPO over two gloo ranks: each rank takes its share of the pairs; the step equals one process's."""
     vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
-    settings = {"cluster": CLUSTER, "model_path": str(tiny_model_dir), "device": "cpu", "micro_batch_size": 2,
-                "learning_rate": 1e-3, "threads": 1, "seed": 0, "algorithm": "dpo"}  # fmt: skip
+    settings = worker_settings(tiny_model_dir, "dpo")
     batch = _pairs(vocab)
     async with TwoRanks(tmp_path / "fleet", settings, batch) as ranks:
         own = StepSettings.of(TrainerWorkerConfig(**settings))

@@ -1,4 +1,4 @@
-"""``trust_remote_code``: a tiny model folder whose config.json and tokenizer_config.json point
+"""``model.trust_remote_code``: a tiny model folder whose config.json and tokenizer_config.json point
 (``auto_map``) to Python files in the folder loads in every tier with the setting on, and is
 refused with a one-line reason naming the setting without it: the controller's tokenizer, the
 HF rollout engine, the trainer's actor and critic, a reward model, and a whole ``rlfleet train``."""
@@ -15,7 +15,7 @@ import pytest
 from rlfleet.common.control.messages import SamplingParams
 from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.reward import RewardWorkerConfig
-from rlfleet.common.schema.rollout import RolloutWorkerConfig
+from rlfleet.common.schema.rollout import HFEngineSettings, RolloutWorkerConfig, VLLMEngineSettings
 from rlfleet.common.schema.trainer import ModelSettings, TrainerWorkerConfig
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.run_tokenizer import load_run_tokenizer
@@ -85,7 +85,9 @@ def test_the_setting_reaches_every_worker_config(tmp_path: Path) -> None:
 
     for trusted in (False, True):
         config = (
-            TrainerConfig(trust_remote_code=trusted, output_dir=str(tmp_path)) if trusted else TrainerConfig()
+            TrainerConfig(model={"trust_remote_code": trusted}, output_dir=str(tmp_path))
+            if trusted
+            else TrainerConfig()
         )
         specs = worker_specs(config, tmp_path, "c", online=True, reward_spec="concise")
         configs = {spec.tier: spec.config for spec in specs}
@@ -94,10 +96,13 @@ def test_the_setting_reaches_every_worker_config(tmp_path: Path) -> None:
             configs["rollout"], RolloutWorkerConfig
         )
         reward = RewardWorkerConfig.model_validate(configs["reward"])
-        assert [configs["trainer"].trust_remote_code, configs["rollout"].trust_remote_code,
-                reward.trust_remote_code] == [trusted] * 3  # fmt: skip
-        for engine in ("hf", "vllm"):
-            assert engine_kwargs(configs["rollout"], engine, "cpu")["trust_remote_code"] is trusted
+        rollout = configs["rollout"]
+        assert [configs["trainer"].model.trust_remote_code, rollout.loading.trust_remote_code,
+                reward.loading.trust_remote_code] == [trusted] * 3  # fmt: skip
+        for engine in (HFEngineSettings(type="hf"), VLLMEngineSettings(type="vllm")):
+            settings = rollout.rollout.model_copy(update={"engine": engine})
+            kwargs = engine_kwargs(rollout.model_copy(update={"rollout": settings}), "cpu")
+            assert kwargs["trust_remote_code"] is trusted, engine
 
 
 @pytest.mark.timeout(120)
@@ -165,14 +170,14 @@ def _train(venv_script, env: dict[str, str], *overrides: str) -> subprocess.Comp
 def test_rlfleet_train_runs_a_remote_code_model_only_when_trusted(
     remote_model: Path, venv_script, cli_env, tmp_path: Path, procs
 ) -> None:
-    refused = _train(venv_script, cli_env, f"model={remote_model}", f"output_dir={tmp_path / 'no'}")
+    refused = _train(venv_script, cli_env, f"model.name={remote_model}", f"output_dir={tmp_path / 'no'}")
     assert refused.returncode == 2, refused.stderr[-3000:]
     reason = refused.stderr.strip().splitlines()[-1]  # after transformers' own warnings
     assert reason.startswith("rlfleet: ") and reason.endswith("true if you trust that code"), reason
 
     out = tmp_path / "yes"
-    run = _train(venv_script, cli_env, f"model={remote_model}", "trust_remote_code=true", "max_steps=2",
-                 f"output_dir={out}", "log_every=1")  # fmt: skip
+    run = _train(venv_script, cli_env, f"model.name={remote_model}", "model.trust_remote_code=true",
+                 "max_steps=2", f"output_dir={out}", "log_every=1")  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert sum(line.startswith("[PROGRESS]") for line in run.stdout.splitlines()) == 2, run.stdout
     saved = json.loads((out / "final" / "config.json").read_text())
