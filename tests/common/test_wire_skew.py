@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from rlfleet.common.control.membership import WorkerRegistry
+from rlfleet.common.control.membership import WorkerRegistry, WorkerWireRefused, release_of
 from rlfleet.common.control.messages import (
     PROTOCOL,
     AnyMessage,
@@ -27,7 +27,6 @@ from rlfleet.common.control.messages import (
 )
 from rlfleet.common.control.nats_transport import NatsTransport
 from rlfleet.common.control.transport import membership_subject, worker_subject
-from rlfleet.common.control.wire_skew import WorkerWireRefused, release_of
 from rlfleet.common.errors import ProtocolMismatch, wire_code
 from rlfleet.common.schema.trainer import ModelSettings
 

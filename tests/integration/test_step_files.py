@@ -6,7 +6,8 @@ chunks), worker metrics, wire checks across releases and the packed forward of a
 seven of those were halves of files split only to stay under 400 lines. Issue 28 made the rule "one
 idea per file" and merged back what was one idea (the NATS transport's three files, membership and
 heartbeats, fleet and dispatch, the launcher with its processes and nats-server, the tensor codec
-and its protobuf framing, a worker and its in-flight work, request deadlines and retries), and gave
+and its protobuf framing, a worker and its in-flight work, request deadlines and retries,
+membership and the wire-version check of its messages), and gave
 each algorithm one file and the policy's forward one module. A file more than 45 is a design change
 to argue for here, not a number to bump.
 

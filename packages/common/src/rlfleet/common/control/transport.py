@@ -47,7 +47,7 @@ Handler = Callable[[AnyMessage], Awaitable[Message | None]]
 class RefusingHandler:
     """A handler that also hears of each message its subscription refused for speaking another MAJOR
     wire version (``on_refused``, given the :class:`ProtocolMismatch` with its ``sender``); the
-    membership registry names such workers this way (:mod:`rlfleet.common.control.wire_skew`)."""
+    membership registry names such workers this way (:mod:`rlfleet.common.control.membership`)."""
 
     def __init__(self, handle: Handler, on_refused: Callable[[ProtocolMismatch], Awaitable[None]]) -> None:
         self.handle, self.on_refused = handle, on_refused

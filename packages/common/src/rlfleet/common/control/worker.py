@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Generic, TypeVar
 
-from rlfleet.common.control.membership import Heartbeater, WorkerStatus
+from rlfleet.common.control.membership import Heartbeater, WorkerStatus, release_of
 from rlfleet.common.control.messages import (
     PROTOCOL,
     Ack,
@@ -45,7 +45,6 @@ from rlfleet.common.control.messages import (
     WorkerAnnounce,
 )
 from rlfleet.common.control.transport import Handler, Subscription, Transport, worker_subject
-from rlfleet.common.control.wire_skew import release_of
 from rlfleet.common.control.worker_metrics import Health, MetricsServer, WorkerMetrics, serve_metrics
 from rlfleet.common.errors import WorkerDraining, WrongMessageKind
 from rlfleet.common.schema.connection import NatsConnection
