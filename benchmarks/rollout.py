@@ -79,7 +79,9 @@ def memory_share(text: str) -> float | Literal["auto"]:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="tiny:bench", help="'tiny:<name>', 'smollm2' or a local HF dir")
+    parser.add_argument("--model", default="tiny:bench", help="'tiny:<name>', 'smollm2', a local HF dir or "
+                        "'shape:<preset>' (colocated_sync.py's random-init Qwen2 shapes, e.g. "
+                        "shape:qwen2.5-0.5b; written on the GPU)")  # fmt: skip
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--prompts", type=int, default=64, help="prompts per call")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
@@ -341,12 +343,25 @@ def print_table(result: dict[str, Any]) -> None:
           f"{result['service_overhead_share']:.1%}; {host}")  # fmt: skip
 
 
+def shaped_model(preset: str) -> Path:
+    """A random-init model of ``preset`` (written once, by a child process: this one stays off the
+    GPU until the bare phase, as the module says)."""
+    target = Path(tempfile.gettempdir()) / "rlfleet-rollout-bench" / preset
+    if not (target / "config.json").exists():
+        code = ("import sys; from pathlib import Path; from colocated_sync import write_model; "
+                "write_model(sys.argv[1], Path(sys.argv[2]), seed=0)")  # fmt: skip
+        here = Path(__file__).parent
+        subprocess.run([sys.executable, "-c", code, preset, str(target)], cwd=here, check=True)
+    return target
+
+
 def main() -> int:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from rlfleet.controller.models import resolve_model
 
-    model_path = str(resolve_model(args.model))
+    shaped = args.model.startswith("shape:")
+    model_path = str(shaped_model(args.model[6:]) if shaped else resolve_model(args.model))
     result = asyncio.run(run(args, model_path))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

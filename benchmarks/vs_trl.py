@@ -196,8 +196,9 @@ def step_figures(ends: list[float], first_step_s: float, rewards: list[float], l
     }  # fmt: skip
 
 
-PHASES = ("generate_s", "score_s", "train_s", "update_s", "publish_s")
-"""rlfleet's ``time/*`` metrics of a step, averaged over steps 2..N in the result."""
+PHASES = ("generate_s", "score_s", "train_s", "fetch_s", "update_s", "plan_s", "publish_s")
+"""rlfleet's ``time/*`` metrics of a step, averaged over steps 2..N in the result (train = the
+trainer's fetch + update + its reply; update = plan + the update loop)."""
 
 
 def rlfleet_command(workdir: Path) -> str:
@@ -218,7 +219,8 @@ def run_rlfleet(setup: dict[str, Any], workdir: Path, args: argparse.Namespace) 
     rewards, lengths = [r["reward/mean"] for r in rows], [r["response_length"] for r in rows]
     figures = step_figures([r["time"] for r in rows], rows[0]["time/step_s"], rewards, lengths)
     timed = rows[1:] or rows  # the first step (warm-up) left out, as in s/step
-    phases = {name: round(statistics.fmean(r[f"time/{name}"] for r in timed), 2) for name in PHASES}
+    phases = {name: round(statistics.fmean(r[f"time/{name}"] for r in timed), 3)
+              for name in PHASES if f"time/{name}" in timed[0]}  # fmt: skip
     return {**figures, "phases_mean": phases, **measured, "command": " ".join(command), "rows": rows}
 
 

@@ -225,3 +225,15 @@ def test_dropout_is_disabled_so_the_first_ratio_is_one(
     disable_dropout(layer)
     x = torch.randn(8, 4)
     torch.testing.assert_close(layer.train()(x), layer.eval()(x))
+
+
+def test_forwards_run_without_the_cudnn_attention_kernel(tiny_model_dir: Path) -> None:
+    """cuDNN's SDPA plans each new shape (0.69 s of host time in a profiled GPU update): a trainer's
+    forwards leave it out and keep the shape-free kernels; outside them the flags are as they were."""
+    actor = Actor(tiny_model_dir, seed=0)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with actor.computing():
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before

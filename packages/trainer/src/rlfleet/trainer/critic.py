@@ -138,7 +138,7 @@ class Critic(Trainable):
 
     def values(self, mb: PolicyInputs) -> Tensor:
         """Values of one micro-batch's response tokens (with grad when enabled): (B, P + R) -> (B, R)."""
-        with self.autocast():
+        with self.computing():
             return self.model(mb.input_ids, mb.attention_mask, mb.position_ids, mb.response_len)
 
     @torch.no_grad()

@@ -82,6 +82,7 @@ import inspect
 import logging
 import weakref
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -322,8 +323,9 @@ class Policy(Protocol):
         """Tokens per chunk of the logprob reduction."""
         ...
 
-    def autocast(self) -> torch.autocast:
-        """The policy's autocast (bf16 in one process when it computes in bf16)."""
+    def computing(self) -> AbstractContextManager[None]:
+        """How the policy's forwards run (bf16 autocast in one process when it computes in bf16;
+        attention kernels: :meth:`rlfleet.trainer.loop.Trainable.computing`)."""
         ...
 
     def reference(self) -> nn.Module:
@@ -346,7 +348,7 @@ def logprobs(
     whose backward costs nothing). ``model`` defaults to the policy. Values at padding are
     meaningless (mask them).
     """
-    with policy.autocast():
+    with policy.computing():
         return token_logprobs(
             model if model is not None else policy.model, mb.input_ids, mb.attention_mask, mb.response_len,
             position_ids=mb.position_ids, temperature=temperature, compute_entropy=entropy,

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -80,6 +81,7 @@ from rlfleet.trainer.loop import batch_sizes, train_loop
 from rlfleet.trainer.memory_phases import CudaMemory, PhasePeaks
 from rlfleet.trainer.rank_liveness import RankWatch
 from rlfleet.trainer.ranks import build_models, use_rank_thread
+from rlfleet.trainer.step_profile import DIR_ENV, maybe_profiled
 from rlfleet.trainer.weights import to_host
 
 logger = logging.getLogger(__name__)
@@ -140,11 +142,13 @@ def run_step(
     peaks = memory_peaks(actor.device)
     with _phase(peaks, "plan"):  # the no-grad forwards (old, reference logprobs; values), advantages
         plan = algorithm.plan(actor, critic, batch, torch.tensor(scores, dtype=torch.float32), settings)
+    planned = time.perf_counter()
     with _phase(peaks, "update"):  # forward, backward and optimizer steps: the algorithm's losses
         metrics = train_loop(plan)
     seconds = time.perf_counter() - t0
     tokens = float(sum(batch[key].sum().item() for key in batch if key.endswith("_mask")))
     metrics["time/update_s"] = seconds
+    metrics["time/plan_s"] = planned - t0  # of which the plan; the rest is the update loop
     metrics["throughput/train_tok_s"] = tokens / max(seconds, 1e-9)
     metrics["settings/clip_eps"] = update.clip_eps
     metrics["settings/micro_batch_size"] = float(batch_sizes(settings, plan.num_items)[1])
@@ -240,8 +244,11 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
             try:  # the other ranks fetch for themselves, and train with the same settings
                 command = {"op": "step", "request": request.model_dump(mode="json")}
                 what = f"fetch and check the batch of step {request.step}"
+                fetched = time.perf_counter()
                 batch = await self._agreed(command, what, lambda: fetch_batch(self, request))
+                fetched = time.perf_counter() - fetched
                 metrics = await self._ranks(asyncio.to_thread(self._update, batch, request))
+                metrics["time/fetch_s"] = fetched
                 metrics.update(self._publish_peaks)  # a publish answers no metrics: see memory_phases
                 self._publish_peaks = {}
                 self.trained_step = request.step  # heartbeats carry it: `rlfleet status` shows the run's step
@@ -251,7 +258,11 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
                                incarnation=self.incarnation)  # fmt: skip
 
     def _update(self, batch: dict[str, torch.Tensor], request: TrainStepRequest) -> dict[str, float]:
-        """One update with ``request.settings``; see :func:`run_step`."""
+        """One update with ``request.settings``; see :func:`run_step` (profiled when asked:
+        :mod:`~rlfleet.trainer.step_profile`)."""
+        if os.environ.get(DIR_ENV):  # else the step runs no line of step_profile.py
+            with maybe_profiled(request.step, 0, self.actor.device):
+                return run_step(self.actor, self.critic, batch, request.scores, request.settings)
         return run_step(self.actor, self.critic, batch, request.scores, request.settings)
 
     async def _agreed(self, command: dict[str, Any], what: str, part: Callable[[], Any]) -> Any:
