@@ -21,14 +21,15 @@ import vs_trl  # noqa: E402
 def test_gpu_jobs_colocate_with_graphs_on_and_the_auto_share(job: str, tmp_path: Path) -> None:
     args = gpu_grpo.parse_args(["--jobs", job, "--workdir", str(tmp_path)])
     config = gpu_grpo.job_config(job, args)
-    rollout = config["rollout"]
-    assert config["device"] == "cuda" and rollout["engine"] == "vllm" and rollout["colocate"] is True
-    assert "enforce_eager" not in rollout and "gpu_memory_utilization" not in rollout  # the defaults
+    engine = config["rollout"]["engine"]
+    assert config["placement"]["device"] == "cuda" and engine["type"] == "vllm" and engine["colocate"] is True
+    assert "enforce_eager" not in engine and "gpu_memory_utilization" not in engine  # the defaults
     assert Path(config["data"]["path"]).is_file()
     if job != "tiny":
-        assert Path(config["eval_data"]).is_file() and config["eval_every"] >= 1
+        assert Path(config["eval"]["data"]).is_file() and config["eval"]["every"] >= 1
     eager = gpu_grpo.job_config(job, gpu_grpo.parse_args(["--jobs", job, "--eager", "--device", "cpu"]))
-    assert eager["rollout"]["enforce_eager"] is True and eager["rollout"]["colocate"] is False
+    engine = eager["rollout"]["engine"]
+    assert engine["enforce_eager"] is True and engine["colocate"] is False
 
 
 def test_an_unknown_job_is_named() -> None:
@@ -39,12 +40,12 @@ def test_an_unknown_job_is_named() -> None:
 def test_vs_trl_cuda_mode_colocates_both_sides(tmp_path: Path) -> None:
     cpu = vs_trl.bench_overrides(3, tmp_path / "p.jsonl", tmp_path / "out")
     cuda = vs_trl.bench_overrides(3, tmp_path / "p.jsonl", tmp_path / "out", "cuda")
-    assert not any(o.startswith("device=") for o in cpu)
-    assert {"device=cuda", "rollout.engine=vllm", "rollout.colocate=true", "rollout.dtype=bfloat16"} <= set(
-        cuda
-    )
+    assert not any(o.startswith("placement.device=") for o in cpu)
+    colocated = {"placement.device=cuda", "rollout.engine.type=vllm", "rollout.engine.colocate=true",
+                 "rollout.dtype=bfloat16"}  # fmt: skip
+    assert colocated <= set(cuda)
     assert vs_trl.trl_generation({"device": "cpu"}) == {"use_vllm": False}
-    trl = vs_trl.trl_generation({"device": "cuda", "engine_share": 0.04, "max_cache_len": 2048})
+    trl = vs_trl.trl_generation({"device": "cuda", "engine_share": 0.04, "max_model_len": 2048})
     assert trl == {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.04,
                    "vllm_max_model_length": 2048, "vllm_enable_sleep_mode": True}  # fmt: skip
 
