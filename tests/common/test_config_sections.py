@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 
 import pytest
 import yaml
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.config import ConfigModel, Legacy, flatten, legacy_dump, load_config, nest_legacy
@@ -267,3 +267,22 @@ def test_load_config_nests_each_layer_before_the_next_one(tmp_path: Path) -> Non
     assert (cfg.fleet.cluster, cfg.placement.device) == ("file", "cpu")  # the file over the data
     with pytest.raises(ConfigError, match="placement.device"):  # a flat key's error names its place
         load_config(RolloutWorkerConfig, nested, ["device=tpu"])
+
+
+def test_the_step_settings_nest_and_flatten_themselves_as_the_loader_does() -> None:
+    """What a step reads every step: its own flat form (``wire_form``, ``_sections``), which must say
+    what the general loader says (``legacy_dump``, ``nest_legacy``) for a previous release's peer."""
+    flat = {"learning_rate": 1e-5, "algorithm": "ppo", "gamma": 0.9, "group_size": 2, "train_batch_size": 8,
+            "rollout_batch_size": 32}  # fmt: skip
+    step = StepSettings.model_validate(flat)
+    assert step == StepSettings.model_validate(nest_legacy(StepSettings, flat))
+    assert step.wire_form() == legacy_dump(step) == flat
+    assert StepSettings.model_validate(step.wire_form()) == step
+    assert StepSettings().wire_form() == {}  # every default left out
+    given = {"update": {"learning_rate": 2e-5, "clip_eps": 0.1}, "learning_rate": 3e-5}
+    both = StepSettings.model_validate(given)
+    assert (both.update.learning_rate, both.update.clip_eps) == (3e-5, 0.1)  # the flat one wins
+    newer = StepSettings.model_validate({"learning_rate": 1e-4, "newer_setting": 1})  # a newer controller's
+    assert newer.update.learning_rate == 1e-4
+    with pytest.raises(ValidationError, match="update"):
+        StepSettings.model_validate({"update": 3, "learning_rate": 1e-4})

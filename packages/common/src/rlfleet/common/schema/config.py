@@ -61,9 +61,12 @@ class Legacy:
     old: Callable[[Any], Any] = _same
 
 
-class ConfigModel(BaseModel):
-    """Base of rlfleet configs: unknown fields are rejected, assignments are validated; the flat
-    form of the previous release loads (see the module docstring)."""
+class SettingsModel(BaseModel):
+    """Base of rlfleet's settings: unknown fields are rejected, assignments are validated, and the
+    class says where its flat form's keys go (read by :func:`nest_legacy` and :func:`flatten`). It
+    reads what it is given as it is given: a section whose container nests its input, or one that
+    nests its own (the step settings, which a step reads without this module: its hot path), is
+    a ``SettingsModel``; everything else is a :class:`ConfigModel`."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -89,6 +92,12 @@ class ConfigModel(BaseModel):
         down), and ``RENAMED``; shorter paths first."""
         return _legacy_table(cls)
 
+
+class ConfigModel(SettingsModel):
+    """Base of rlfleet configs: a :class:`SettingsModel` that nests its own input before validation
+    (the flat form of the previous release, sections given in their short form; see the module
+    docstring)."""
+
     @model_validator(mode="before")
     @classmethod
     def _nest_legacy(cls, data: Any) -> Any:
@@ -98,8 +107,8 @@ class ConfigModel(BaseModel):
             return data
         if cls.legacy():
             data = nest_legacy(cls, data)
-        for name, info in cls.model_fields.items():  # a tagged union given as its tag alone
-            if isinstance(data.get(name), str) and union_members(info.annotation):
+        for name in cls.model_fields:  # a section given in its short form (a tagged union: its tag)
+            if isinstance(data.get(name), str) and any(m.SHORT_FORM for m in _members(cls, name)):
                 data = {**data, name: _as_section(cls, name, data[name])}
         return cls.tidy(data)
 
@@ -109,10 +118,10 @@ class ConfigModel(BaseModel):
         return data
 
 
-def section_class(annotation: Any) -> type[ConfigModel] | None:
+def section_class(annotation: Any) -> type[SettingsModel] | None:
     """The config class a field holds as a section (``X`` or ``X | None``); None for anything else
     (a scalar, a list or dict of models, a union of several models)."""
-    if isinstance(annotation, type) and issubclass(annotation, ConfigModel):
+    if isinstance(annotation, type) and issubclass(annotation, SettingsModel):
         return annotation
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         models = [a for a in get_args(annotation) if a is not type(None)]
@@ -121,24 +130,24 @@ def section_class(annotation: Any) -> type[ConfigModel] | None:
     return None
 
 
-def union_members(annotation: Any) -> list[type[ConfigModel]]:
+def union_members(annotation: Any) -> list[type[SettingsModel]]:
     """The config classes of a tagged-union field (``A | B``, in ``Annotated[...]`` too)."""
     if typing.get_origin(annotation) is typing.Annotated:
         return union_members(get_args(annotation)[0])
     if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
         return []
-    members = [a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, ConfigModel)]
+    members = [a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, SettingsModel)]
     return members if len(members) > 1 else []
 
 
-def _members(cls: type[ConfigModel], field: str) -> list[type[ConfigModel]]:
+def _members(cls: type[SettingsModel], field: str) -> list[type[SettingsModel]]:
     annotation = cls.model_fields[field].annotation
     section = section_class(annotation)
     return [section] if section is not None else union_members(annotation)
 
 
 @functools.cache
-def _legacy_table(cls: type[ConfigModel]) -> dict[str, Legacy]:
+def _legacy_table(cls: type[SettingsModel]) -> dict[str, Legacy]:
     table: dict[str, Legacy] = {}
     fields = cls.model_fields
     for name in sorted(cls.FLAT_SECTIONS):
@@ -155,7 +164,7 @@ def _legacy_table(cls: type[ConfigModel]) -> dict[str, Legacy]:
     return dict(sorted(table.items(), key=lambda item: len(item[1].path)))
 
 
-def _as_section(cls: type[ConfigModel] | None, field: str, value: Any) -> Any:
+def _as_section(cls: type[SettingsModel] | None, field: str, value: Any) -> Any:
     """A section's value as a mapping: a model's set fields, or a plain string as its short form."""
     if isinstance(value, BaseModel):
         return value.model_dump(exclude_unset=True)
@@ -167,7 +176,7 @@ def _as_section(cls: type[ConfigModel] | None, field: str, value: Any) -> Any:
     return {keys.pop(): value} if len(keys) == 1 else value
 
 
-def nest_legacy(cls: type[ConfigModel], data: Mapping[str, Any]) -> dict[str, Any]:
+def nest_legacy(cls: type[SettingsModel], data: Mapping[str, Any]) -> dict[str, Any]:
     """``data`` with the keys of ``cls``'s flat form moved into their sections (the flat one wins
     where a setting is given both ways); a FutureWarning names them where ``cls.WARN_LEGACY``."""
     out = dict(data)
@@ -177,7 +186,7 @@ def nest_legacy(cls: type[ConfigModel], data: Mapping[str, Any]) -> dict[str, An
             continue
         value = legacy.new(out.pop(key))
         table: dict[str, Any] = out
-        owner: type[ConfigModel] | None = cls
+        owner: type[SettingsModel] | None = cls
         for part in legacy.path[:-1]:
             created = table.get(part) is None
             inner = _as_section(owner, part, table.get(part))
@@ -211,10 +220,10 @@ def legacy_dump(model: BaseModel, *, exclude_defaults: bool = True) -> dict[str,
     """``model`` as JSON data in its class's flat form (the previous release's): what an older reader
     of a worker config file or of the step settings takes."""
     data = model.model_dump(mode="json", exclude_defaults=exclude_defaults)
-    return flatten(type(model), data) if isinstance(model, ConfigModel) else data
+    return flatten(type(model), data) if isinstance(model, SettingsModel) else data
 
 
-def _member_of(members: list[type[ConfigModel]], value: Mapping[str, Any]) -> type[ConfigModel]:
+def _member_of(members: list[type[SettingsModel]], value: Mapping[str, Any]) -> type[SettingsModel]:
     """The class of a section's data: the one member, or the union member its tag names (a tag field
     has no default, so a dump without defaults still carries it)."""
     for member in members:
@@ -226,7 +235,7 @@ def _member_of(members: list[type[ConfigModel]], value: Mapping[str, Any]) -> ty
     return members[0]
 
 
-def flatten(cls: type[ConfigModel], data: Mapping[str, Any]) -> dict[str, Any]:
+def flatten(cls: type[SettingsModel], data: Mapping[str, Any]) -> dict[str, Any]:
     """Nested JSON data of ``cls`` in its flat form (the inverse of :func:`nest_legacy`): each flat
     section's settings hoisted to the top, a tagged union's tag its value, renamed keys spelled as
     they were."""
@@ -276,7 +285,8 @@ def load_config(
     raw = _nested(model_cls, copy.deepcopy(data) if data else {})
     if path is not None:
         raw = merge(raw, _nested(model_cls, read_config_file(path)))
-    if isinstance(overrides, str) or not (isinstance(model_cls, type) and issubclass(model_cls, ConfigModel)):
+    sectioned = isinstance(model_cls, type) and issubclass(model_cls, SettingsModel)
+    if isinstance(overrides, str) or not sectioned:
         apply_overrides(raw, overrides)
     else:
         for override in overrides:  # each in turn: one may write the short form the next opens
@@ -290,12 +300,12 @@ def load_config(
 
 def _nested(model_cls: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
     """``data`` with ``model_cls``'s flat form moved into its sections (as it is for other classes)."""
-    if issubclass(model_cls, ConfigModel) and model_cls.legacy():
+    if issubclass(model_cls, SettingsModel) and model_cls.legacy():
         return nest_legacy(model_cls, data)
     return data
 
 
-def _open_short_forms(model_cls: type[ConfigModel], raw: dict[str, Any], overrides: Sequence[str]) -> None:
+def _open_short_forms(model_cls: type[SettingsModel], raw: dict[str, Any], overrides: Sequence[str]) -> None:
     """A section written in its short form (``model: tiny:digits``) becomes a table where an override
     sets a setting inside it (``model.mixed_precision=none``)."""
     if isinstance(overrides, str):
@@ -303,7 +313,7 @@ def _open_short_forms(model_cls: type[ConfigModel], raw: dict[str, Any], overrid
     for text in overrides:
         parts = text.partition("=")[0].strip().split(".")
         table: Any = raw
-        owner: type[ConfigModel] | None = model_cls
+        owner: type[SettingsModel] | None = model_cls
         for part in parts[:-1]:
             if not isinstance(table, dict):
                 break
@@ -464,7 +474,7 @@ def _suggest(model_cls: type[BaseModel], loc: tuple[int | str, ...]) -> str:
         return ""
     known = list(owner.model_fields)
     places = {name: name for name in known}
-    if issubclass(owner, ConfigModel):
+    if issubclass(owner, SettingsModel):
         for key, legacy in owner.legacy().items():
             places.setdefault(key, key if key in owner.SHORT else ".".join(legacy.path))
     close = difflib.get_close_matches(str(loc[-1]), list(places), n=1)

@@ -18,13 +18,13 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.algorithms import ALGORITHMS, AlgorithmName, KLMode
-from rlfleet.common.schema.config import ConfigModel, Legacy
+from rlfleet.common.schema.config import Legacy, SettingsModel
 from rlfleet.common.schema.worker import ModelLoading, ModelWorkerConfig
 
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -126,7 +126,7 @@ class ModelSettings(ModelLoading):
         }
 
 
-class UpdateSettings(ConfigModel):
+class UpdateSettings(SettingsModel):
     """How one step updates the policy: optimizer, loss and batching."""
 
     learning_rate: float = Field(allow_inf_nan=False, default=1e-6, gt=0.0, description="AdamW learning rate")
@@ -150,7 +150,7 @@ class UpdateSettings(ConfigModel):
     )
 
 
-class AlgorithmSettings(ConfigModel):
+class AlgorithmSettings(SettingsModel):
     """Which algorithm runs, and its settings beyond the policy loss shared by all (``algorithm: grpo``
     is short for ``algorithm: {name: grpo}``)."""
 
@@ -209,7 +209,7 @@ class AlgorithmSettings(ConfigModel):
         return "k1" if self.resolved_kl_mode() == "reward" else "k3"
 
 
-class BatchSettings(ConfigModel):
+class BatchSettings(SettingsModel):
     """How many prompts a step takes and how they are split into optimizer updates."""
 
     rollout_batch_size: int = Field(default=16, ge=1, description="prompts per step")
@@ -233,22 +233,64 @@ class BatchSettings(ConfigModel):
         return self.rollout_batch_size // self.train_batch_size
 
 
-class StepSettings(ConfigModel):
+STEP_SECTIONS = {"update": UpdateSettings, "algorithm": AlgorithmSettings, "batch": BatchSettings}
+"""The sections of the step settings, each a :class:`SettingsModel` (nested by the step settings)."""
+
+_STEP_KEYS = {key: name for name, cls in STEP_SECTIONS.items() for key in cls.model_fields if key != "name"}
+
+
+class StepSettings(SettingsModel):
     """Everything one train step needs besides its data, as the controller sends it with each step:
     the ``update``, ``algorithm`` and ``batch`` sections.
 
-    On the wire it travels in the flat form of the previous release (``SETTINGS_SET``: every setting
-    a top-level key, ``algorithm`` the name), which a trainer of either release reads; unknown fields
-    (a newer controller's) are ignored, as in every message.
+    On the wire it travels in the flat form of the previous release (:meth:`wire_form`, written by
+    ``SETTINGS_SET``: every setting a top-level key, ``algorithm`` the name), which a trainer of
+    either release reads; unknown fields (a newer controller's) are ignored, as in every message.
+    The step settings nest and flatten themselves (:meth:`_sections`, :meth:`wire_form`) rather than
+    through :mod:`rlfleet.common.schema.config`'s general loader: every step reads them, and a step
+    passes through no file it does not need (``tests/integration/test_step_files.py``). Their
+    ``FLAT_SECTIONS`` and ``RENAMED`` say the same to that loader, for a worker config that holds them
+    (``TrainerWorkerConfig.step``).
     """
 
     model_config = ConfigDict(extra="ignore", validate_assignment=True)
-    FLAT_SECTIONS: ClassVar[frozenset[str]] = frozenset({"update", "algorithm", "batch"})
+    FLAT_SECTIONS: ClassVar[frozenset[str]] = frozenset(STEP_SECTIONS)
     RENAMED: ClassVar[tuple[Legacy, ...]] = (Legacy("algorithm", ("algorithm", "name")),)
 
     update: UpdateSettings = Field(default_factory=UpdateSettings, description="optimizer and loss")
     algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings, description="the algorithm")
     batch: BatchSettings = Field(default_factory=BatchSettings, description="prompts per step and update")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sections(cls, data: Any) -> Any:
+        """The flat form into the sections (a setting given both ways: the flat one wins, as in every
+        config); ``algorithm: grpo`` is ``algorithm: {name: grpo}``; anything else as it is."""
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        if isinstance(out.get("algorithm"), str):
+            out["algorithm"] = {"name": out["algorithm"]}
+        for key in [k for k in out if k in _STEP_KEYS]:
+            section = _STEP_KEYS[key]
+            held = out.get(section)
+            if isinstance(held, BaseModel):
+                held = held.model_dump(exclude_unset=True)
+            if held is not None and not isinstance(held, dict):
+                continue  # not a section: validation names it
+            out[section] = {**(held or {}), key: out.pop(key)}
+        return out
+
+    def wire_form(self) -> dict[str, Any]:
+        """The flat form without defaults (what ``trainer.step`` carries): each section's settings
+        that differ from their defaults at the top, the algorithm's name as ``algorithm``."""
+        flat: dict[str, Any] = {}
+        for name in STEP_SECTIONS:
+            values = getattr(self, name).model_dump(mode="json", exclude_defaults=True)
+            if "name" in values:
+                flat[name] = values.pop("name")
+            flat.update(values)
+        return flat
 
     @classmethod
     def of(cls, settings: object, **update: object) -> StepSettings:

@@ -23,7 +23,8 @@ PROTOCOL = "2.4"
 
 
 def _settings_set(settings: BaseModel) -> dict[str, Any]:
-    return legacy_dump(settings, exclude_defaults=True)
+    wire_form = getattr(settings, "wire_form", None)  # the step settings flatten themselves
+    return wire_form() if callable(wire_form) else legacy_dump(settings, exclude_defaults=True)
 
 
 SETTINGS_SET = PlainSerializer(_settings_set, return_type=dict)
