@@ -75,3 +75,25 @@ def test_tensorboard_shows_a_replayed_step_once_with_the_replay_value(tmp_path: 
     events.Reload()
     scalars = [(e.step, e.value) for e in events.Scalars("loss")]
     assert scalars == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 50.0), (6, 60.0)], scalars
+
+
+def test_a_resumed_run_keeps_the_steps_before_its_checkpoint(tmp_path: Path) -> None:
+    """``resume_from`` checkpoint-2 in the same folder: steps 1 and 2 stay, the later lines of the
+    stopped run go (they are run again), and the resumed steps follow; a new run replaces the file."""
+    first = RunMetrics(["jsonl"], tmp_path, {}, log_every=1)
+    first.begin(total_steps=6, num_epochs=1)
+    for step in (1, 2, 3):
+        first.log(step, 1, {"loss": float(step)})
+    first.close()
+    resumed = RunMetrics(["jsonl"], tmp_path, {}, log_every=1)
+    resumed.begin(total_steps=6, num_epochs=1, from_step=2)
+    resumed.log(3, 1, {"loss": 33.0})
+    resumed.log(4, 1, {"loss": 44.0})
+    resumed.close()
+    rows = _rows(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 33.0), (4, 44.0)]
+    fresh = RunMetrics(["jsonl"], tmp_path, {}, log_every=1)
+    fresh.begin(total_steps=6, num_epochs=1)
+    fresh.log(1, 1, {"loss": 9.0})
+    fresh.close()
+    assert [(r["step"], r["loss"]) for r in _rows(tmp_path / "metrics.jsonl")] == [(1, 9.0)]

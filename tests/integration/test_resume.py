@@ -51,6 +51,10 @@ def test_resumed_steps_equal_the_uninterrupted_run(tmp_path: Path, tiny_model_di
         for key in KEYS:
             assert ours[key] == pytest.approx(theirs[key], rel=1e-6, abs=1e-7), (ours["step"], key)
     assert (tmp_path / "cut" / "checkpoint-4" / "controller_state.json").is_file()
+    logged = [
+        json.loads(line)["step"] for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert logged == [1, 2, 3, 4]  # the resumed run appends to the steps before its checkpoint
     assert procs.survivors(procs.launched(tmp_path / "cut")) == []
 
 

@@ -43,14 +43,21 @@ class MetricSink(Protocol):
 
 
 class JsonlSink:
-    """One JSON object per step in ``metrics.jsonl`` (a new run replaces the file): ``step``, ``time``
-    (when the step ended, seconds since the epoch) and the step's metrics. A step logged again
-    replaces its line and every later one (:meth:`rewind`), so the file holds each step once."""
+    """One JSON object per step in ``metrics.jsonl``: ``step``, ``time`` (when the step ended, seconds
+    since the epoch) and the step's metrics. A new run replaces the file; a run resumed at step
+    ``from_step`` keeps the lines of the steps up to it and drops the later ones (run again), as
+    :meth:`rewind` does. A step logged again replaces its line and every later one, so the file
+    holds each step once."""
 
-    def __init__(self, output_dir: Path) -> None:
+    def __init__(self, output_dir: Path, from_step: int = 0) -> None:
         self.path = output_dir / "metrics.jsonl"
-        self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - kept open for the run
         self._last = -1  # the highest step written
+        if from_step > 0 and self.path.is_file():
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
+            self._last = sys.maxsize  # whatever the stopped run wrote after from_step goes
+            self.rewind(from_step)
+        else:
+            self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - kept open for the run
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if step <= self._last:
@@ -245,12 +252,15 @@ def check_loggers(names: list[str]) -> None:
             raise LoggerUnavailable(name, package)
 
 
-def make_sinks(names: list[str], output_dir: Path, config: dict[str, Any]) -> list[MetricSink]:
-    """The sinks named in the config ('console' is handled by ConsoleProgress)."""
+def make_sinks(
+    names: list[str], output_dir: Path, config: dict[str, Any], from_step: int = 0
+) -> list[MetricSink]:
+    """The sinks named in the config ('console' is handled by ConsoleProgress), for a run that
+    starts after step ``from_step`` (0: a new run; else resumed from that step's checkpoint)."""
     sinks: list[MetricSink] = []
     for name in names:
         if name == "jsonl":
-            sinks.append(JsonlSink(output_dir))
+            sinks.append(JsonlSink(output_dir, from_step))
         elif name == "tensorboard":
             sinks.append(TensorBoardSink(output_dir))
         elif name == "wandb":
@@ -270,12 +280,13 @@ class RunMetrics:
         self._sinks: list[MetricSink] = []
         self._progress: ConsoleProgress | None = None
 
-    def begin(self, total_steps: int, num_epochs: int) -> None:
-        """Open the sinks (once) for a run of ``total_steps`` over ``num_epochs``."""
+    def begin(self, total_steps: int, num_epochs: int, from_step: int = 0) -> None:
+        """Open the sinks (once) for a run of ``total_steps`` over ``num_epochs`` that goes on after
+        step ``from_step`` (a resumed run: ``metrics.jsonl`` keeps the steps up to it)."""
         if self._progress is None:
             enabled = "console" in self.loggers
             self._progress = ConsoleProgress(total_steps, num_epochs, self.log_every, enabled=enabled)
-            self._sinks = make_sinks(self.loggers, self.output_dir, self.config)
+            self._sinks = make_sinks(self.loggers, self.output_dir, self.config, from_step)
 
     def log(self, step: int, epoch: int, metrics: dict[str, float]) -> None:
         """One step's metrics to every sink and the progress line."""

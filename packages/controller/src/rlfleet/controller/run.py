@@ -303,7 +303,7 @@ class FleetRun:
         self.start()
         state = self.state
         total = self.total_steps(num_epochs, max_steps)
-        self.metrics.begin(total, num_epochs)
+        self.metrics.begin(total, num_epochs, from_step=state.global_step)  # resumed: the steps before stay
         rewound = True
         while rewound:
             rewound = False
