@@ -227,7 +227,7 @@ async def test_every_client_call_has_a_deadline() -> None:
     await silent.start()
     try:
         async with TensorStoreClient(f"127.0.0.1:{port}", timeout_s=0.5, secret="s") as client:
-            ref = TensorRef(address=client.address, key="k", capability="c")
+            ref = TensorRef(address=client.address, key="k", capability="c" * 64)
             for name, call in (
                 ("Get", client.fetch(ref)),
                 ("Delete", client.delete(ref)),

@@ -19,5 +19,6 @@ class TensorRef(BaseModel):
     key: str = Field(description="key the tensors were put under")
     nbytes: int = Field(default=0, ge=0, description="total payload bytes, for accounting")
     capability: str = Field(
-        default="", max_length=128, repr=False, description="opens this key in its store to read (Get, Stat)"
-    )
+        default="", pattern=r"^(?:[0-9a-f]{64})?$", repr=False,
+        description="opens this key in its store to read (Get, Stat): the hex HMAC-SHA256, or empty",
+    )  # fmt: skip
