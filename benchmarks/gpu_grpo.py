@@ -126,7 +126,7 @@ def job_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
         job = merge(main_job("gsm8k_numeric"), {
             **vllm, "model": "smollm2", "num_epochs": 4, "max_steps": args.numeric_steps,
             "batch": {"rollout_batch_size": 32, "train_batch_size": 16, "group_size": 8},
-            "update": {"micro_batch_size": 64, "learning_rate": 2e-6},
+            "update": {"micro_batch_size": 64, "learning_rate": 1e-5},
             "max_prompt_length": 128, "max_response_length": 192,
             "eval": {"data": str(ROOT / NUMERIC_HELDOUT), "every": 5, "max_tokens": 192},
         })  # fmt: skip
@@ -144,7 +144,7 @@ def job_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
             "max_prompt_length": 64,
             "num_epochs": 1, "max_steps": 8, "max_response_length": 256, "log_every": 1,
             "batch": {"rollout_batch_size": 32, "train_batch_size": 32, "group_size": 8},
-            "update": {"micro_batch_size": 32, "learning_rate": 1e-6, "kl_coef": 0.0, "temperature": 1.0},
+            "update": {"micro_batch_size": 16, "learning_rate": 1e-6, "kl_coef": 0.0, "temperature": 1.0},
             "placement": {"seed": 0}, "weight_bucket_mb": 256,
             # the whole step's 256 samples in one engine batch, each up to 64 + 256 tokens
             "rollout": {"engine": {"type": "vllm", "max_model_len": 512}, "max_batch_size": 256},

@@ -166,6 +166,8 @@ def bare_phase(
     info = read_checkpoint(cfg.model_path, trust_remote_code=cfg.loading.trust_remote_code)
     vllm = import_vllm(device, 1.0)  # 1 GiB of CPU KV cache: the engine's default, as the worker's
     llm_kwargs = bare_llm_kwargs(cfg, device, info)
+    if device == "cuda":  # an engine-core process started from here stalled at start-up twice on an H100
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     llm = vllm.LLM(**llm_kwargs)
     params = vllm.SamplingParams(
         n=sampling.n, temperature=sampling.temperature, max_tokens=sampling.max_tokens,
@@ -325,7 +327,8 @@ async def run(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
         "workload": {"model": args.model, "device": args.device, "prompts": args.prompts, "n": args.n,
                      "max_tokens": args.max_tokens, "temperature": 1.0, "logprobs": True, "reps": args.reps},
         "engine": {"gpu_memory_utilization": args.gpu_memory_utilization, "eager": args.eager,
-                   "vllm_llm": {k: v for k, v in llm_kwargs.items() if k != "model"}},
+                   "vllm_llm": {k: v for k, v in llm_kwargs.items() if k != "model"},
+                   "bare_engine_core": "in-process" if args.device == "cuda" else "vllm default"},
         "machine": machine(args.device),
         "command": " ".join(["benchmarks/rollout.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d"),

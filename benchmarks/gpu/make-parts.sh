@@ -19,7 +19,7 @@ for list in "$shared/vllm-0.26-wheels.txt" "$root/benchmarks/gpu/extra-wheels.tx
     --platform any -d "$stage" -r "$list"
 done
 mkdir -p .whl && rm -f .whl/part*
-tar cf - -C "$stage" . | split -b 57m -d - .whl/part
+tar cf - -C "$stage" . | split -b 50000000 -d - .whl/part  # 50 MB: the tree itself is about 7 MB
 cp "$shared/device-install.sh" .whl/device-install.sh
 rm -rf "$stage"
 echo "built $(ls .whl/part* | wc -l) parts in .whl/ ($(du -ch .whl/part* | tail -1 | cut -f1) in all)"
