@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.controller.checkpoints import CONTROLLER_STATE, latest_checkpoint, resolve_resume
+from rlfleet.controller.checkpoints import (
+    CONTROLLER_STATE,
+    TRAINER_STATE,
+    forget_checkpoint_state,
+    latest_checkpoint,
+    resolve_resume,
+)
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.errors import CheckpointNotFound
 
@@ -16,7 +22,20 @@ def _checkpoint(root: Path, step: int, complete: bool = True) -> Path:
     (path / "trainer").mkdir(parents=True)
     if complete:
         (path / CONTROLLER_STATE).write_text("{}")
+        (path / TRAINER_STATE).write_text("{}")
     return path
+
+
+def test_a_save_over_a_checkpoint_forgets_its_controller_state_first(tmp_path: Path) -> None:
+    """The trainer's new part may land and the controller's then fail: the old controller state
+    must not stay beside it (issue 29, point 4)."""
+    two = _checkpoint(tmp_path, 2)
+    four = _checkpoint(tmp_path, 4)
+    forget_checkpoint_state(four)  # what FleetRun.save_checkpoint does before the trainer saves
+    (four / TRAINER_STATE).write_text("{}")  # the trainer's new save completes; the controller's fails
+    assert latest_checkpoint(tmp_path) == two
+    forget_checkpoint_state(tmp_path / "checkpoint-6")  # a first save: nothing to forget
+    assert not (tmp_path / "checkpoint-6").exists()
 
 
 def test_auto_takes_the_highest_complete_step(tmp_path: Path) -> None:

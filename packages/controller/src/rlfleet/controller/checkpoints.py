@@ -9,7 +9,10 @@ A checkpoint directory ``output_dir/checkpoint-<step>/`` holds::
                              reward scaler's options and running statistics when one is set
 
 The trainer writes the first two (``trainer.save`` with ``mode="full"``), the controller the
-last, once the trainer has replied, so a checkpoint with ``controller_state.json`` is complete.
+last, once the trainer has replied. A checkpoint is complete when it has both markers:
+``controller_state.json`` and the trainer's ``trainer/state.json``, which a trainer's save removes
+before it writes anything and writes last (:mod:`rlfleet.trainer.checkpoint`), so a save that
+failed partway, even one over an older checkpoint of the same step, is never taken for complete.
 Resuming restores the trainer (``trainer.load``), republishes the restored weights under their
 saved version so the rollout workers serve them, then restores the controller's own position
 (:class:`~rlfleet.controller.run.FleetRun` does both; this module finds and reads checkpoints).
@@ -27,13 +30,21 @@ import re
 from pathlib import Path
 from typing import Any
 
-from rlfleet.common.atomic_files import write_atomic
+from rlfleet.common.atomic_files import sync_dir, write_atomic
 from rlfleet.controller.errors import CheckpointNotFound
 
 logger = logging.getLogger(__name__)
 
 CONTROLLER_STATE = "controller_state.json"
+TRAINER_STATE = "trainer/state.json"
+"""The trainer's completion marker inside a checkpoint (``rlfleet.trainer.checkpoint.STATE_FILE`` under
+``trainer/``; the controller does not import the trainer)."""
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def missing_markers(path: Path) -> list[str]:
+    """What ``path`` lacks to be a complete checkpoint: ``[]`` when it holds both markers."""
+    return [name for name in (CONTROLLER_STATE, TRAINER_STATE) if not (path / name).is_file()]
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -44,7 +55,7 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     found = [
         (int(m.group(1)), child)
         for child in root.iterdir()
-        if (m := _CHECKPOINT.match(child.name)) and (child / CONTROLLER_STATE).exists()
+        if (m := _CHECKPOINT.match(child.name)) and not missing_markers(child)
     ]
     return max(found)[1] if found else None
 
@@ -59,9 +70,19 @@ def resolve_resume(resume_from: str | None, output_dir: str | Path) -> Path | No
             logger.info("resume_from=auto: no checkpoint in %s, starting fresh", output_dir)
         return found
     path = Path(resume_from)
-    if not (path / CONTROLLER_STATE).exists():
-        raise CheckpointNotFound(str(path), f"it has no {CONTROLLER_STATE}")
+    missing = missing_markers(path)
+    if missing:
+        raise CheckpointNotFound(str(path), f"it has no {' and no '.join(missing)} (an incomplete save)")
     return path
+
+
+def forget_checkpoint_state(path: Path) -> None:
+    """Remove ``controller_state.json`` from ``path`` before a save into it begins: a save over an
+    older checkpoint of the same step whose controller part then fails must not leave the old
+    controller state beside the new trainer state, a pair that looks complete."""
+    (path / CONTROLLER_STATE).unlink(missing_ok=True)
+    if path.is_dir():
+        sync_dir(path)
 
 
 def write_checkpoint_state(path: Path, state: dict[str, Any]) -> None:

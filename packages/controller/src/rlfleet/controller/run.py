@@ -45,7 +45,12 @@ from rlfleet.common.control.transport import Transport
 from rlfleet.common.schema.algorithms import ALGORITHMS
 from rlfleet.common.schema.connection import NatsConnection, mask_url
 from rlfleet.common.schema.trainer import model_fingerprint
-from rlfleet.controller.checkpoints import read_checkpoint_state, resolve_resume, write_checkpoint_state
+from rlfleet.controller.checkpoints import (
+    forget_checkpoint_state,
+    read_checkpoint_state,
+    resolve_resume,
+    write_checkpoint_state,
+)
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptDataset, PromptItem
 from rlfleet.controller.fleet import publish
@@ -367,6 +372,7 @@ class FleetRun:
     def save_checkpoint(self, path: Path) -> Path:
         """Have the trainer write its full state in ``path``, then write the controller's state."""
         root = path.resolve()
+        forget_checkpoint_state(root)
         self.loop.run(self.fleet.save(str(root), mode="full"))
         state: dict[str, Any] = {
             "global_step": self.state.global_step,

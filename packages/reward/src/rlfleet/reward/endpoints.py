@@ -173,7 +173,9 @@ class Endpoints:
 
         ``spec`` replaces the reward, ``model_path`` only the path of its ``rm`` component; with
         neither, the reward stays (a scaler change). ``scaler`` None keeps the current scaler object
-        (statistics and all); ``{}`` removes scaling. ``scaler_state`` sets the statistics.
+        (statistics and all); ``{}`` removes scaling. ``scaler_state`` sets the statistics, of a new
+        scaler object: the old version serves, statistics untouched, until the switch, and keeps
+        serving whole when the swap fails anywhere before it (a build, a check, the state write).
         """
         lock = self._locks.setdefault(name, asyncio.Lock())
         async with lock:
@@ -215,6 +217,8 @@ class Endpoints:
                 raise ValueError(
                     "scaler_state given for an endpoint without a scaler; send scaler options too"
                 )
+            if old is not None and live is old.scaler:  # the old version serves until the switch: not its
+                live = RewardScaler.from_config(live.config)  # statistics, a new scaler takes the state
             live.load_state_dict(state)
         return live
 

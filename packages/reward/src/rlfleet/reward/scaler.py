@@ -34,7 +34,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlfleet.common.schema.reward import ScalerConfig
 from rlfleet.reward.composite import ScoreBatch
@@ -54,6 +54,14 @@ class ScalerState(BaseModel):
     count: int = Field(ge=0, description="scores seen")
     mean: float = Field(allow_inf_nan=False, description="their mean")
     m2: float = Field(ge=0, allow_inf_nan=False, description="sum of squared deviations from the mean")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ScalerState:
+        if self.count == 0 and (self.mean != 0 or self.m2 != 0):
+            raise ValueError(f"no scores seen (count 0) but mean {self.mean} and m2 {self.m2}")
+        if self.count == 1 and self.m2 != 0:
+            raise ValueError(f"one score seen but m2 {self.m2} (one score deviates from nothing)")
+        return self
 
     @classmethod
     def empty(cls) -> ScalerState:
@@ -113,12 +121,21 @@ class RewardScaler:
         return math.sqrt(s.m2 / s.count) if s.count else 0.0
 
     def _update(self, values: Sequence[float]) -> None:
-        s = self._state
+        """Fold ``values`` into the statistics, all or nothing: the new statistics are computed
+        aside and checked whole, so a batch whose scores overflow them (a mean or a sum of squares
+        that is no longer finite) raises :class:`RewardInputError` and leaves them as they were."""
+        count, mean, m2 = self._state.count, self._state.mean, self._state.m2
         for x in values:
-            s.count += 1
-            delta = x - s.mean
-            s.mean += delta / s.count
-            s.m2 += delta * (x - s.mean)
+            count += 1
+            delta = x - mean
+            mean += delta / count
+            m2 += delta * (x - mean)
+        if not (math.isfinite(mean) and math.isfinite(m2)):
+            raise RewardInputError(
+                f"this batch of {len(values)} scores would make the running statistics non-finite "
+                f"(mean {mean}, m2 {m2}); the statistics are kept as they were"
+            )
+        self._state = ScalerState(count=count, mean=mean, m2=max(m2, 0.0))
 
     def __call__(self, scores: Sequence[float], *, update: bool = True) -> list[float]:
         """Scale a batch of raw scores (N,) -> (N,); see the module docstring for the order."""
@@ -169,7 +186,9 @@ class RewardScaler:
         return self._state.model_dump()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore statistics saved by :meth:`state_dict` (validated; a bad dict raises ValueError)."""
+        """Restore statistics saved by :meth:`state_dict`: the whole dict is validated (types,
+        finite numbers, consistent with each other) before it replaces the statistics, so a bad one
+        raises ValueError and leaves them as they were."""
         self._state = ScalerState.model_validate(dict(state))
 
     def reset(self) -> None:

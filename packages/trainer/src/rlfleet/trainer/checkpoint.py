@@ -11,6 +11,14 @@ Layout of ``<dir>`` (every rank calls :func:`save_training_state` / :func:`load_
 The model and optimizer go through ``get_state_dict`` / ``set_state_dict``, so the same code
 serves one process and FSDP2 ranks. Schedulers and RNG states are JSON and safetensors.
 
+All or nothing, both ways. ``state.json`` marks a training state complete: a save removes the old
+one before it writes anything and writes the new one last (atomically), so a save that fails
+partway, even over an older checkpoint in the same directory, leaves a directory that no load
+accepts. A load reads every part (model and optimizer into buffers of their own, schedulers, RNG
+states) before it changes anything, so a damaged part raises and leaves the live model, optimizer,
+schedulers and RNGs as they were. The price of a load: one more copy of the model and optimizer
+state while it reads (on the CPU; under FSDP, each rank's shards on its device).
+
 Paths from the wire (``trainer.save`` / ``trainer.load``) go through :func:`confine` first: only
 directories strictly inside the worker's ``checkpoint_root`` are used, never through a ``..`` or a
 symlink that leads out, and before a load every file of the checkpoint is checked to resolve
@@ -33,7 +41,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
+from rlfleet.common.atomic_files import write_atomic
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.errors import CheckpointError, CheckpointPathRefused
 from rlfleet.trainer.loop import Trainable
@@ -104,16 +115,25 @@ def _save_part(part: Trainable, path: Path) -> None:
     dcp.save(state, checkpoint_id=str(path), no_dist=not _distributed())
 
 
-def _load_part(part: Trainable, path: Path) -> None:
-    """Load ``path`` (written by :func:`_save_part`) into ``part``'s model and optimizer in place."""
+PartState = tuple[dict[str, Any], dict[str, Any]]
+"""A part's model and optimizer state dicts, as ``get_state_dict`` makes them."""
+
+
+def _read_part(part: Trainable, path: Path) -> PartState:
+    """Read ``path`` (written by :func:`_save_part`) into buffers shaped like ``part``'s state; the
+    live model and optimizer are not touched (a DCP load into their own tensors would change them
+    tensor by tensor, and a damaged file found halfway would leave a mix)."""
     if not path.is_dir():
         raise CheckpointError(path, "holds no model/optimizer checkpoint")
     model_state, optim_state = get_state_dict(part.model, part.optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state = tree_map_only(torch.Tensor, _buffer_like, {"model": model_state, "optim": optim_state})
     dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
-    set_state_dict(
-        part.model, part.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
+    return state["model"], state["optim"]
+
+
+def _buffer_like(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty tensor to read ``tensor``'s saved value into: a shard in place under FSDP, else on the CPU."""
+    return torch.empty_like(tensor) if isinstance(tensor, DTensor) else torch.empty_like(tensor, device="cpu")
 
 
 def _schedule_state(part: Trainable) -> dict[str, Any]:
@@ -122,11 +142,16 @@ def _schedule_state(part: Trainable) -> dict[str, Any]:
     return {"scheduler": sched, "steps": part.steps}
 
 
-def _restore_schedule(part: Trainable, state: dict[str, Any]) -> None:
-    sched = dict(state["scheduler"])
+def _read_schedule(part: Trainable, state: Any, root: Path, name: str) -> tuple[dict[str, Any], int]:
+    """The scheduler state and step count of ``state.json``'s entry ``name``, checked before use."""
+    try:
+        sched = dict(state[name]["scheduler"])
+        steps = int(state[name]["steps"])
+    except (KeyError, TypeError, ValueError) as exc:
+        reason = f"{STATE_FILE} has no readable schedule for the {name} ({exc!r})"
+        raise CheckpointError(root, reason) from exc
     sched["lr_lambdas"] = [None] * len(part.optimizer.param_groups)
-    part.scheduler.load_state_dict(sched)
-    part.steps = int(state["steps"])
+    return sched, steps
 
 
 def _save_rng(path: Path, rank: int, generator: torch.Generator | None) -> None:
@@ -142,14 +167,30 @@ def _save_rng(path: Path, rank: int, generator: torch.Generator | None) -> None:
     save_file(tensors, str(path / f"rng-{rank}.safetensors"))
 
 
-def _load_rng(path: Path, rank: int, generator: torch.Generator | None) -> None:
+RngState = tuple[tuple[Any, ...], dict[str, torch.Tensor]]
+
+
+def _read_rng(path: Path, rank: int) -> RngState:
+    """Rank ``rank``'s saved RNG states: python's (checked on a scratch generator) and torch's tensors."""
     files = path / f"rng-{rank}.json", path / f"rng-{rank}.safetensors"
     missing = [f.name for f in files if not f.exists()]
     if missing:
         raise CheckpointError(path, f"lacks the RNG state of rank {rank} ({missing})")
-    py = json.loads(files[0].read_text())
-    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
-    tensors = load_file(str(files[1]))
+    try:
+        py = json.loads(files[0].read_text())
+        python_state = (py["version"], tuple(py["state"]), py["gauss"])
+        random.Random().setstate(python_state)
+        tensors = load_file(str(files[1]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(path, f"holds an unreadable RNG state of rank {rank} ({exc!r})") from exc
+    if "torch_cpu" not in tensors:
+        raise CheckpointError(path, f"lacks the torch CPU RNG state of rank {rank}")
+    return python_state, tensors
+
+
+def _apply_rng(state: RngState, generator: torch.Generator | None) -> None:
+    python_state, tensors = state
+    random.setstate(python_state)
     torch.set_rng_state(tensors["torch_cpu"])
     if torch.cuda.is_available():
         names = [f"torch_cuda_{i}" for i in range(torch.cuda.device_count())]
@@ -172,6 +213,7 @@ def save_training_state(
     rank = _rank()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
+        (root / STATE_FILE).unlink(missing_ok=True)  # an older save here is no longer whole from now on
     _barrier()
     _save_part(actor, root / "actor")
     state: dict[str, Any] = {"actor": _schedule_state(actor)}
@@ -179,8 +221,9 @@ def save_training_state(
         _save_part(critic, root / "critic")
         state["critic"] = _schedule_state(critic)
     _save_rng(root, rank, generator)
+    _barrier()  # every rank's parts are written before the state file says they are
     if rank == 0:
-        (root / STATE_FILE).write_text(json.dumps(state, indent=1))
+        write_atomic(root / STATE_FILE, json.dumps(state, indent=1))
     _barrier()
     logger.info("training state saved to %s (actor step %d)", root, actor.steps)
     return root
@@ -190,20 +233,31 @@ def load_training_state(
     path: str | Path, actor: Trainable, critic: Trainable | None = None, *,
     generator: torch.Generator | None = None,
 ) -> int:  # fmt: skip
-    """Restore what :func:`save_training_state` wrote; every rank calls it. Returns the actor's step."""
+    """Restore what :func:`save_training_state` wrote; every rank calls it. Returns the actor's step.
+
+    Everything is read first; only then is anything applied (see the module docstring), so a
+    :class:`CheckpointError` (or DCP's error for a damaged part) leaves the training state as it was.
+    """
     root = Path(path)
     state_file = root / STATE_FILE
     if not state_file.exists():
         raise CheckpointError(root, f"has no {STATE_FILE}: not a training checkpoint")
-    state = json.loads(state_file.read_text())
-    if (critic is None) != ("critic" not in state):
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(root, f"has no readable {STATE_FILE} ({exc})") from exc
+    if not isinstance(state, dict) or (critic is None) != ("critic" not in state):
         raise CheckpointError(root, "critic presence differs from this run's algorithm")
-    _load_part(actor, root / "actor")
-    _restore_schedule(actor, state["actor"])
-    if critic is not None:
-        _load_part(critic, root / "critic")
-        _restore_schedule(critic, state["critic"])
-    _load_rng(root, _rank(), generator)
+    parts = [("actor", actor)] + ([("critic", critic)] if critic is not None else [])
+    read = [
+        (part, _read_part(part, root / name), _read_schedule(part, state, root, name)) for name, part in parts
+    ]
+    rng = _read_rng(root, _rank())
+    for part, (model_state, optim_state), (sched, steps) in read:  # from here on nothing is read
+        set_state_dict(part.model, part.optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+        part.scheduler.load_state_dict(sched)
+        part.steps = steps
+    _apply_rng(rng, generator)
     _barrier()
     logger.info("training state loaded from %s (actor step %d)", root, actor.steps)
     return actor.steps
