@@ -1,6 +1,6 @@
-"""Checkpoints are all or nothing (issue 29, point 4): a save that fails partway leaves the previous
-checkpoint the latest (``resume_from=auto`` never picks a half-written one, even one written over
-an older checkpoint of the same step), and a load that fails partway leaves the model, optimizer,
+"""Checkpoints are all or nothing (issue 29, point 4): a save that fails partway leaves no
+completion marker (``trainer/state.json``, which ``resume_from=auto`` needs: tests/controller),
+even one written over an older checkpoint of the same step, and a load that fails partway leaves the model, optimizer,
 schedulers and RNGs as they were. Real actors and critics (tiny model, CPU), real DCP files.
 """
 
@@ -16,10 +16,8 @@ import torch
 from batches import update  # this folder's helper module (conftest puts it on sys.path)
 from torch.distributed.checkpoint.api import CheckpointException
 
-from rlfleet.controller.checkpoints import latest_checkpoint, resolve_resume, write_checkpoint_state
-from rlfleet.controller.errors import CheckpointNotFound
 from rlfleet.trainer.actor import Actor
-from rlfleet.trainer.checkpoint import check_loadable, load_checkpoint, save_checkpoint
+from rlfleet.trainer.checkpoint import STATE_FILE, check_loadable, load_checkpoint, save_checkpoint
 from rlfleet.trainer.critic import Critic
 from rlfleet.trainer.errors import CheckpointError
 
@@ -101,8 +99,7 @@ def test_a_save_that_fails_partway_over_an_older_checkpoint_is_never_the_latest(
     for step, path in ((1, one), (2, two)):
         _train(actor, batch, float(step))
         save_checkpoint(path, actor, critic, mode="full")
-        write_checkpoint_state(path, {"global_step": step})
-    assert latest_checkpoint(tmp_path) == two
+    assert (two / "trainer" / STATE_FILE).is_file()
 
     # a later run saves step 2 again (resumed from checkpoint-1); its save breaks off after the actor
     _train(actor, batch, 3.0)
@@ -110,9 +107,8 @@ def test_a_save_that_fails_partway_over_an_older_checkpoint_is_never_the_latest(
     (two / "trainer" / "critic").write_text("in the way")
     with pytest.raises(CheckpointException, match="critic"):
         save_checkpoint(two, actor, critic, mode="full")
-    assert latest_checkpoint(tmp_path) == one, "resume_from=auto would take a half-written checkpoint"
-    assert resolve_resume("auto", tmp_path) == one
-    with pytest.raises(CheckpointNotFound, match="trainer/state.json"):
-        resolve_resume(str(two), tmp_path)
+    # the trainer's completion marker is gone (the controller's resume_from=auto needs it: tests/controller)
+    assert not (two / "trainer" / STATE_FILE).exists(), "a half-written save kept its marker"
+    assert (one / "trainer" / STATE_FILE).is_file()
     with pytest.raises(CheckpointError, match="state.json"):
         check_loadable(two, critic)
