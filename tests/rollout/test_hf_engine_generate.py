@@ -1,7 +1,8 @@
-"""HFEngine.generate: greedy parity with HF, exact logprobs, ordering, seeding, stops and limits."""
+"""HFEngine.generate: greedy parity with HF, exact logprobs, ordering, seeding, stops, limits, deadlines."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from rlfleet.common.control.messages import SamplingParams
 from rlfleet.rollout.engines import Completion, HFEngine
-from rlfleet.rollout.errors import EngineClosed, InvalidPrompt
+from rlfleet.rollout.errors import DeadlinePassed, EngineClosed, InvalidPrompt
 
 PROMPTS = ["hello", "a b", "The quick brown fox", "x"]
 EOS_ID = 1
@@ -162,6 +163,31 @@ def test_bad_prompts_are_refused(engine: HFEngine) -> None:
         engine.generate([[5], []], SamplingParams())
     with pytest.raises(InvalidPrompt, match=r"\[500\] outside the vocabulary"):
         engine.generate([[5, 500]], SamplingParams())
+
+
+@pytest.mark.timeout(60)
+def test_a_prompt_beyond_the_model_s_positions_is_refused(engine: HFEngine) -> None:
+    """Issue 29, point 5: as in vLLM, prompt + max_tokens over max_position_embeddings (256) is refused."""
+    assert engine.max_model_len == 256
+    with pytest.raises(InvalidPrompt, match="prompt 1: has 200 tokens; with max_tokens=57 it needs 257 > "):
+        engine.generate([[5], [5] * 200], SamplingParams(max_tokens=57))
+    assert len(engine.generate([[5] * 200], SamplingParams(max_tokens=56, seed=0))) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_deadline_stops_generation_between_decode_steps(tiny_checkpoint: Path) -> None:
+    """Issue 29, point 5: past its deadline a call stops (64 samples of up to 250 tokens, one at a
+    time, would run on) and says so; the engine then serves the next call."""
+    engine = HFEngine(tiny_checkpoint, max_batch_size=1)
+    params = SamplingParams(n=64, max_tokens=250, temperature=1.0, seed=0)
+    t0 = time.monotonic()
+    with pytest.raises(DeadlinePassed, match="cancelled after") as info:
+        engine.generate([[5, 6]], params, deadline=time.monotonic() + 0.2)
+    assert time.monotonic() - t0 < 5.0 and info.value.ran_s is not None
+    with pytest.raises(DeadlinePassed):  # already passed: stops before its first step
+        engine.generate([[5, 6]], params, deadline=time.monotonic() - 1)
+    later = time.monotonic() + 60
+    assert len(engine.generate([[5]], SamplingParams(max_tokens=4, seed=0), deadline=later)) == 1
 
 
 @pytest.mark.timeout(60)

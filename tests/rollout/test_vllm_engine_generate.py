@@ -6,6 +6,7 @@ whole module (vLLM keeps its parallel state in globals: one in-process engine at
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 
 from rlfleet.common.control.messages import SamplingParams
 from rlfleet.rollout.engines import Engine, HFEngine
-from rlfleet.rollout.errors import EngineUnavailable, InvalidPrompt
+from rlfleet.rollout.errors import DeadlinePassed, EngineUnavailable, InvalidPrompt
 from rlfleet.rollout.service import to_rollout_tensors
 
 pytest.importorskip("vllm", reason="vLLM is not installed (uv sync --extra cpu)")
@@ -142,6 +143,21 @@ def test_requests_beyond_the_context_cap_are_refused(engine: VLLMEngine) -> None
         engine.generate([[5], []], GREEDY)
     with pytest.raises(InvalidPrompt, match=r"outside the vocabulary \[0, 71\)"):
         engine.generate([[5, 71]], GREEDY)
+
+
+@pytest.mark.timeout(120)
+def test_a_deadline_aborts_the_requests_and_the_engine_serves_the_next_call(engine: VLLMEngine) -> None:
+    """Issue 29, point 5: past its deadline a call aborts its requests in vLLM (it would run 100
+    samples of 120 tokens) and says so; nothing of it is left in the engine."""
+    params = SamplingParams(n=4, max_tokens=120, temperature=1.0, seed=0)
+    with pytest.raises(DeadlinePassed, match="cancelled after"):
+        engine.generate([[5, 6]] * 25, params, deadline=time.monotonic() + 0.05)
+    with pytest.raises(DeadlinePassed):  # already passed: aborted at the first step
+        engine.generate([[5, 6]] * 25, params, deadline=time.monotonic() - 1)
+    assert not engine._llm.llm_engine.has_unfinished_requests()
+    assert "step" not in vars(engine._llm.llm_engine)  # the step is vLLM's own again
+    out = engine.generate(PROMPTS, GREEDY, deadline=time.monotonic() + 60)
+    assert [(c.prompt_index, len(c.token_ids)) for c in out] == [(i, 12) for i in range(3)]
 
 
 @pytest.mark.timeout(60)

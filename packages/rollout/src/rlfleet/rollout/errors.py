@@ -1,9 +1,10 @@
 """Every error rlfleet-rollout raises, in one place.
 
 Each error subclasses a builtin and one of :class:`~rlfleet.common.errors.UserError` (a bad prompt,
-an unknown engine or weight name, a missing or unsupported vLLM) or
-:class:`~rlfleet.common.errors.Failure` (an engine used after ``close()``, stale or discarded
-weights, a publish cut short). Each keeps its fields and builds its own message.
+an unknown engine or weight name, a missing or unsupported vLLM, a request over the worker's
+limits) or :class:`~rlfleet.common.errors.Failure` (an engine used after ``close()``, stale or
+discarded weights, a publish cut short, a job past its deadline). Each keeps its fields and builds
+its own message.
 """
 
 from __future__ import annotations
@@ -150,6 +151,26 @@ class WeightsDiscarded(Failure, RuntimeError):
         )
 
 
+class WeightsTorn(Failure, RuntimeError):
+    """A weight load failed partway through changing the engine's weights, which it cannot undo.
+
+    The vLLM engine reloads whole blocks inside vLLM's workers and keeps no copy of what it
+    replaced: once a load breaks off after some blocks went in, the engine holds a mix of two
+    versions. It refuses to generate from then on (instead of serving the mix under the version it
+    reports) until a load that sends those blocks again succeeds.
+    """
+
+    def __init__(self, model_id: str, groups: int, reason: str) -> None:
+        self.model_id = model_id
+        self.groups = groups
+        self.reason = reason
+        super().__init__(
+            f"engine for {model_id!r}: a weight load failed partway ({reason}); {groups} weight "
+            "group(s) may hold a mix of two versions, so generation is refused until a full load "
+            "of the weights succeeds"
+        )
+
+
 class EngineUnavailable(UserError, ImportError):
     """The requested engine cannot run here (its package is missing or built for another device)."""
 
@@ -187,3 +208,40 @@ class UnsupportedVLLM(UserError, ImportError):
             f"vLLM {version} is installed, but rlfleet's vLLM engine supports {supported}; install a "
             "release in that range (or set RLFLEET_VLLM_ANY_VERSION=1 to try it anyway)"
         )
+
+
+class GenerateTooLarge(UserError, ValueError):
+    """A generate request whose fields are each in bounds asks for more in all than this worker allows:
+    ``product`` (samples, new tokens, prompt tokens) is ``value``, over ``limit`` (the worker's
+    ``limits.<setting>``). Refused before any work; the wire code is ``bad_request``."""
+
+    def __init__(self, product: str, formula: str, value: int, limit: int, setting: str) -> None:
+        self.product = product
+        self.value = value
+        self.limit = limit
+        self.setting = setting
+        super().__init__(
+            f"the request asks for {value} {product} ({formula}), over this worker's limit of {limit} "
+            f"(limits.{setting}); split it into smaller requests or raise the limit"
+        )
+
+
+class DeadlinePassed(Failure, TimeoutError):
+    """A generate job's deadline (``GenerateRequest.deadline``) passed: the job was refused before it
+    started (``ran_s`` None), or its generation was cancelled after ``ran_s`` seconds (the HF engine
+    between decode steps, the vLLM engine by aborting its requests) and the worker is free again.
+
+    Retryable (wire code ``timeout``): the requester's next try carries a fresh deadline. The reply
+    goes out either way; a requester that is gone never reads it.
+    """
+
+    code = "timeout"
+    retryable = True
+
+    def __init__(self, what: str, late_s: float, ran_s: float | None = None) -> None:
+        self.what = what
+        self.late_s = late_s
+        self.ran_s = ran_s
+        outcome = ("refused before it started" if ran_s is None
+                   else f"cancelled after {ran_s:.1f} s of generation")  # fmt: skip
+        super().__init__(f"{what}: its deadline passed {late_s:.1f} s ago; {outcome}")

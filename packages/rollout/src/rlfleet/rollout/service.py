@@ -6,9 +6,12 @@ the only one who may delete) loads a newer weight version or ``store_ttl_s`` pas
 arrive by the carrier that suits this worker (:mod:`rlfleet.common.schema.carriers`): CUDA IPC
 from a trainer on the same GPU, else the trainer's TensorStore over gRPC. A generate request
 pinned to a weight version this worker does not hold is refused as retryable, never served on
-stale weights. A generate or weight load whose ``job_id`` the worker has seen (the controller's
-retry, or the transport's resend after a NATS outage) is answered with the first reply, not run
-again (:class:`~rlfleet.common.control.reply_cache.ReplyCache`).
+stale weights; one over the worker's ``limits`` (its samples, new tokens or prompt tokens in all, or
+a prompt that with ``max_tokens`` does not fit the model's context) is refused before any work, and
+one whose ``deadline`` passes is refused, or cancelled while it runs, freeing the worker. A
+generate or weight load whose ``job_id`` the worker has seen (the controller's retry, or the
+transport's resend after a NATS outage) is answered with the first reply, not run again
+(:class:`~rlfleet.common.control.reply_cache.ReplyCache`).
 
 Completions are packed (:func:`to_rollout_tensors`) into the rollout-batch tensor contract shared
 by rollout, reward and trainer; N = number of completions (prompt-major, as ``Engine.generate``
@@ -46,12 +49,18 @@ from rlfleet.common.control.worker import Worker
 from rlfleet.common.errors import ConfigError, WrongMessageKind
 from rlfleet.common.remote_code import refused_remote_code, remote_code_reason
 from rlfleet.common.schema.batch import pack_texts, pad_left, pad_right
-from rlfleet.common.schema.rollout import RolloutWorkerConfig
+from rlfleet.common.schema.rollout import GenerateLimits, RolloutWorkerConfig
 from rlfleet.common.tensors.store import ClientPool, TensorStoreServer, worker_store
 from rlfleet.rollout.catch_up import catch_up
 from rlfleet.rollout.engines.base import Completion
 from rlfleet.rollout.engines.registry import make_engine, resolve_engine_name
-from rlfleet.rollout.errors import NoUsableCarrier, StaleWeights
+from rlfleet.rollout.errors import (
+    DeadlinePassed,
+    GenerateTooLarge,
+    InvalidPrompt,
+    NoUsableCarrier,
+    StaleWeights,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +104,38 @@ def to_rollout_tensors(
         "response_text": response_text,
         "response_text_offsets": response_offsets,
     }
+
+
+def check_products(request: GenerateRequest, limits: GenerateLimits, context: int | None) -> None:
+    """Refuse, before any work, a request whose fields are each in bounds but whose products are not.
+
+    Raises :class:`GenerateTooLarge` for samples (prompts x n), new tokens (samples x max_tokens) or
+    prompt tokens (the prompts' total length x n) over ``limits``, and :class:`InvalidPrompt` for a
+    prompt that with ``max_tokens`` does not fit ``context`` (the served model's; None: unknown).
+    """
+    prompts, n, max_tokens = request.prompt_token_ids, request.sampling.n, request.sampling.max_tokens
+    samples, length = len(prompts) * n, sum(map(len, prompts))
+    over = [
+        ("samples", f"{len(prompts)} prompts x n={n}", samples, limits.max_samples, "max_samples"),
+        ("new tokens", f"{samples} samples x max_tokens={max_tokens}", samples * max_tokens,
+         limits.max_new_tokens, "max_new_tokens"),
+        ("prompt tokens", f"{len(prompts)} prompts of {length} tokens in all x n={n}", length * n,
+         limits.max_prompt_tokens, "max_prompt_tokens"),
+    ]  # fmt: skip
+    for product, formula, value, limit, setting in over:
+        if value > limit:
+            raise GenerateTooLarge(product, formula, value, limit, setting)
+    if context is None:
+        return
+    for i, prompt in enumerate(prompts):
+        if len(prompt) + max_tokens > context:
+            raise InvalidPrompt(i, prompt_len=len(prompt), max_tokens=max_tokens, cap=context)
+
+
+def _identity(request: GenerateRequest) -> GenerateRequest:
+    """What makes a repeated job id the same job: the request less its deadline, which each try of
+    one job (the controller's retry, a resend after an outage) may carry anew."""
+    return request.model_copy(update={"deadline": None})
 
 
 def engine_kwargs(cfg: RolloutWorkerConfig, device: str) -> dict[str, Any]:
@@ -156,7 +197,7 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
 
     async def handle_own(self, message: AnyMessage) -> AnyMessage | None:
         if isinstance(message, GenerateRequest):
-            return await self.replies.once(message, message.job_id, lambda: self.generate(message))
+            return await self.replies.once(_identity(message), message.job_id, lambda: self.generate(message))
         if isinstance(message, LoadWeights):
             return await self.replies.once(message, message.job_id, lambda: self.load_weights(message))
         return await super().handle_own(message)
@@ -164,19 +205,33 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
     async def _on_generate(self, message: AnyMessage) -> AnyMessage:
         if not isinstance(message, GenerateRequest):
             raise WrongMessageKind("rollout.generate", message.kind)
-        return await self.replies.once(message, message.job_id, lambda: self.generate(message))
+        return await self.replies.once(_identity(message), message.job_id, lambda: self.generate(message))
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Generate the job into this worker's store; its reply says where the batch lives.
+
+        Refused before any work when its deadline has passed (:class:`DeadlinePassed`), when its
+        products are over this worker's ``limits`` or a prompt does not fit the model's context
+        (:func:`check_products`), or when it asks for weights this worker does not hold. A job whose
+        deadline passes while it waits for the engine or while it generates is cancelled (the engine
+        stops, the worker takes the next job) and answered with :class:`DeadlinePassed`.
+        """
+        self._stop_at(request)
+        check_products(request, self.config.limits, getattr(self.engine, "max_model_len", None))
         if request.weight_version >= 0 and request.weight_version != self.weight_version:
             raise StaleWeights(self.worker_id, self.weight_version, request.weight_version)
         async with self._gpu:
+            stop_at = self._stop_at(request)  # it may have passed while the job waited for the engine
             self.busy += 1
             try:
                 t0 = time.perf_counter()
                 completions = await asyncio.to_thread(self.engine.generate, request.prompt_token_ids,
-                                                      request.sampling)  # fmt: skip
+                                                      request.sampling, deadline=stop_at)  # fmt: skip
                 seconds = time.perf_counter() - t0
                 tensors = to_rollout_tensors(completions, self.engine.pad_token_id, self.engine.tokenizer)
+            except DeadlinePassed as exc:  # the engine stopped: name the job, the worker is free
+                logger.warning("generate job %s cancelled: %s", request.job_id, exc)
+                raise DeadlinePassed(self._job_name(request), exc.late_s, exc.ran_s) from None
             finally:
                 self.busy -= 1
         ref = self.store.put_local(f"rollout/{request.job_id}", tensors)
@@ -188,6 +243,19 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
             num_prompts=len(request.prompt_token_ids), num_samples=len(completions),
             num_tokens=generated, seconds=seconds,
         )  # fmt: skip
+
+    def _job_name(self, request: GenerateRequest) -> str:
+        return f"generate job {request.job_id} on rollout worker {self.worker_id}"
+
+    def _stop_at(self, request: GenerateRequest) -> float | None:
+        """The request's deadline, plus ``limits.deadline_slack_s``, on this worker's ``time.monotonic()``
+        clock (None: it has none); raises :class:`DeadlinePassed` once it has passed."""
+        if request.deadline is None:
+            return None
+        left = request.deadline + self.config.limits.deadline_slack_s - time.time()
+        if left <= 0:
+            raise DeadlinePassed(self._job_name(request), -left)
+        return time.monotonic() + left
 
     def carrier(self, message: LoadWeights) -> str:
         """``cuda_ipc`` when the message's IPC buckets live on this engine's GPU, else ``grpc``.
@@ -210,19 +278,26 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
     async def load_weights(self, message: LoadWeights) -> WeightsLoaded:
         """Load the version in place by the best carrier for this worker, then switch version.
 
-        CUDA IPC (the trainer shares this GPU): the engine maps the trainer's buffers. gRPC: each
-        bucket is pulled from the trainer's store and loaded as it arrives.
+        CUDA IPC (the trainer shares this GPU): the engine maps the trainer's buffers. gRPC: every
+        bucket the message names is pulled from the trainer's store first, then the whole version
+        goes to the engine in one call, which validates all of it before it changes anything. All
+        or nothing: a fetch or a check that fails leaves the engine on the version it reports (the
+        error goes back to the sender); so does a copy that fails partway in the HF engine, which
+        restores what it overwrote, while the vLLM engine refuses to generate until a full load
+        succeeds. The price: the version's buckets are held in host memory while they load.
         """
         t0 = time.perf_counter()
         carrier = self.carrier(message)
+        version = message.weight_version
         async with self._gpu:
             if carrier == "cuda_ipc":
-                await asyncio.to_thread(self.engine.load_ipc, message.ipc_buckets)
-            for ref in message.buckets if carrier == "grpc" else ():
-                bucket = await self._stores.fetch(ref)
-                await asyncio.to_thread(self.engine.load_weights, bucket)
-            self.engine.set_weight_version(message.weight_version)
-            self.weight_version = message.weight_version
+                await asyncio.to_thread(self.engine.load_ipc, message.ipc_buckets, version)
+            else:
+                items: list[tuple[str, torch.Tensor]] = []
+                for ref in message.buckets:
+                    items.extend((await self._stores.fetch(ref)).items())
+                await asyncio.to_thread(self.engine.load_weights, items, version)
+            self.weight_version = version
             self._release_older_batches()
         seconds = time.perf_counter() - t0
         logger.info("loaded weight version %d by %s in %.3fs", message.weight_version, carrier, seconds)

@@ -118,6 +118,27 @@ class RolloutSettings(ConfigModel):
         return engine.max_model_len if engine is not None else None
 
 
+class GenerateLimits(ConfigModel):
+    """What one generate request may ask of this worker in all: the products of its fields, each
+    field being bounded already where it arrives (``SamplingParams``). A request over a limit is
+    refused before any work (``bad_request`` naming the product, its value and the limit); so is
+    a prompt that with ``max_tokens`` does not fit the served model's context. The defaults let a
+    large GRPO step through in one chunk and refuse what would hold the worker for hours."""
+
+    max_samples: int = Field(default=32768, ge=1, description="samples in one request: prompts x n")
+    max_new_tokens: int = Field(
+        default=1 << 25, ge=1, description="tokens one request may generate: prompts x n x max_tokens"
+    )
+    max_prompt_tokens: int = Field(
+        default=1 << 25, ge=1, description="prompt tokens over all samples: the prompts' total length x n"
+    )
+    deadline_slack_s: float = Field(
+        default=5.0, ge=0.0, allow_inf_nan=False,
+        description="a request's deadline is cut this many seconds late: the requester's clock may be "
+        "behind this worker's by that much",
+    )  # fmt: skip
+
+
 class RolloutWorkerConfig(ModelWorkerConfig):
     """A rollout worker's config (``rlfleet-rollout serve --config``): its engine settings
     (``rollout``, the job's section as it is) and its own."""
@@ -131,4 +152,7 @@ class RolloutWorkerConfig(ModelWorkerConfig):
     store_ttl_s: float = Field(default=1800, gt=0, description="results not fetched by then are dropped")
     catch_up_timeout_s: float = Field(
         default=10.0, gt=0, description="late join: wait this long for the trainer's latest weights"
+    )
+    limits: GenerateLimits = Field(
+        default_factory=GenerateLimits, description="what one generate request may ask in all; its deadline"
     )

@@ -63,9 +63,14 @@ class Engine(Protocol):
     """
 
     model_id: str
+    max_model_len: int | None
+    """The longest prompt + ``max_tokens`` a request may use (None: the model does not say)."""
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Sample ``params.n`` completions for each prompt."""
+    def generate(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams, *, deadline: float | None = None
+    ) -> list[Completion]:
+        """Sample ``params.n`` completions for each prompt; once ``deadline`` (``time.monotonic()``
+        seconds) has passed, stop and raise :class:`~rlfleet.rollout.errors.DeadlinePassed`."""
         ...
 
     def load_weights(self, weights: WeightsInput, version: int | None = None) -> None:

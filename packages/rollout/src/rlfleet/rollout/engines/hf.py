@@ -18,6 +18,10 @@ Semantics (matching vLLM where it has them):
   logits of each step. It keeps only the current step's ``log_softmax(logits / temperature)``
   (B, V) and gathers the chosen token's entry on the next step, so memory stays O(B * V) instead
   of the O(B * T * V) that ``output_logits=True`` holds.
+- context: a prompt that with ``max_tokens`` does not fit the model's ``max_position_embeddings``
+  is refused (:class:`~rlfleet.rollout.errors.InvalidPrompt`) before anything runs, as in vLLM.
+- deadline: a call given one stops between decode steps once it has passed (:class:`DeadlineStop`)
+  and raises :class:`~rlfleet.rollout.errors.DeadlinePassed`.
 - seeding: ``params.seed`` if set, else a seed drawn from the engine's own generator (seeded
   with ``seed`` at construction), so a fresh engine replays the same calls identically. The
   global RNG is forked, so the caller's RNG state is untouched.
@@ -28,6 +32,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,6 +44,8 @@ from transformers import (
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
 )
 
 from rlfleet.common.control.messages import SamplingParams
@@ -49,7 +56,7 @@ from rlfleet.rollout.engines.base import Completion, WeightsInput
 from rlfleet.rollout.engines.checkpoint import load_tokenizer
 from rlfleet.rollout.engines.cuda_ipc import device_uuid, load_and_release, meta_items
 from rlfleet.rollout.engines.weights import TiedPair, copy_weights, load_targets, validate
-from rlfleet.rollout.errors import EngineClosed, InvalidPrompt, IpcUnavailable
+from rlfleet.rollout.errors import DeadlinePassed, EngineClosed, InvalidPrompt, IpcUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +104,9 @@ class HFEngine:
             self._tokenizer.bos_token_id, self._eos_ids, self._pad_id
         )
         self._vocab_size = int(self._model.get_input_embeddings().weight.shape[0])
+        text_config = self._model.config.get_text_config()
+        self.max_model_len: int | None = getattr(text_config, "max_position_embeddings", None)
+        """The model's positions: the longest prompt + ``max_tokens`` a request may use."""
         self._targets = load_targets(self._model)
         self._tied = tuple(
             p for p in _tied_pairs(self._model) if p.first in self._targets and p.second in self._targets
@@ -135,10 +145,17 @@ class HFEngine:
             raise ValueError(f"weight version must be >= 0, got {version}")
         self._weight_version = version
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """``len(prompt_token_ids) * params.n`` completions, prompt-major (see the module docstring)."""
+    def generate(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams, *, deadline: float | None = None
+    ) -> list[Completion]:
+        """``len(prompt_token_ids) * params.n`` completions, prompt-major (see the module docstring).
+
+        Past ``deadline`` (``time.monotonic()`` seconds) the call stops between decode steps and
+        raises :class:`DeadlinePassed`; nothing of it is returned.
+        """
         self._check_open()
-        self._validate_prompts(prompt_token_ids)
+        self._validate_prompts(prompt_token_ids, params.max_tokens)
+        cancel = DeadlineStop(deadline, f"generation on {self.model_id}") if deadline is not None else None
         rows = [(p, s) for p in range(len(prompt_token_ids)) for s in range(params.n)]
         order = list(range(len(rows)))
         if len(rows) > self.max_batch_size:  # group similar lengths; stable, so samples stay together
@@ -148,7 +165,9 @@ class HFEngine:
         with self._lock, torch.inference_mode(), seeded(seed, self._device):
             for start in range(0, len(order), self.max_batch_size):
                 chunk = order[start : start + self.max_batch_size]
-                batch = self._generate_batch([prompt_token_ids[rows[r][0]] for r in chunk], params)
+                if cancel is not None:
+                    cancel.check()
+                batch = self._generate_batch([prompt_token_ids[rows[r][0]] for r in chunk], params, cancel)
                 for r, out in zip(chunk, batch, strict=True):
                     outputs[r] = out
         done = [o for o in outputs if o is not None]
@@ -171,8 +190,10 @@ class HFEngine:
         """Copy a bucket of ``(hf_name, tensor)`` into the live parameters in place.
 
         The bucket is validated as a whole first (names, shapes, float vs non-float dtypes; float
-        casts and device moves are done by the copy). For tied embeddings, a tensor sent under
-        one of the tied names updates both. ``version``, if given, is set after the copy.
+        casts and device moves are done by the copy), and a copy that fails partway restores what
+        it overwrote (:func:`~rlfleet.rollout.engines.weights.copy_weights`): the engine keeps the
+        version it reports. For tied embeddings, a tensor sent under one of the tied names updates
+        both. ``version``, if given, is set after the copy.
         """
         self._check_open()
         with self._lock:
@@ -218,16 +239,22 @@ class HFEngine:
         if self._model is None:
             raise EngineClosed(self.model_id)
 
-    def _validate_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+    def _validate_prompts(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> None:
+        cap = self.max_model_len
         for i, prompt in enumerate(prompts):
             if not prompt:
                 raise InvalidPrompt(i, "is empty")
             bad = [t for t in prompt if not 0 <= t < self._vocab_size]
             if bad:
                 raise InvalidPrompt(i, f"token ids {bad[:5]} outside the vocabulary [0, {self._vocab_size})")
+            if cap is not None and len(prompt) + max_tokens > cap:
+                raise InvalidPrompt(i, prompt_len=len(prompt), max_tokens=max_tokens, cap=cap)
 
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[_Row]:
-        """One ``model.generate`` call on left-padded ``prompts`` (B rows)."""
+    def _generate_batch(
+        self, prompts: list[list[int]], params: SamplingParams, cancel: DeadlineStop | None = None
+    ) -> list[_Row]:
+        """One ``model.generate`` call on left-padded ``prompts`` (B rows); ``cancel`` ends it between
+        decode steps once its deadline has passed."""
         input_ids, attention_mask = pad_left(prompts, self._pad_id)
         width = input_ids.shape[1]
         stop_ids = sorted(set(self._eos_ids) | set(params.stop_token_ids))
@@ -237,6 +264,7 @@ class HFEngine:
             attention_mask=attention_mask.to(self._device),
             generation_config=generation_config(params, stop_ids, self._pad_id),
             logits_processor=LogitsProcessorList([recorder] if recorder else []),
+            stopping_criteria=StoppingCriteriaList([cancel] if cancel else []),
         )
         generated = out.sequences[:, width:]  # (B, T)
         lengths, stopped = cut_at_stop(generated, stop_ids, params.max_tokens)
@@ -321,6 +349,29 @@ class LogprobRecorder(LogitsProcessor):
         if steps == 0:
             return torch.zeros((generated.shape[0], 0), dtype=torch.float32, device=generated.device)
         return torch.stack(self._steps[:steps], dim=1)
+
+
+class DeadlineStop(StoppingCriteria):
+    """Cancels a ``generate`` call between decode steps: raises :class:`DeadlinePassed` once
+    ``deadline`` (``time.monotonic()`` seconds) has passed. Raising (rather than reporting every row
+    done) leaves no truncated rows that could pass for finished ones."""
+
+    def __init__(self, deadline: float, what: str) -> None:
+        self.deadline = deadline
+        self.what = what
+        self.started = time.monotonic()
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if now >= self.deadline:
+            raise DeadlinePassed(self.what, now - self.deadline, now - self.started)
+
+    def __call__(
+        self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any
+    ) -> torch.BoolTensor:
+        """input_ids (B, L): no row is done on this criterion's account; it raises instead."""
+        self.check()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
 
 
 def neutral_generation_config(bos: int | None, eos: Sequence[int], pad: int) -> GenerationConfig:

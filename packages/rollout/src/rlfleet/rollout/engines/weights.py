@@ -3,7 +3,10 @@
 Used by the HF engine to take a weight bucket from the trainer: each tensor is copied into the
 existing parameter's storage (``param.data.copy_``), so everything that holds a reference to a
 parameter (tied embeddings, CUDA graphs, compiled code) keeps seeing the live values. A bucket
-is validated as a whole before anything is copied, so a bad bucket leaves the model untouched.
+is validated as a whole before anything is copied, so a bad bucket leaves the model untouched;
+and each tensor about to be overwritten is kept (a copy on the CPU) until the whole bucket is in,
+so a copy that fails partway puts every overwritten tensor back: the model holds the old weights
+or the new ones, never a mix. The price is a CPU copy of the bucket's targets while it loads.
 """
 
 from __future__ import annotations
@@ -64,21 +67,37 @@ def copy_weights(
     """Copy ``weights`` into ``targets`` in place (casting dtype and device); return the names loaded.
 
     For each :class:`TiedPair` whose tensors do not share storage, a tensor that arrived under one
-    name only is copied into the other as well.
+    name only is copied into the other as well. All or nothing: when a copy raises, every tensor
+    overwritten so far is restored before the error goes on.
     """
     items = _items(weights)
     validate(targets, items)
     loaded: set[str] = set()
+    kept: dict[str, torch.Tensor] = {}  # the old values of what this call overwrote, on the CPU
     with torch.no_grad():
-        for name, tensor in items:
-            targets[name].data.copy_(tensor)
-            loaded.add(name)
-        for pair in tied:
-            source, dest = _tie_direction(pair, loaded)
-            if source and targets[source].data_ptr() != targets[dest].data_ptr():
-                targets[dest].data.copy_(targets[source].data)
+        try:
+            for name, tensor in items:
+                _keep(kept, name, targets[name])
+                targets[name].data.copy_(tensor)
+                loaded.add(name)
+            for pair in tied:
+                source, dest = _tie_direction(pair, loaded)
+                if source and targets[source].data_ptr() != targets[dest].data_ptr():
+                    _keep(kept, dest, targets[dest])
+                    targets[dest].data.copy_(targets[source].data)
+        except BaseException:
+            for name, old in kept.items():
+                targets[name].data.copy_(old)
+            logger.warning("a weight copy failed partway: %d overwritten tensor(s) restored", len(kept))
+            raise
     logger.debug("loaded %d tensors in place", len(items))
     return [name for name, _ in items]
+
+
+def _keep(kept: dict[str, torch.Tensor], name: str, target: torch.Tensor) -> None:
+    """Remember ``target``'s value before its first overwrite (a name sent twice keeps the oldest)."""
+    if name not in kept:
+        kept[name] = target.detach().to("cpu", copy=True)
 
 
 def _tie_direction(pair: TiedPair, loaded: set[str]) -> tuple[str, str]:

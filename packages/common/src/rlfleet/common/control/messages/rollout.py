@@ -44,7 +44,13 @@ class SamplingParams(BaseModel):
 
 class GenerateRequest(Message):
     """Generate ``n`` samples for each prompt at ``weight_version``; a repeated ``job_id`` (a resend
-    after an outage) gets the first job's reply."""
+    after an outage) gets the first job's reply.
+
+    Each field is bounded here; their products (samples, new tokens, prompt tokens, prompt plus
+    ``max_tokens`` against the model's context) are bounded by the worker that takes the job
+    (its ``limits``), before any work. ``deadline`` is when the requester stops waiting: the
+    worker refuses the job once it has passed and cancels a generation still running then.
+    """
 
     kind: Literal["rollout.generate"] = "rollout.generate"
     job_id: str
@@ -52,6 +58,11 @@ class GenerateRequest(Message):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     weight_version: int = Field(default=-1, description="-1: whatever the worker holds")
     metadata: dict[str, Any] = Field(default_factory=dict)
+    deadline: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False,
+        description="wall-clock time (Unix seconds) after which the requester no longer waits: the "
+        "worker refuses or cancels the job then (wire 2.5; None: no deadline, as older peers send)",
+    )  # fmt: skip
 
 
 class GenerateResult(Message):

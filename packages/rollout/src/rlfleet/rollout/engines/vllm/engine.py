@@ -24,13 +24,17 @@ are reused across requests and evicted least-recently-used); it is reset after e
 load, since cached keys/values belong to the old weights. ``max_model_len`` caps a request's
 context (prompt + ``max_tokens``); it is clamped to the model's ``max_position_embeddings``. A
 longer request raises :class:`~rlfleet.rollout.errors.InvalidPrompt` (its ``cap``) before anything runs:
-prompts are never truncated.
+prompts are never truncated. A ``generate`` given a deadline aborts its requests in vLLM at the first
+engine step after it (:func:`cancel_at`) and raises :class:`~rlfleet.rollout.errors.DeadlinePassed`.
 
 Weights: ``load_weights(bucket)`` validates HF names and shapes against the checkpoint, stages
 whole transformer blocks (:mod:`~rlfleet.rollout.engines.vllm.weights`) and reloads them in place
 in every vLLM worker (:mod:`~rlfleet.rollout.engines.vllm.worker`); the prefix cache is reset.
 ``load_ipc(buckets)`` does the same for a publish shared by CUDA IPC from this GPU (colocated
-trainer): the vLLM worker maps the trainer's buffers and copies from them on the device.
+trainer): the vLLM worker maps the trainer's buffers and copies from them on the device. A load
+that carries its version (the rollout service sends a whole publish in one call) is checked whole
+before anything is reloaded; a reload that fails partway leaves the engine refusing to generate
+(:class:`~rlfleet.rollout.errors.WeightsTorn`) until a full load succeeds, never serving a mix.
 
 vLLM releases: 0.26 to 0.32 (:data:`~rlfleet.rollout.engines.vllm.runtime.SUPPORTED_VLLM`); another
 is refused at start with :class:`~rlfleet.rollout.errors.UnsupportedVLLM`.
@@ -47,9 +51,12 @@ in this process and starts in seconds. On CUDA vLLM keeps its engine-core proces
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,19 +77,23 @@ from rlfleet.rollout.engines.vllm.runtime import (
     import_vllm,
     release_in_process_slot,
 )
-from rlfleet.rollout.engines.vllm.weights import WeightStager, encode_bucket, resolve_tied
+from rlfleet.rollout.engines.vllm.weights import WeightStager, encode_bucket, group_of, resolve_tied
 from rlfleet.rollout.engines.weights import validate
 from rlfleet.rollout.errors import (
+    DeadlinePassed,
     EngineClosed,
     IncompleteWeights,
     InvalidPrompt,
     IpcUnavailable,
     WeightsDiscarded,
+    WeightsTorn,
 )
 
 logger = logging.getLogger(__name__)
 
 LOGPROBS_MODE = "processed_logprobs"
+APPLY_CHUNK_BYTES = 1 << 30
+"""Complete blocks go to vLLM's workers in calls of about this many bytes (a block is never split)."""
 WORKER_EXTENSION = "rlfleet.rollout.engines.vllm.worker.RlfleetWorkerExtension"
 
 
@@ -126,6 +137,8 @@ class VLLMEngine:
         """The sizing behind ``gpu_memory_utilization: auto`` on CUDA (None otherwise)."""
         self._targets, self._stager = _weight_plan(self._info)
         self._discarded: set[str] = set()
+        self._torn: set[str] = set()  # groups a failed load may have left half-changed
+        self._torn_reason = ""
         self._weight_version = 0
         self._lock = threading.Lock()
         llm_kwargs: dict[str, Any] = {
@@ -224,8 +237,14 @@ class VLLMEngine:
             raise IncompleteWeights(missing)
         self._weight_version = version
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """``len(prompt_token_ids) * params.n`` completions, prompt-major (see the module docstring)."""
+    def generate(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams, *, deadline: float | None = None
+    ) -> list[Completion]:
+        """``len(prompt_token_ids) * params.n`` completions, prompt-major (see the module docstring).
+
+        Past ``deadline`` (``time.monotonic()`` seconds) the call aborts its requests in vLLM at the
+        next engine step and raises :class:`DeadlinePassed`; nothing of it is returned.
+        """
         from vllm.inputs import TokensPrompt
 
         self._check_open()
@@ -247,17 +266,26 @@ class VLLMEngine:
             self._wake_up()
             if self._discarded:
                 raise WeightsDiscarded(self.model_id, len(self._discarded))
-            outputs = self._llm.generate(prompts, sampling, use_tqdm=False)
-            if self.colocate:
-                self._sleep()
+            if self._torn:
+                raise WeightsTorn(self.model_id, len(self._torn), self._torn_reason)
+            try:
+                with cancel_at(self._llm.llm_engine, deadline, f"generation on {self.model_id}"):
+                    outputs = self._llm.generate(prompts, sampling, use_tqdm=False)
+            finally:  # a cancelled call frees the GPU for a colocated trainer too
+                if self.colocate:
+                    self._sleep()
         self.cached_prompt_tokens += sum(o.num_cached_tokens or 0 for o in outputs)
         return to_completions(prompt_token_ids, params, outputs, copies, self.tokenizer)
 
     def load_weights(self, weights: WeightsInput, version: int | None = None) -> None:
         """Validate a bucket of ``(hf_name, tensor)``, stage it per block and reload complete blocks in place.
 
-        A tied model takes its head under either name. ``version``, if given, is set afterwards
-        (see :meth:`set_weight_version`).
+        A tied model takes its head under either name. With ``version`` (a whole publish in one
+        call, or its last bucket) every block must be complete before any is loaded: a block still
+        partly sent raises :class:`IncompleteWeights` and nothing of this call is loaded. A reload
+        that fails partway cannot be undone here (vLLM keeps no copy): the blocks of the call are
+        then marked torn and ``generate`` raises :class:`WeightsTorn` until they are loaded again.
+        ``version``, if given, is set afterwards (see :meth:`set_weight_version`).
         """
         self._check_open()
         items = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
@@ -265,17 +293,32 @@ class VLLMEngine:
         if self._info.tied and self._info.embed_name:
             items = resolve_tied(items, self._info.embed_name, HEAD_NAME)
         ready, groups = self._stager.add(items)
-        if ready:
-            refresh_head = self._info.tied and any(name == self._info.embed_name for name, _ in ready)
-            payload: Any = ready if self._in_process else encode_bucket(ready)
-            with self._lock:
-                self._wake_up()
-                self._llm.collective_rpc("rlfleet_load_weights", args=(payload, refresh_head))
-                self._llm.reset_prefix_cache()
-            self._discarded -= groups
+        if version is not None and self._stager.pending:
+            raise IncompleteWeights(self._stager.clear())  # checked before anything is loaded
+        for chunk in _chunks(ready, APPLY_CHUNK_BYTES):
+            refresh_head = self._info.tied and any(name == self._info.embed_name for name, _ in chunk)
+            payload: Any = chunk if self._in_process else encode_bucket(chunk)
+            self._reload("rlfleet_load_weights", payload, refresh_head, groups)
+        self._discarded -= groups
+        self._torn -= groups
         logger.debug("staged %d tensors, loaded %d into %s", len(items), len(ready), self.model_id)
         if version is not None:
             self.set_weight_version(version)
+
+    def _reload(self, method: str, payload: Any, refresh_head: bool, groups: set[str]) -> None:
+        """One in-place reload RPC to vLLM's workers; on failure ``groups`` are marked torn."""
+        with self._lock:
+            self._wake_up()
+            try:
+                self._llm.collective_rpc(method, args=(payload, refresh_head))
+            except Exception as exc:
+                self._torn |= groups
+                self._torn_reason = f"{type(exc).__name__}: {exc}"
+                logger.error("engine %s: a weight reload failed partway, %d group(s) torn: %s",
+                             self.model_id, len(groups), self._torn_reason)  # fmt: skip
+                raise
+            finally:
+                self._llm.reset_prefix_cache()  # whatever went in, cached keys/values are stale
 
     def load_ipc(self, buckets: Sequence[IpcBucket], version: int | None = None) -> None:
         """Load every tensor of ``buckets`` (shared by CUDA IPC from this GPU) in one in-place reload.
@@ -307,11 +350,9 @@ class VLLMEngine:
             raise IncompleteWeights(missing)
         refresh_head = self._info.tied and any(name == self._info.embed_name for name, _ in items)
         payload = [b.model_dump(mode="json") for b in buckets]
-        with self._lock:
-            self._wake_up()
-            self._llm.collective_rpc("rlfleet_load_ipc", args=(payload, refresh_head))
-            self._llm.reset_prefix_cache()
+        self._reload("rlfleet_load_ipc", payload, refresh_head, groups)
         self._discarded -= groups
+        self._torn -= groups
         logger.debug("loaded %d tensors over CUDA IPC into %s", len(items), self.model_id)
         if version is not None:
             self.set_weight_version(version)
@@ -384,6 +425,67 @@ class VLLMEngine:
         if self._asleep:
             self._llm.wake_up()
             self._asleep = False
+
+
+def _chunks(items: list[tuple[str, torch.Tensor]], budget: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """``items`` (complete blocks, a block's tensors next to each other) cut into runs of about
+    ``budget`` bytes, never inside a block."""
+    chunks: list[list[tuple[str, torch.Tensor]]] = []
+    size, group = budget, ""
+    for name, tensor in items:
+        here = group_of(name)
+        if size >= budget and here != group:
+            chunks.append([])
+            size = 0
+        chunks[-1].append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        group = here
+    return chunks
+
+
+@contextmanager
+def cancel_at(engine: Any, deadline: float | None, what: str) -> Iterator[None]:
+    """Within the block, ``engine`` (``vllm.LLM.llm_engine``) aborts every unfinished request and raises
+    :class:`DeadlinePassed` at its first step after ``deadline`` (``time.monotonic()`` seconds).
+
+    ``LLM.generate`` steps the engine in the calling thread until no request is left; wrapping that
+    step is the one point where an offline call can stop without racing vLLM's own loop. The
+    aborted requests leave the engine (their KV blocks freed), so the next call starts clean.
+    """
+    if deadline is None:
+        yield
+        return
+    own = vars(engine).get("step")
+    step = engine.step
+    started = time.monotonic()
+
+    def step_or_cancel() -> Any:
+        now = time.monotonic()
+        if now >= deadline:
+            _abort_unfinished(engine)
+            raise DeadlinePassed(what, now - deadline, now - started)
+        return step()
+
+    engine.step = step_or_cancel
+    try:
+        yield
+    finally:
+        if own is None:
+            del engine.step
+        else:
+            engine.step = own
+
+
+def _abort_unfinished(engine: Any) -> None:
+    """Abort every request ``engine`` still holds, by the ids its output processor keys them by: vLLM's
+    internal ids where ``abort_request`` takes ``internal`` (recent releases), the request ids before."""
+    ids = list(engine.output_processor.request_states)
+    if not ids:
+        return
+    if "internal" in inspect.signature(engine.abort_request).parameters:
+        engine.abort_request(ids, internal=True)
+    else:
+        engine.abort_request(ids)
 
 
 def _rename_tied(buckets: list[IpcBucket], embed_name: str) -> list[IpcBucket]:

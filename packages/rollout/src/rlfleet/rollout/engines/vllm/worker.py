@@ -75,10 +75,44 @@ class RlfleetWorkerExtension:
 
     def _rlfleet_reload(self, items: list[tuple[str, torch.Tensor]], refresh_tied_head: bool) -> None:
         with _quiet_partial_reload():
-            self.reload_weights(weights_iterator=iter(items))
+            try:
+                self.reload_weights(weights_iterator=iter(items))
+            except BaseException:
+                _abort_layerwise_reload(self.model_runner.get_model())
+                raise
         if refresh_tied_head:
             model = self.model_runner.get_model()
             head = getattr(model, "lm_head", None)
             method = getattr(head, "quant_method", None)
             if method is not None:
                 method.process_weights_after_loading(head)
+
+
+def _abort_layerwise_reload(model: torch.nn.Module) -> None:
+    """Undo the bookkeeping of a reload that broke off, so that the next reload starts clean.
+
+    vLLM's layerwise reload moves each layer onto the meta device, buffers what arrives for it and
+    copies the processed values into the layer's original ("kernel") tensors once the layer is
+    complete. A reload that raises midway leaves layers half-buffered; the next reload would skip
+    their set-up and count the stale buffers as loaded. Here every layer still in progress gets
+    its kernel tensors back, untouched (their old values), and its buffers dropped. The engine
+    refuses to generate until a full load succeeds (``WeightsTorn``): layers completed before the
+    failure hold the new values.
+    """
+    try:
+        from vllm.model_executor.model_loader.reload import layerwise
+    except ImportError:  # a vLLM without layerwise reloads keeps no state between reloads
+        return
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+    aborted = 0
+    for layer in model.modules():
+        info = layerwise.LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load():
+            continue
+        if info.kernel_tensors is not None:  # the meta (or half-built) stand-ins go with their loaders
+            layerwise._place_kernel_tensors(layer, info)
+        info.reset()
+        aborted += 1
+    layerwise.LOADING_LAYERS.clear()
+    logger.warning("a weight reload broke off: %d layer(s) put back on their previous tensors", aborted)
