@@ -1,6 +1,6 @@
 """Chaos run: a tiny GRPO job with a worker killed every few steps, as a user runs it (issue 12).
 
-    uv run --extra cpu python benchmarks/chaos.py                       # 40 steps, a fault every 6
+    uv run --extra cpu python benchmarks/chaos.py                       # 45 steps, a fault every 6
     uv run --extra cpu python benchmarks/chaos.py --steps 20 --every 4
     uv run --extra cpu python benchmarks/chaos.py --smoke               # 4 steps, one fault (CI's check)
 
@@ -16,7 +16,14 @@ the next fault in turn:
 - ``trainer``: SIGKILL the trainer (the run restores it from the last checkpoint, its steps after
   that come again);
 - ``controller``: SIGKILL the controller process itself (its workers die with it), then start the
-  same command again with ``resume_from=auto`` (it goes on from the latest complete checkpoint).
+  same command again with ``resume_from=auto`` (it goes on from the latest complete checkpoint);
+- ``frozen``: SIGSTOP a rollout worker (alive, silent): the run's registry declares it dead after
+  ``faults.dead_after_s``, the launcher SIGKILLs that process and starts it again, and the work it
+  held waits for it (issue 29; the run's only rollout worker in the tiny job);
+- ``sync``: SIGKILL a rollout worker during the weight sync: as soon as the trainer's log says it
+  staged the next weight version (``staged weight version N``), before the worker has loaded it
+  (whether it landed before the worker's ``loaded weight version N`` line is recorded as
+  ``landed``); the sync waits for the restarted worker (issue 29).
 
 Recorded (``benchmarks/results/chaos.json``): each fault (kind, the step when it was sent, the pid,
 whether the run went on), the distinct steps completed (a replayed step counts once), samples lost
@@ -33,6 +40,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -45,7 +53,11 @@ import smoke
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "chaos.json"
-KINDS = ("rollout", "reward", "nats", "trainer", "controller")
+KINDS = ("rollout", "reward", "nats", "trainer", "controller", "frozen", "sync")
+AIMED = {"frozen": "rollout", "sync": "rollout"}
+"""Faults aimed at a worker of another kind's tier (the rest aim at the tier they are named after)."""
+LOG_POLL_S = 0.002
+"""How often ``sync`` looks at the trainer's log: the tiny job's weight load takes tens of ms."""
 SAMPLE_KEYS = ("samples", "num_samples", "train/samples", "rollout/samples", "batch/samples")
 NOT_INJECTED: list[dict[str, str]] = []
 """Faults of the issue's list this run does not inject, with why (none now: the embedded
@@ -56,7 +68,7 @@ STALL_TARGET_S = 60.0
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--job", default="examples/tiny_grpo.yaml")
-    p.add_argument("--steps", type=int, default=40, help="max_steps of the run")
+    p.add_argument("--steps", type=int, default=45, help="max_steps of the run (45: each kind once)")
     p.add_argument("--every", type=int, default=6, help="steps between faults")
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument(
@@ -133,8 +145,48 @@ def tier_pid(out: Path, kind: str) -> tuple[str, int]:
         return "controller", int(data["controller_pid"])
     if kind == "nats":
         return "nats-server", int(data["nats"]["pid"])
-    worker = next(w for w in data["workers"] if w["tier"] == kind)
+    worker = next(w for w in data["workers"] if w["tier"] == AIMED.get(kind, kind))
     return worker["worker_id"], int(worker["pid"])
+
+
+def worker_log(out: Path, tier: str) -> Path:
+    """The log file of the run's first worker of ``tier`` (from processes.json)."""
+    data = json.loads((out / "fleet" / "processes.json").read_text())
+    return Path(next(w for w in data["workers"] if w["tier"] == tier)["log"])
+
+
+def wait_line(
+    proc: subprocess.Popen[bytes], log: Path, pattern: re.Pattern[str], timeout: float
+) -> str | None:
+    """The first line matching ``pattern`` written to ``log`` from now on (None: the run ended or
+    ``timeout`` passed first), read every :data:`LOG_POLL_S` s."""
+    offset = log.stat().st_size if log.exists() else 0
+    deadline, text = time.monotonic() + timeout, ""
+    while time.monotonic() < deadline and proc.poll() is None:
+        with open(log, "rb") as f:
+            f.seek(offset)
+            text += f.read().decode(errors="replace")
+        found = pattern.search(text)
+        if found:
+            return found.group(0)
+        time.sleep(LOG_POLL_S)
+    return None
+
+
+def kill_during_sync(proc: subprocess.Popen[bytes], out: Path, fault: dict[str, Any], timeout: float) -> None:
+    """SIGKILL the rollout worker as soon as the trainer staged the next weight version; record in
+    ``fault`` which version and whether the worker had loaded it already (``landed``)."""
+    staged = wait_line(proc, worker_log(out, "trainer"), re.compile(r"staged weight version (\d+)"), timeout)
+    if staged is None:
+        fault["landed"] = "no weight sync seen"
+        os.kill(fault["pid"], signal.SIGKILL)
+        return
+    version = int(staged.rsplit(" ", 1)[1])
+    os.kill(fault["pid"], signal.SIGKILL)
+    loaded = f"loaded weight version {version} "
+    text = worker_log(out, "rollout").read_text(errors="replace")
+    fault["weight_version"] = version
+    fault["landed"] = "after the worker loaded it" if loaded in text else "during the weight sync"
 
 
 def alive(pid: int) -> bool:
@@ -199,6 +251,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     faults: list[dict[str, Any]] = []
     exit_codes: list[int | None] = []
     targets = list(range(args.every, args.steps, args.every))
+    frozen: list[int] = []  # processes this script stopped: never left behind stopped
     try:
         for i, target in enumerate(targets):
             kind = KINDS[i % len(KINDS)]
@@ -210,7 +263,14 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             before = pids(out)
             fault = {"kind": kind, "worker": name, "pid": pid, "at_step": watch.last_step,
                      "at_time": round(time.time(), 3)}  # fmt: skip
-            os.kill(pid, signal.SIGKILL)
+            if kind == "sync":
+                kill_during_sync(proc, out, fault, args.phase_timeout)
+                fault["at_time"] = round(time.time(), 3)
+            elif kind == "frozen":
+                os.kill(pid, signal.SIGSTOP)
+                frozen.append(pid)
+            else:
+                os.kill(pid, signal.SIGKILL)
             if kind == "controller":
                 proc.wait(timeout=30)
                 exit_codes.append(proc.returncode)
@@ -226,6 +286,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             after = pids(out)
             fault["new_pid"] = after.get(name)
             fault["survived"] = bool(went_on and after.get(name) not in (None, pid))
+            if kind == "frozen":  # the run, not this script, ended the stopped process
+                fault["killed_by_run"] = not alive(pid)
+                fault["survived"] = fault["survived"] and fault["killed_by_run"]
             if not went_on and proc.poll() == 0:
                 fault["landed_after_last_step"] = True  # the run was already finishing
             faults.append(fault)
@@ -236,6 +299,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        for pid in frozen:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
     exit_codes.append(proc.returncode)
     watch.poll()
     return summarise(args, command, per_step, watch, faults, exit_codes, started, load_before, log)
@@ -303,8 +369,9 @@ def summarise(args, command, per_step, watch, faults, exit_codes, started, load_
 def print_table(result: dict[str, Any]) -> None:
     print(f"\n{'fault':<11}{'pid':>8}{'at step':>9}{'next step':>11}{'stall s':>9}  survived")
     for f in result["faults_injected"]:
+        note = f"  ({f['landed']})" if "landed" in f else ""
         print(f"{f['kind']:<11}{f['pid']:>8}{f['at_step']:>9}{str(f['next_step_line']):>11}"
-              f"{str(f['to_next_step_s']):>9}  {f['survived']}")  # fmt: skip
+              f"{str(f['to_next_step_s']):>9}  {f['survived']}{note}")  # fmt: skip
     for f in result["not_injected"]:
         print(f"{f['kind']:<11}{'-':>8}{'-':>9}{'-':>11}{'-':>9}  not injected")
     r = result

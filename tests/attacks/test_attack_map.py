@@ -109,6 +109,30 @@ P5: quotas, starving another tenant, huge batches (tenant):
 
 P7: hostile messages on every subject (role):
     tests/integration/test_fuzz_messages.py::test_every_subject_answers_hostile_messages_with_errors
+
+I29 P1: a membership message (leave, announce) in another worker's name (role):
+    tests/attacks/test_forged_leave.py::test_membership_forged_in_a_rollout_workers_name_changes_nothing
+
+I29 P5: generate requests whose fields are in bounds and whose products are not (role):
+    tests/attacks/test_product_bounds.py::test_default_limits_refuse_samples_and_context_then_serve
+    tests/attacks/test_product_bounds.py::test_configured_limits_refuse_each_product_then_serve
+
+I29 P5/P6: a tenant's texts of any size, kept computing past the deadline (tenant):
+    tests/attacks/test_tenant_resources.py::test_texts_over_the_tenants_caps_are_refused_before_they_are_fetched
+    tests/attacks/test_tenant_resources.py::test_a_store_that_sends_more_than_it_declared_is_cut_off
+    tests/attacks/test_tenant_resources.py::test_a_tenants_requests_hold_at_most_its_bytes_in_flight
+    tests/attacks/test_tenant_resources.py::test_scoring_stops_when_the_requests_deadline_passes
+    tests/attacks/test_tenant_resources.py::test_a_tenants_request_stops_at_its_request_s_without_a_deadline
+
+I29 P6: pings make every worker broadcast (tenant):
+    tests/attacks/test_tenant_resources.py::test_a_ping_flood_makes_a_worker_announce_at_a_bounded_rate
+
+I29 P6: store allow-lists matched as strings, DNS answers that change (tenant):
+    tests/attacks/test_tenant_resources.py::test_a_name_shaped_like_an_allowed_address_does_not_pass
+    tests/attacks/test_tenant_resources.py::test_a_store_name_is_resolved_once_and_the_checked_address_is_dialled
+
+I29 P6: errors tell whether a path exists on the server (tenant):
+    tests/attacks/test_tenant_resources.py::test_every_model_path_a_tenant_may_not_use_gets_one_message
 """
 
 from __future__ import annotations
@@ -119,6 +143,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = "tests/attacks/test_attack_embedded_run.py::test_an_embedded_run_under_attack_trains_unharmed"
+ISSUE_29 = ("test_forged_leave.py", "test_product_bounds.py", "test_tenant_resources.py")
+"""The outside-attacker suite of issue 29, named after what each attacks."""
 NAMED = re.compile(r"(tests/[\w/]+\.py)::(\w+)")
 
 
@@ -143,6 +169,6 @@ def test_every_attack_test_is_on_the_map() -> None:
     here = Path(__file__).parent
     on_map = {name for path, name in NAMED.findall(__doc__ or "") if path.startswith("tests/attacks/")}
     on_map.add(RUN.split("::")[1])
-    for path in here.glob("test_attack_*.py"):
+    for path in [*here.glob("test_attack_*.py"), *(here / name for name in ISSUE_29)]:
         if path.name != Path(__file__).name:
             assert _tests(path) <= on_map, f"{path.name} has tests missing from the map"

@@ -55,6 +55,13 @@ def jsonl_file(tmp_path: Path) -> Callable[[list[dict[str, Any]]], Path]:
     return lambda rows: write_jsonl(tmp_path / "data.jsonl", rows)
 
 
+class QuietRegistry:
+    """The part of a membership registry the supervisor reads between checks: nobody declared dead."""
+
+    def take_dead(self) -> list[Any]:
+        return []
+
+
 class FakeFleet:
     """Answers the calls a GRPO/PPO/DPO step makes of the fleet (unit layer: no NATS, no workers).
 
@@ -64,6 +71,7 @@ class FakeFleet:
     """
 
     reward = None
+    registry = QuietRegistry()
 
     def __init__(self, *, kl: float | None = None, fail_train_at: int | None = None) -> None:
         self.version = 0

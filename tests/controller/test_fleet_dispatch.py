@@ -1,6 +1,7 @@
 """Fleet.generate over fake rollout workers on the in-process transport: capacity shares,
-admission by weight version (a stale worker is sent the published weights first) and immediate
-re-dispatch when a worker leaves mid-job."""
+admission by weight version (a stale worker is sent the published weights first), immediate
+re-dispatch when a worker leaves mid-job, and a job whose pool went empty waiting for a worker
+(within faults.empty_pool_wait_s, then a stop naming the pool)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from rlfleet.common.control.messages import (
 )
 from rlfleet.common.control.transport import membership_subject, worker_subject
 from rlfleet.common.schema.refs import TensorRef
+from rlfleet.controller.errors import NoWorkerServed
+from rlfleet.controller.fault_settings import FaultSettings
 from rlfleet.controller.fleet import Fleet, split_by_capacity
 
 CLUSTER = "unit"
@@ -39,7 +42,9 @@ class FakeWorker:
         self.hang = False
 
     async def start(self) -> None:
-        await self.transport.subscribe(worker_subject(CLUSTER, "rollout", self.worker_id), self._on_message)
+        self.own = await self.transport.subscribe(
+            worker_subject(CLUSTER, "rollout", self.worker_id), self._on_message
+        )
         await self.announce()
 
     async def announce(self) -> None:
@@ -49,6 +54,9 @@ class FakeWorker:
         ))  # fmt: skip
 
     async def leave(self) -> None:
+        await (
+            self.own.unsubscribe()
+        )  # as a real worker does: the registry believes a leave once nobody answers
         await self.transport.publish(
             membership_subject(CLUSTER, "rollout"), WorkerLeave(tier="rollout", worker_id=self.worker_id)
         )
@@ -126,4 +134,42 @@ async def test_chunk_of_a_leaving_worker_is_redispatched_at_once() -> None:
     results = await asyncio.wait_for(step, timeout=5)  # far below request_timeout (60 s)
     assert [r.worker_id for r in results] == ["r-a", "r-a"]
     assert [r.num_prompts for r in results] == [3, 3] and good.jobs == [3, 3]
+    await fleet.close()
+
+
+@pytest.mark.timeout(20)
+async def test_a_chunk_waits_for_its_empty_pool_to_have_a_worker_again() -> None:
+    broker = InProcessBroker()
+    only = FakeWorker(broker, "r-a")
+    only.hang = True
+    fleet = await _fleet(broker, [only])
+    step = asyncio.ensure_future(fleet.generate([[1]] * 4, SamplingParams(), weight_version=0))
+    while not only.jobs:
+        await asyncio.sleep(0.01)
+    await only.leave()  # the pool is empty now, its job in flight
+    await asyncio.sleep(0.5)
+    assert not step.done(), "the job waits for the pool instead of giving up"
+    back = FakeWorker(broker, "r-b")
+    await back.start()
+    results = await asyncio.wait_for(step, timeout=5)
+    assert [r.worker_id for r in results] == ["r-b"] and back.jobs == [4]
+    await fleet.close()
+
+
+@pytest.mark.timeout(20)
+async def test_a_pool_empty_past_its_budget_is_a_named_stop() -> None:
+    broker = InProcessBroker()
+    only = FakeWorker(broker, "r-a")
+    fleet = await _fleet(broker, [only])
+    fleet.faults = FaultSettings(empty_pool_wait_s=0.5)
+    await only.leave()
+    while fleet.rollout_workers():
+        await asyncio.sleep(0.01)
+    with pytest.raises(NoWorkerServed) as caught:
+        await fleet.generate([[1]] * 4, SamplingParams(), weight_version=0, pool="small")
+    assert (
+        "generating 4 prompts at weight version 0: rollout pool 'small' of cluster unit had no live worker"
+        in (str(caught.value))
+    )
+    assert "(faults.empty_pool_wait_s=0.5)" in str(caught.value)
     await fleet.close()

@@ -4,6 +4,7 @@ as the real ones do) carrying them instead of one fixed 900 s."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import pytest
@@ -40,6 +41,7 @@ from rlfleet.controller.fault_settings import FaultSettings
 from rlfleet.controller.fleet import Fleet
 from rlfleet.controller.request_policy import FLOOR_S, MAX_S, UNKNOWN_MODEL_BYTES, Deadlines
 from rlfleet.controller.reward_control import RewardControl
+from rlfleet.controller.watchdog import MAX_EXTENSIONS
 
 CLUSTER = "unit"
 MIB = 2**20
@@ -166,6 +168,8 @@ class Tiers:
 
     def __init__(self, broker: InProcessBroker) -> None:
         self.transport = InProcessTransport(broker, name="tiers")
+        self.generate_deadlines: list[float | None] = []  # each generate request's deadline, as it came
+        self.score_deadlines: list[float | None] = []  # each score request's
 
     async def start(self) -> None:
         own = worker_subject(CLUSTER, "rollout", "rollout-0")
@@ -183,6 +187,7 @@ class Tiers:
             assert message.job_id, "a weight load carries a job id (the worker answers a repeat once)"
             return WeightsLoaded(worker_id="rollout-0", weight_version=message.weight_version)
         assert isinstance(message, GenerateRequest)
+        self.generate_deadlines.append(message.deadline)
         n = len(message.prompt_token_ids) * message.sampling.n
         return GenerateResult(job_id=message.job_id, worker_id="rollout-0", weight_version=0, ref=BATCH,
                               num_prompts=len(message.prompt_token_ids), num_samples=n,
@@ -202,6 +207,7 @@ class Tiers:
 
     async def _reward(self, message: AnyMessage) -> AnyMessage:
         assert isinstance(message, ScoreRequest)
+        self.score_deadlines.append(message.deadline)
         return ScoreResult(
             job_id=message.job_id, endpoint=message.endpoint, spec_version="s-r1", scores=[0.0]
         )
@@ -236,6 +242,9 @@ async def test_a_run_s_requests_carry_deadlines_scaled_to_their_work() -> None:
     assert transport.timeout_of("trainer.configure") == expected.control()
     assert transport.timeout_of("rollout.generate") == expected.generate(request)
     assert transport.timeout_of("reward.score") == expected.score(results[0])
+    (score_deadline,) = tiers.score_deadlines  # the time the controller stops waiting, for the server
+    waits = expected.score(results[0]) * (1 + MAX_EXTENSIONS)
+    assert score_deadline is not None and score_deadline - waits <= time.time() <= score_deadline - waits + 30
     assert transport.timeout_of("trainer.step") == expected.train_step([BATCH])
     assert transport.timeout_of("trainer.publish") == expected.publish()  # before the size was known
     expected.published(BUCKET.nbytes)
@@ -269,3 +278,25 @@ async def test_request_timeout_s_fixes_every_deadline() -> None:
     assert (
         RewardControl(transport, CLUSTER, registry, token="", request_timeout=5.0).deadlines.control() == 5.0
     )
+
+
+@pytest.mark.timeout(30)
+async def test_a_generate_request_carries_the_time_the_controller_stops_waiting() -> None:
+    """Issue 29, point 5: the worker cancels a job at its deadline, so the deadline is the longest the
+    controller waits on that try: its timeout, granted again up to MAX_EXTENSIONS times to a busy worker."""
+    broker = InProcessBroker()
+    fleet = Fleet(Recording(broker), CLUSTER, request_timeout=77.0)
+    tiers = Tiers(broker)
+    await fleet.start()
+    await tiers.start()
+    await fleet.wait_ready({"rollout": 1}, timeout=5)
+    before = time.time()
+    try:
+        await fleet.generate([[1]] * 3, SamplingParams(), weight_version=0)
+    finally:
+        await fleet.close()
+    after = time.time()
+    waits = 77.0 * (1 + MAX_EXTENSIONS)
+    (deadline,) = tiers.generate_deadlines
+    assert deadline is not None and before + waits <= deadline <= after + waits
+    assert GenerateRequest(job_id="j", prompt_token_ids=[[1]]).deadline is None  # an older controller's

@@ -4,8 +4,9 @@ A real ``ray.init`` (4 logical CPUs), the run's nats-server listening on every i
 named by the node IP Ray reports, and a real ``rlfleet-reward serve`` process started inside a
 Ray actor: it announces itself over that address; ``processes.json`` records its node. Killed, it
 is reported with its log tail and started again in a fresh actor within the restart budget, and
-it announces again; past the budget the run gets a named stop. ``stop()`` ends every process and
-actor it started.
+it announces again; past the budget the run gets a named stop. A worker process that is alive but
+frozen (SIGSTOP), once declared dead, is SIGKILLed by its actor and started again in a fresh one,
+counted against the budget (issue 29). ``stop()`` ends every process and actor it started.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,12 +25,13 @@ import pytest
 from rlfleet.common.control.membership import WorkerRegistry
 from rlfleet.common.control.nats_transport import NatsTransport
 from rlfleet.controller.errors import TierDied, TierNotRestarted
-from rlfleet.controller.launcher import WorkerSpec
+from rlfleet.controller.launcher import WorkerSpec, kill_declared_dead
 from rlfleet.controller.ray_launcher import RayFleet, RayPlacement, TierResources, import_ray
 
 ray = import_ray(local=True)  # this machine's Ray: workers run this interpreter (no uv-run copies)
 
 CLUSTER = "rayrun"
+SLEEP = [sys.executable, "-c", "import time; time.sleep(120)"]
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +111,35 @@ def test_a_ray_placed_worker_joins_by_the_node_address_and_is_restarted(
         fleet.stop(timeout=5)
     assert not any(_alive(pid) for pid in pids)
     assert fleet.processes.nats is None
+
+
+@pytest.mark.timeout(120)
+def test_a_frozen_ray_placed_worker_declared_dead_is_killed_by_its_actor_and_started_again(
+    local_ray: None, tmp_path: Path
+) -> None:
+    placement = RayPlacement({"rollout": TierResources(num_cpus=1)})
+    fleet = RayFleet(tmp_path / "fleet", placement=placement, restart_budget=1)
+    pids: list[int] = []
+    try:
+        fleet.start_nats(CLUSTER)
+        worker = fleet.spawn(WorkerSpec("rollout", "rollout-0", {}, command=SLEEP))
+        pids.append(worker.pid)
+        os.kill(worker.pid, signal.SIGSTOP)  # alive, silent: the registry would declare it dead
+        restarted: list[TierDied] = []
+        fleet.on_restart = lambda new, died: restarted.append(died)
+        assert kill_declared_dead(fleet.workers, "rollout", "rollout-0", worker.pid, 7.5) is worker
+        deadline = time.monotonic() + 30
+        while not restarted:
+            assert time.monotonic() < deadline, "no restart within 30 s"
+            fleet.check()
+            time.sleep(0.25)
+        died = str(restarted[0])
+        assert died.startswith("rollout worker rollout-0 was killed by signal SIGKILL (exit code -9): "
+                               "declared dead after 7.5s without a heartbeat")  # fmt: skip
+        again = fleet.workers[0]
+        pids.append(again.pid)
+        assert again.pid != worker.pid and _alive(again.pid) and not _alive(worker.pid)
+        assert fleet.processes.restarts == {"rollout-0": 1}
+    finally:
+        fleet.stop(timeout=5)
+    assert not any(_alive(pid) for pid in pids)

@@ -6,6 +6,7 @@
       retry_attempts: 6        # tries per request on a retryable error (QuotaExceeded, a dead peer)
       restart_budget: 2        # crashes the embedded launcher restarts per worker
       stall_report_s: 30       # the watchdog names a worker that owes a result for this long
+      empty_pool_wait_s: 300   # work waits this long for a worker of an empty rollout pool to be back
 
 Every field has a default that suits the embedded default; nothing here is needed to start.
 """
@@ -50,6 +51,13 @@ class FaultSettings(ConfigModel):
         default=120.0, gt=0.0, le=3600.0,
         description="how long the run waits for a lost NATS connection to come back before it stops with a "
         "named cause",
+    )  # fmt: skip
+    empty_pool_wait_s: float = Field(
+        default=300.0, gt=0.0, le=24 * 3600.0,
+        description="how long work in flight (a generate job, a lost chunk made again, a weight sync or a "
+        "late worker's weight load) waits for a rollout pool left without a live worker to have one again "
+        "(a worker restarted by its launcher or rejoining); past it the run stops with NoWorkerServed "
+        "naming the pool",
     )  # fmt: skip
     deadline_scale: float = Field(
         default=1.0, gt=0.0, le=1000.0, allow_inf_nan=False,

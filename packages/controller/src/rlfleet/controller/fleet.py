@@ -15,6 +15,17 @@ a worker that goes is abandoned at once (:class:`GoneWatch`); a chunk whose prod
 the reward and trainer tiers fetched it is generated again (:mod:`rlfleet.controller.lost_chunks`).
 :func:`publish` moves a run to the trainer's next weights. ``Fleet`` is the run's
 :class:`~rlfleet.controller.ports.FleetClient`.
+
+**A pool momentarily empty** (issue 29). When the only worker of a pool dies, leaves or is
+declared dead while it holds the pool's work, the pool has nobody until its launcher has started
+it again (or it rejoins), seconds later. The work does not give up then: a generate job, the
+regeneration of a lost chunk, a weight sync that no worker took and a late worker's weight load
+wait for the pool to have a worker again (:meth:`Fleet.pool_back`), and then run, on the worker
+that came back (a process that came back under its id is a new candidate: workers are told apart
+by id and incarnation). Each wait lasts at most ``faults.empty_pool_wait_s``; past it the run stops
+with :class:`NoWorkerServed` naming the pool, what waited, how long, and the setting. A job whose
+workers keep failing it is bounded as before, by ``faults.retry_attempts`` rounds, and by as many
+waits for its pool (a worker that dies on it each time it is back); a weight sync by as many waits.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import itertools
 import logging
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from rlfleet.common.control.membership import WorkerInfo, WorkerRegistry
@@ -62,7 +74,14 @@ from rlfleet.controller.errors import (
 from rlfleet.controller.fault_settings import FaultSettings
 from rlfleet.controller.lost_chunks import ChunkOrders
 from rlfleet.controller.ports import ChunkOrder, FleetClient, RunState
-from rlfleet.controller.request_policy import Deadlines, backoff_s, is_retryable, with_retries
+from rlfleet.controller.request_policy import (
+    POOL_POLL_S,
+    Deadlines,
+    backoff_s,
+    give_up_at,
+    is_retryable,
+    with_retries,
+)
 
 if TYPE_CHECKING:
     from rlfleet.controller.reward_control import RewardControl
@@ -71,6 +90,20 @@ logger = logging.getLogger(__name__)
 
 
 # --- sharing a step's prompts, noticing a worker going ----------------------------------------------
+
+
+@dataclass
+class Rounds:
+    """A generate job's rounds so far: ``failed``, each live worker tried once (the first is one);
+    ``emptied``, the pool left with nobody and waited for."""
+
+    failed: int = 1
+    emptied: int = 0
+
+
+def life(worker: WorkerInfo) -> tuple[str, str]:
+    """A worker process: its id and incarnation (a restart under the same id is another process)."""
+    return worker.worker_id, worker.announce.incarnation
 
 
 def split_by_capacity(total: int, capacities: Sequence[int]) -> list[int]:
@@ -233,6 +266,46 @@ class Fleet:
             info.weight_version = reply.weight_version
         logger.info("rollout worker %s admitted at weight version %d", worker.worker_id, reply.weight_version)
 
+    async def pool_back(
+        self,
+        pool: str | None,
+        weight_version: int,
+        what: str,
+        avoid: frozenset[tuple[str, str]] = frozenset(),
+    ) -> list[WorkerInfo]:
+        """The workers of ``pool`` (None: any) that serve ``weight_version`` (-1: any), but for the
+        processes in ``avoid``, once there is one: waited for while the pool is empty (a stale
+        worker that is back is sent the published weights first), at most ``faults.empty_pool_wait_s``;
+        past it :class:`NoWorkerServed` names the pool, ``what`` waited and the setting."""
+        loop = asyncio.get_running_loop()
+        since = loop.time()
+        where = f"rollout pool {pool!r}" if pool is not None else "the rollout fleet"
+        waited = False
+        while True:
+            workers = [w for w in await self._admitted(pool, weight_version) if life(w) not in avoid]
+            if workers:
+                if waited:
+                    back = ", ".join(w.worker_id for w in workers)
+                    logger.warning("%s has a worker again (%s) after %.1f s; %s goes on", where, back,
+                                   loop.time() - since, what)  # fmt: skip
+                return workers
+            left = since + self.faults.empty_pool_wait_s - loop.time()
+            if left <= 0:
+                raise self._pool_empty(where, weight_version, what, loop.time() - since)
+            if not waited:
+                logger.warning("%s has no live worker; %s waits for one to be restarted or to rejoin (up to "
+                               "%.0f s more, faults.empty_pool_wait_s)", where, what, left)  # fmt: skip
+                waited = True
+            await asyncio.sleep(min(POOL_POLL_S, left))
+
+    def _pool_empty(self, where: str, weight_version: int, what: str, empty_s: float) -> NoWorkerServed:
+        version = f" at weight version {weight_version}" if weight_version >= 0 else ""
+        return NoWorkerServed(
+            f"{what}: {where} of cluster {self.cluster} had no live worker{version} for {empty_s:.0f} s "
+            f"(faults.empty_pool_wait_s={self.faults.empty_pool_wait_s:g}): none was restarted or rejoined "
+            "in time (the launcher restarts a worker within faults.restart_budget)"
+        )
+
     def forget(self, tier: str, worker_id: str) -> None:
         """Forget a worker that is gone (crashed, restarted, removed): requests in flight to it end
         now with ``WorkerGone``, not at their deadline; a new process under its id is admitted when
@@ -263,10 +336,8 @@ class Fleet:
         """  # fmt: skip
         workers = await self._admitted(pool, weight_version)
         if not workers:
-            where = f" pool {pool!r} of" if pool is not None else ""
-            raise NoWorkerServed(
-                f"no rollout worker of{where} cluster {self.cluster} holds version {weight_version}"
-            )
+            what = f"generating {len(prompts)} prompts at weight version {weight_version}"
+            workers = await self.pool_back(pool, weight_version, what)
         sizes = split_by_capacity(len(prompts), [w.announce.capacity for w in workers])
         tasks, start = [], 0
         for worker, size in zip(workers, sizes, strict=True):
@@ -283,37 +354,32 @@ class Fleet:
         weight_version: int,
         preferred: str,
         pool: str | None = None,
-        avoid: frozenset[str] = frozenset(),
+        avoid: frozenset[tuple[str, str]] = frozenset(),
     ) -> GenerateResult:
+        """One chunk's generate job on a live worker of ``pool`` (``preferred`` first), never on a
+        process in ``avoid`` (worker id, incarnation); an empty pool is waited for."""
         request = GenerateRequest(
             job_id=self._job_id("gen"),
             prompt_token_ids=chunk,
             sampling=sampling,
             weight_version=weight_version,
         )
-        tried: set[str] = set(avoid)
-        rounds = 1  # every live worker tried once is a round; the run's retry budget allows more
+        tried: set[tuple[str, str]] = set(avoid)
+        rounds = Rounds()
         while True:
-            alive = {w.worker_id: w for w in self.rollout_workers(pool, weight_version)}
-            candidates = [preferred] if preferred in alive and preferred not in tried else []
-            candidates += [w for w in alive if w not in tried and w != preferred]
-            if not candidates and rounds < self.faults.retry_attempts and set(alive) - set(avoid):
-                wait = backoff_s(self.faults, rounds)
-                logger.warning("generate job %s: every rollout worker failed it (%s); try %d of %d in %.1f s",
-                               request.job_id, sorted(tried), rounds + 1, self.faults.retry_attempts,
-                               wait)  # fmt: skip
-                await asyncio.sleep(wait)
-                rounds, tried = rounds + 1, set(avoid)  # the same job id: a worker answers a repeat once
+            alive = [w for w in self.rollout_workers(pool, weight_version) if life(w) not in avoid]
+            candidates = sorted(
+                (w for w in alive if life(w) not in tried), key=lambda w: w.worker_id != preferred
+            )
+            if not candidates:  # every live worker failed it, or none is left: another round, or give up
+                await self._next_round(rounds, request.job_id, pool, weight_version, alive, tried, avoid)
+                tried = set(avoid)  # the same job id: a worker answers a repeat once
                 continue
-            if not candidates:
-                raise NoWorkerServed(
-                    f"generate job {request.job_id}: every rollout worker failed it ({sorted(tried)}"
-                    f"{f', {rounds} rounds' if rounds > 1 else ''})"
-                )
-            worker = alive[candidates[0]]
-            tried.add(worker.worker_id)
+            worker = candidates[0]
+            tried.add(life(worker))
             try:
                 timeout = self.deadlines.generate(request, worker.announce.gpu_uuids)
+                request.deadline = give_up_at(timeout)  # this try's: the worker cancels the job past it
                 reply = await self.gone.request(self.transport, worker, request, timeout=timeout,
                                                 job_id=request.job_id)  # fmt: skip
             except (RequestTimeout, ConnectionError) as exc:  # WorkerGone and NoResponders included
@@ -331,21 +397,59 @@ class Fleet:
             self.orders.record(reply, order)  # so that a chunk lost with its worker can be made again
             return reply
 
+    async def _next_round(
+        self, rounds: Rounds, job_id: str, pool: str | None, weight_version: int, alive: list[WorkerInfo],
+        tried: set[tuple[str, str]], avoid: frozenset[tuple[str, str]],
+    ) -> None:  # fmt: skip
+        """Wait before a generate job's next round: a backoff when its live workers all failed it,
+        the pool's return (:meth:`pool_back`) when none is left; raise :class:`NoWorkerServed` when
+        ``faults.retry_attempts`` rounds of either kind were spent."""
+        attempts = self.faults.retry_attempts
+        if alive and rounds.failed < attempts:
+            wait = backoff_s(self.faults, rounds.failed)
+            failed = sorted(w for w, _ in tried)
+            logger.warning("generate job %s: every rollout worker failed it (%s); try %d of %d in %.1f s",
+                           job_id, failed, rounds.failed + 1, attempts, wait)  # fmt: skip
+            rounds.failed += 1
+            await asyncio.sleep(wait)
+        elif not alive and rounds.emptied < attempts:  # nobody left (but the process that lost it)
+            rounds.emptied += 1
+            await self.pool_back(pool, weight_version, f"generate job {job_id}", avoid)
+        else:
+            raise NoWorkerServed(
+                f"generate job {job_id}: every rollout worker failed it ({sorted(w for w, _ in tried)}; "
+                f"{rounds.failed} rounds, its pool emptied {rounds.emptied} times; faults.retry_attempts="
+                f"{attempts})"
+            )
+
     async def regenerate(self, order: ChunkOrder) -> GenerateResult:
         """The chunk ``order`` describes generated again (its prompts, sampling seed, weight version and
         pool) by a live worker, not by the process that lost it (a new one under its id may serve)."""
-        info = self.registry.get("rollout", order.worker_id)
-        lost_it = info is not None and info.announce.incarnation == order.incarnation
-        avoid = frozenset({order.worker_id}) if lost_it else frozenset()
+        avoid = frozenset({(order.worker_id, order.incarnation)})  # that process, not a new one under its id
         return await self._generate_chunk(order.prompts, order.sampling, order.weight_version, "", order.pool,
                                           avoid)  # fmt: skip
 
     async def load_weights(self, published: WeightsPublished) -> list[WeightsLoaded]:
-        """Every rollout worker pulls the published buckets straight from the trainer's store."""
+        """Every rollout worker pulls the published buckets straight from the trainer's store; when
+        every one went meanwhile (the fleet momentarily empty), the first to be back loads them."""
         self.published = published
         self._admitting = {k: t for k, t in self._admitting.items() if k[1] == published.weight_version}
         message = LoadWeights(weight_version=published.weight_version, buckets=published.buckets,
                               ipc_buckets=published.ipc_buckets, job_id=self._job_id("load"))  # fmt: skip
+        loaded, waits = await self._load_all(message), 0
+        while not loaded:  # every worker went meanwhile: the first back loads it
+            if waits >= self.faults.retry_attempts:
+                version = published.weight_version
+                raise NoWorkerServed(f"no rollout worker loaded weight version {version}: the rollout fleet "
+                                     f"emptied {waits} times (faults.retry_attempts)")  # fmt: skip
+            waits += 1
+            await self.pool_back(None, -1, f"loading weight version {published.weight_version}")
+            loaded = await self._load_all(message)
+        return loaded
+
+    async def _load_all(self, message: LoadWeights) -> list[WeightsLoaded]:
+        """``message`` to every live rollout worker; the replies of those that loaded it (a worker
+        that went meanwhile is skipped: it is admitted at this version when it is back)."""
         workers = self.rollout_workers()
         loads = (self._load_request(w, message) for w in workers)
         replies = await asyncio.gather(*loads, return_exceptions=True)
@@ -353,15 +457,13 @@ class Fleet:
         for worker, reply in zip(workers, replies, strict=True):
             if isinstance(reply, WorkerGone | NoResponders):
                 logger.warning("rollout worker %s is gone; it will not hold version %d", worker.worker_id,
-                               published.weight_version)  # fmt: skip
+                               message.weight_version)  # fmt: skip
                 continue
             if isinstance(reply, BaseException):
                 raise reply
             assert isinstance(reply, WeightsLoaded), reply
             worker.weight_version = reply.weight_version
             loaded.append(reply)
-        if not loaded:
-            raise NoWorkerServed(f"no rollout worker loaded weight version {published.weight_version}")
         return loaded
 
     async def _load_request(self, worker: WorkerInfo, message: LoadWeights) -> AnyMessage:

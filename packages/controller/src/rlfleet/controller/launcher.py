@@ -34,6 +34,11 @@ tells ``on_restart`` (the run forgets the dead process and waits for the new one
 rollout worker loads the current weights before it announces). The trainer is restarted only when
 the run asks (:meth:`EmbeddedFleet.restart_tier`: it must be restored from a checkpoint); any other
 exit, an exit with code 2 (the worker refused its settings) and a crash past the budget raise. A
+worker that does not exit but says nothing (stopped with SIGSTOP, hung) is declared dead by the
+run's membership registry; when its process still runs, the run has it killed
+(:func:`kill_declared_dead`: SIGKILL of the process group the launcher started, only when the pid
+the registry knew is that process's), and the check above then starts it again like any crashed
+worker, counted against the same budget (issue 29). A
 nats-server that exits is started again on the port it had, with the same generated configuration
 (the same credentials and permissions, the same TLS files), so every client reconnects to the URL
 it knows (the transport reconnects and sends again what nobody took; the registry does not count
@@ -145,6 +150,8 @@ class WorkerProcess:
     spec: WorkerSpec
     process: subprocess.Popen[bytes]
     log_path: Path
+    declared_dead: str = field(default="", kw_only=True)
+    """Why the launcher killed this process while it ran ('' unless it did): its exit's error."""
 
     @property
     def pid(self) -> int:
@@ -159,7 +166,7 @@ class WorkerProcess:
         if code is None:
             return None
         tail = self.log_tail(40)
-        error = "" if code < 0 else last_error_line(tail)
+        error = self.declared_dead if code < 0 else last_error_line(tail)  # a signal: no line says why
         kind = TierRefused if code == USER_ERROR_EXIT else TierDied  # exit 2: the worker refused its settings
         return kind(
             self.spec.tier, self.spec.worker_id, code, error=error, log_path=self.log_path, log_tail=tail
@@ -168,6 +175,23 @@ class WorkerProcess:
     def kill_group(self) -> None:
         """SIGKILL what is left of the worker's process group (it leads one)."""
         kill_group(self.pid)
+
+    def kill_declared_dead(self, why: str) -> None:
+        """SIGKILL the running worker (``why``: what its exit will read as); the launcher's next
+        check sees it exit and starts it again."""
+        self.declared_dead = why
+        self.kill_group()
+
+    def runs_pid(self, pid: int) -> bool:
+        """Whether ``pid`` (as the worker announced it) is this worker's process or one of its group."""
+        if pid <= 0:
+            return False
+        if pid == self.pid:
+            return True
+        try:
+            return os.getpgid(pid) == self.pid  # started through a wrapper: the worker leads the group
+        except (ProcessLookupError, PermissionError):
+            return False
 
     def describe(self) -> str:
         """``rollout worker rollout-0 (pid 12, still running; log: ...)`` for error messages."""
@@ -221,6 +245,30 @@ def find_script(name: str) -> str:
             "is its rlfleet package installed in this environment?"
         )
     return found
+
+
+def kill_declared_dead(
+    workers: Sequence[WorkerProcess], tier: str, worker_id: str, pid: int, silent_s: float
+) -> WorkerProcess | None:
+    """Kill the process of a rollout or reward worker that the membership registry declared dead
+    (``silent_s`` without a heartbeat) while it still runs, stopped or hung: SIGKILL, so the
+    launcher's next check starts it again within its restart budget. ``pid`` is what the worker
+    announced: a process started since (a restart) is never touched. Returns the worker killed."""
+    if tier not in SUPERVISED_TIERS:
+        return None  # a trainer is restored by the run, from a checkpoint; never killed behind its back
+    for worker in workers:
+        if worker.spec.worker_id != worker_id or worker.process.poll() is not None:
+            continue
+        if not worker.runs_pid(pid):
+            logger.warning("%s worker %s was declared dead as pid %d, but the launcher's process is pid %d: "
+                           "left alone", tier, worker_id, pid, worker.pid)  # fmt: skip
+            return None
+        why = (f"declared dead after {silent_s:.1f}s without a heartbeat while its process still ran "
+               "(stopped or hung); killed by the launcher")  # fmt: skip
+        logger.warning("%s worker %s (pid %d): %s", tier, worker_id, worker.pid, why)
+        worker.kill_declared_dead(why)
+        return worker
+    return None
 
 
 def kill_group(pgid: int) -> None:

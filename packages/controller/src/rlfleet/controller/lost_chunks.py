@@ -17,10 +17,11 @@ and generates each lost chunk again on a live worker (never the process that los
 same weight version, with the same prompts and sampling seed, scores the new chunk, and puts it
 in the lost one's place. The step's chunks stay in prompt order, one result per chunk, so every
 prompt is answered exactly once: none twice, none missing. A chunk is generated again at most
-``faults.retry_attempts`` times, each within that retry budget (after waiting up to
-``faults.outage_grace_s`` for a live worker, when a restarted one is still coming back); past it
-the step fails with :class:`~rlfleet.controller.errors.ChunkNotRegenerated`, naming the chunk and
-its lost worker.
+``faults.retry_attempts`` times, each within that retry budget; when its pool has no other live
+worker (a lone worker restarted by its launcher is still coming back) the fleet waits for one, up
+to ``faults.empty_pool_wait_s`` (:meth:`rlfleet.controller.fleet.Fleet.pool_back`: the one place
+that wait lives). Past either the step fails with
+:class:`~rlfleet.controller.errors.ChunkNotRegenerated`, naming the chunk and its lost worker.
 
 Why regenerate rather than copy every chunk into the controller's store: the bulk data keeps
 going from the tier that made it to the tiers that use it (the controller never carries a
@@ -204,12 +205,10 @@ class StepChunks:
                                       cause or NoWorkerServed("lost again"))  # fmt: skip
         logger.warning("rollout chunk %s (%d prompts) of worker %s is lost (%s); generating it again on "
                        "a live worker", old.job_id, old.num_prompts, order.worker_id, why)  # fmt: skip
-        await self._a_worker_for(order)
-        try:
+        try:  # the fleet waits for an empty pool itself: a NoWorkerServed from it is final
             new = await with_retries(
-                f"generating rollout chunk {old.job_id} again", lambda: self.fleet.regenerate(order), faults,
-                retry_if=lambda exc: isinstance(exc, NoWorkerServed) or is_retryable(exc),
-            )  # fmt: skip
+                f"generating rollout chunk {old.job_id} again", lambda: self.fleet.regenerate(order), faults
+            )
         except (RetriesExhausted, NoWorkerServed) as exc:
             last = root_cause(exc)
             attempts = exc.attempts if isinstance(exc, RetriesExhausted) else 1
@@ -223,19 +222,6 @@ class StepChunks:
         if self.orders is not None:
             self.orders.forget([old])
         self.regenerated += 1
-
-    async def _a_worker_for(self, order: ChunkOrder) -> None:
-        """Wait, at most ``faults.outage_grace_s``, until a live worker other than the process that
-        lost the chunk holds its weight version (in the embedded default a lone rollout worker is
-        restarted and loads those weights before it announces); the retries then take over."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.fleet.faults.outage_grace_s
-        while loop.time() < deadline:
-            lost_it = (order.worker_id, order.incarnation)
-            workers = self.fleet.rollout_workers(order.pool, order.weight_version)
-            if any((w.worker_id, w.announce.incarnation) != lost_it for w in workers):
-                return
-            await asyncio.sleep(0.2)
 
     def forget(self) -> None:
         """Drop the orders of the step's chunks (the step is done with them)."""

@@ -29,7 +29,9 @@ rest of the run (NATS control plane, gRPC tensor plane, supervision, restarts) i
   embedded, through the same member (:class:`~rlfleet.controller.launcher.RunProcesses`: the
   server, the workers, their restarts, ``processes.json``): a worker process that exits is
   reported with its log tail (read through its actor, wherever it runs) and started again in a
-  fresh actor, which Ray may place on another node.
+  fresh actor, which Ray may place on another node. A worker process that is alive but frozen
+  (stopped, hung), which the run's registry declared dead, is killed by its actor and started
+  again the same way (:meth:`RayWorkerProcess.kill_declared_dead`).
 - **Ray restarts.** A rollout worker's actor is made with ``max_restarts`` (``launcher.max_restarts``):
   when the actor itself dies (its Ray worker process), Ray makes it again and it starts the worker
   again (:mod:`rlfleet.controller.ray_worker_host`), which rejoins at the current weights.
@@ -188,6 +190,16 @@ class RayWorkerProcess(WorkerProcess):
 
     def kill_group(self) -> None:
         self.process.kill_group()  # type: ignore[attr-defined]
+
+    def kill_declared_dead(self, why: str) -> None:
+        """Have the actor SIGKILL its frozen process (the actor stays, so the exit and the log are read
+        through it); the launcher's next check starts the worker again in a fresh actor."""
+        self.declared_dead = why
+        self.process.kill_process(self.pid)  # type: ignore[attr-defined]
+
+    def runs_pid(self, pid: int) -> bool:
+        """Whether ``pid`` is this worker's process (on its node: no process group to look at here)."""
+        return pid > 0 and pid == self.pid
 
     def describe(self) -> str:
         code = self.process.poll()

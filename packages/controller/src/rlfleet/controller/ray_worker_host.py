@@ -14,6 +14,11 @@ runs); Ray is restarting the actor (``ActorUnavailableError``: the process count
 launcher does not start another); the actor is gone for good (Ray gave up, or its node is gone:
 the process counts as killed, and the launcher's own supervision takes over). A restarted actor
 answers with another pid: :attr:`RemoteProcess.ray_restarts` counts those.
+
+A worker process that is alive but frozen (stopped with SIGSTOP, hung) is declared dead by the
+run's registry; the actor is then asked to SIGKILL it (:meth:`WorkerHost.kill_process`, only the
+process of the pid the registry knew), and stays up so that the exit and the log are read through
+it: the launcher starts the worker again in a fresh actor, within its restart budget (issue 29).
 """
 
 from __future__ import annotations
@@ -145,6 +150,22 @@ class WorkerHost:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signum)
 
+    def kill_process(self, pid: int) -> bool:
+        """SIGKILL this actor's worker process group if ``pid`` is that process and it still runs (a
+        frozen worker the run declared dead); True when it was killed."""
+        process = self.process
+        if process is None or process.pid != pid or process.poll() is not None:
+            return False
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return False
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        return True
+
     def kill_group(self) -> None:
         if self.process is None:
             return
@@ -217,6 +238,14 @@ class RemoteProcess:
             self._call("signal", int(signum))
         except Exception as exc:  # noqa: BLE001 - already gone
             logger.info("signal to ray worker pid %d not delivered: %s", self.pid, exc)
+
+    def kill_process(self, pid: int) -> bool:
+        """Have the actor SIGKILL its process ``pid`` (it stays up: the exit is read through it)."""
+        try:
+            return bool(self._call("kill_process", int(pid)))
+        except Exception as exc:  # noqa: BLE001 - the actor is gone: so is the process
+            logger.info("ray worker pid %d not killed through its actor: %s", pid, exc)
+            return False
 
     def kill_group(self) -> None:
         try:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -63,6 +64,7 @@ from rlfleet.common.errors import (
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.controller.errors import RetriesExhausted
 from rlfleet.controller.fault_settings import FaultSettings
+from rlfleet.controller.watchdog import MAX_EXTENSIONS
 
 FLOOR_S = 30.0
 """Fixed part of every deadline: delivery, the one job queued ahead, a call's start-up."""
@@ -114,6 +116,18 @@ UNKNOWN_TRAIN_S = 900.0
 def device_of(gpu_uuids: Sequence[str]) -> str:
     """``gpu`` when a worker announced GPUs, else ``cpu``."""
     return "gpu" if gpu_uuids else "cpu"
+
+
+POOL_POLL_S = 0.2
+"""How often work waiting on an empty pool looks for a worker (an announce lands in the registry)."""
+
+
+def give_up_at(timeout: float) -> float:
+    """The wall-clock time (UNIX seconds) a request sent now with ``timeout`` carries as its
+    ``deadline``: the longest the controller waits on that try (the watchdog grants a busy worker the
+    timeout again up to :data:`MAX_EXTENSIONS` times). Past it the worker stops the work that nobody
+    waits for any more (issue 29, point 5)."""
+    return time.time() + timeout * (1 + MAX_EXTENSIONS)
 
 
 @dataclass

@@ -53,7 +53,7 @@ from rlfleet.controller.fault_settings import FaultSettings
 from rlfleet.controller.own_store import OwnStore
 from rlfleet.controller.python_reward import PythonReward
 from rlfleet.controller.python_scorer import PythonScorer
-from rlfleet.controller.request_policy import Deadlines, with_retries
+from rlfleet.controller.request_policy import POOL_POLL_S, Deadlines, give_up_at, with_retries
 
 logger = logging.getLogger(__name__)
 
@@ -219,9 +219,13 @@ class RewardControl:
         quota refusal waits its ``retry_after``, a replica that died or drained goes to another."""
         return await with_retries(
             f"score {request.job_id} on endpoint {request.endpoint!r}",
-            lambda: self.transport.request(
-                verb, request, timeout=timeout, tier="reward", headers=self.headers
-            ),
+            lambda: self.transport.request(  # each try carries its own deadline: the server stops past it
+                verb,
+                request.model_copy(update={"deadline": give_up_at(timeout)}),
+                timeout=timeout,
+                tier="reward",
+                headers=self.headers,
+            ),  # fmt: skip
             self.faults,
         )
 
@@ -298,10 +302,24 @@ class RewardControl:
             name = endpoint or self.python.endpoint
             return RewardStats(worker_id="controller", endpoints={name: self.python.stats()})
         message = RewardStatsRequest(endpoint=endpoint)
-        reply = await self.transport.request(self._subjects()[0], message, timeout=self.deadlines.control(),
-                                             tier="reward", headers=self.headers)  # fmt: skip
+
+        async def ask() -> Any:
+            subjects = await self._subjects_when_back()
+            return await self.transport.request(subjects[0], message, timeout=self.deadlines.control(),
+                                                tier="reward", headers=self.headers)  # fmt: skip
+
+        reply = await with_retries(f"reward statistics of endpoint {endpoint!r}", ask, self.faults)
         assert isinstance(reply, RewardStats), reply
         return reply
+
+    async def _subjects_when_back(self) -> list[str]:
+        """The reward workers' subjects; while the tier has none (its only worker being restarted,
+        as at a checkpoint right after a crash), waited for up to ``faults.empty_pool_wait_s``."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.faults.empty_pool_wait_s
+        while not self.registry.workers("reward") and loop.time() < give_up:
+            await asyncio.sleep(POOL_POLL_S)
+        return self._subjects()
 
 
 def model_swap(new_rm: Any, component: str | None) -> dict[str, Any]:

@@ -125,7 +125,8 @@ async def show(args: argparse.Namespace, out=sys.stdout) -> None:  # noqa: ANN00
         args.nats_url, name="rlfleet-status", tier="controller", auth=auth,
         max_reconnect_attempts=0 if not args.watch else -1,
     )  # fmt: skip
-    registry = WorkerRegistry(transport, args.cluster, dead_after=3600.0)  # observe, never reap
+    # observe, never reap; the observer login may not ask workers to confirm a leave (membership.py)
+    registry = WorkerRegistry(transport, args.cluster, dead_after=3600.0, verify=False)
     try:
         await registry.start()
         await asyncio.sleep(max(0.0, args.wait))

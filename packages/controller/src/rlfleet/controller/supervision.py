@@ -19,6 +19,14 @@ prompts and sampling seed; a reward worker crashing mid-step interrupts the step
 score requests went to the dead process and would only time out). Past the budget the run stops
 with :class:`~rlfleet.controller.errors.TierNotRestarted`.
 
+A rollout or reward worker that is **alive but frozen** (stopped with SIGSTOP, hung) does not exit:
+the membership registry declares it dead when it is silent for ``faults.dead_after_s``. Before each
+check of the launcher the run looks at whom the registry declared dead
+(:meth:`Supervisor.kill_declared_dead`); a worker whose process still runs as the pid it announced
+is SIGKILLed by its launcher (:func:`~rlfleet.controller.launcher.kill_declared_dead`), and the
+check starts it again as above, within the same budget. Work it held waits for it meanwhile (a pool
+momentarily empty: :meth:`rlfleet.controller.fleet.Fleet.pool_back`).
+
 A **trainer** that crashes (``TierDied`` of the trainer), or answers with another incarnation
 than the one the run configured (``TrainerRestarted``: restarted behind the run's back), has lost
 the run's training state. With ``save_every`` set and a checkpoint written, the run starts the
@@ -49,7 +57,7 @@ from rlfleet.common.errors import Failure, RemoteError, UserError
 from rlfleet.controller.checkpoints import latest_checkpoint
 from rlfleet.controller.errors import TierDied, TierNotReady, TierNotRestarted, TierRefused, TrainerRestarted
 from rlfleet.controller.fleet import Fleet
-from rlfleet.controller.launcher import WorkerProcess
+from rlfleet.controller.launcher import WorkerProcess, kill_declared_dead
 from rlfleet.controller.loggers import RunMetrics
 from rlfleet.controller.ports import (
     Checkpoints,
@@ -78,6 +86,8 @@ class GuardedLoop:
         self._watch = watch
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.before_check: list[Callable[[], None]] = []
+        """Called before each check of the launcher (the supervisor kills the frozen workers there)."""
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -122,6 +132,8 @@ class GuardedLoop:
         return task.result()
 
     def _check(self) -> None:
+        for hook in self.before_check:
+            hook()
         watched = self._watch()
         if watched is not None:
             watched.check()
@@ -240,6 +252,7 @@ class Supervisor:
         self._in_step = False
         self._crashed = False  # a worker was restarted during the running step
         self._mark = 0  # train requests when the running step began
+        loop.before_check.append(self.kill_declared_dead)
 
     def attach(self, launcher: Launcher) -> None:
         launcher.on_restart = self.worker_restarted
@@ -264,6 +277,20 @@ class Supervisor:
             self._crashed = True
             if tier == "reward" and not self._trained():
                 raise StepInterrupted(died)
+
+    def kill_declared_dead(self) -> None:
+        """Have the launcher kill each rollout or reward worker that the registry declared dead while
+        its process still runs (stopped, hung); its next check starts it again within the budget."""
+        fleet = self._fleet()
+        if fleet is None:
+            return
+        dead = fleet.registry.take_dead()
+        launcher = self._launcher()
+        if launcher is None:
+            return  # a joined fleet: nobody here started its processes
+        for info in dead:
+            silent = fleet.registry.silent_for(info)
+            kill_declared_dead(launcher.workers, info.tier, info.worker_id, info.announce.pid, silent)
 
     def _trained(self) -> bool:
         fleet = self._fleet()

@@ -20,8 +20,39 @@ that cannot be flushed (the server is gone) is logged, never raised: the worker 
 Forgery: the registry takes a message about tier T only from T's own membership subject (which a
 role-permissioned server lets only T's role publish), and an announce only when its reply subject
 is the worker's own (:func:`worker_subject`) or unset (then it is set to that), so requests (and
-the tokens in their headers) never go to a subject an announce made up. Two workers of one role
-still share a credential: one could announce or leave in the other's name (README, "Trust model").
+the tokens in their headers) never go to a subject an announce made up.
+
+**A change to a worker is believed only from that worker** (issue 29). The workers of one role
+share a credential, so a message on T's membership subject may come from any process of role T
+(any worker that joined with the run's join file): one :class:`WorkerLeave` in another worker's
+name used to make the controller give up that worker's work at once. The wire cannot tell who sent
+a message, but one subject can: the worker's own (:func:`worker_subject`), where only the live
+process under that id is subscribed. So a message that would change what the registry holds of a
+known worker is checked there first, by a request (:class:`Ping`) to that subject
+(:meth:`WorkerRegistry.probe`), in the background (a probe never holds up the heartbeats behind it):
+
+- a **leave** is acted on only when nobody answers on the worker's own subject any more (``no
+  responders``: a stopping worker leaves that subject before it says goodbye,
+  :meth:`rlfleet.common.control.worker.Worker.stop`, as does any process that exits). A leave whose
+  worker still answers is forged or stale: ignored, logged. One that is not answered in time (a
+  frozen worker) is left to the heartbeats: silence past ``dead_after`` declares it dead.
+- an **announce** that changes a known worker's identity (its address, incarnation, pid, host,
+  capacity, pool, GPUs...; the weight version is the heartbeats' and the fleet's business) is not
+  adopted as it is: the worker's own answer to the ping (its :class:`WorkerAnnounce`) is, so a
+  worker restarted under its id is seen as the new process, and a forged announce changes nothing.
+  A worker of an older release answers a ping on its own subject with an error (it does not know
+  it): alive, but it does not say who it is; its announce is then adopted as before.
+
+Designed this way, rather than with a per-worker identity on the wire, because it needs no new
+secret, no new field and no new login: it works for workers that join a run with the shared join
+file, for every launcher, and against workers of the previous release. What remains is the
+shared credential itself: a process of role T may also subscribe to another T worker's own
+subject (``P.T.>``), so it could answer the registry's ping in that worker's name, racing the real
+one (it can make a leave be ignored, never believed: the real worker still answers). Closing that
+needs a NATS user per worker allowed only its own subject (``nats_roles``; README, "Trust model").
+A worker the registry declares dead is also kept (:meth:`WorkerRegistry.take_dead`) for the
+run's supervisor, which has the launcher kill a frozen process and start it again
+(:mod:`rlfleet.controller.supervision`).
 
 ::
 
@@ -47,10 +78,10 @@ import importlib.metadata
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from rlfleet.common.control.messages import (
     PROTOCOL,
@@ -71,7 +102,7 @@ from rlfleet.common.control.transport import (
     ping_subject,
     worker_subject,
 )
-from rlfleet.common.errors import ProtocolMismatch, TransportClosed
+from rlfleet.common.errors import NoResponders, ProtocolMismatch, RemoteError, TransportClosed
 
 logger = logging.getLogger(__name__)
 
@@ -166,12 +197,19 @@ class WorkerStatus(NamedTuple):
     step: int = -1  # the last training step this worker did (trainer ranks; -1: none)
 
 
+PING_ANSWER_INTERVAL_S = 0.5
+"""The most often a worker announces because of pings: anyone who may ping (a tenant of a shared
+reward server may) could otherwise make every worker broadcast as fast as it sends. A ping inside
+the interval is answered by one announce at its end, for every ping that came meanwhile."""
+
+
 class Heartbeater:
     """Announces a worker, heartbeats every ``interval`` s and says goodbye on stop.
 
     ``announce`` is the worker's announcement, or a function returning a fresh one (its weight
     version and fields at the time); ``status`` gives what each heartbeat reports. A transport that
-    is reconnecting loses a beat, never the loop; only a transport closed for good ends it.
+    is reconnecting loses a beat, never the loop; only a transport closed for good ends it. Pings
+    are answered at most once per ``ping_interval`` s (:data:`PING_ANSWER_INTERVAL_S`).
     """
 
     def __init__(
@@ -182,6 +220,7 @@ class Heartbeater:
         *,
         interval: float = 2.0,
         status: Callable[[], WorkerStatus] | None = None,
+        ping_interval: float = PING_ANSWER_INTERVAL_S,
     ) -> None:
         if interval <= 0:
             raise ValueError(f"heartbeat interval must be > 0 s, got {interval}")
@@ -192,6 +231,9 @@ class Heartbeater:
         self.status = status or (lambda: WorkerStatus(self._announce().weight_version, 0))
         self._task: asyncio.Task[None] | None = None
         self._ping_sub: Subscription | None = None
+        self.ping_interval = ping_interval
+        self._pinged_at = -float("inf")  # when a ping was last answered
+        self._ping_due: asyncio.Task[None] | None = None  # the one announce that answers the pings waiting
 
     @property
     def announce(self) -> WorkerAnnounce:
@@ -218,12 +260,23 @@ class Heartbeater:
         )
 
     async def _on_ping(self, message: AnyMessage) -> Message | None:
-        if isinstance(message, Ping):
-            try:
-                await self.announce_now()
-            except ConnectionError as exc:  # the next ping (or beat after a reconnect) tries again
-                logger.warning("%s did not answer a ping: %s", self._worker_id(), exc)
+        if not isinstance(message, Ping) or self._ping_due is not None:
+            return None  # an announce is due already: it answers this ping too
+        wait = self._pinged_at + self.ping_interval - time.monotonic()
+        if wait > 0:
+            self._ping_due = asyncio.create_task(self._answer_ping(wait), name=f"ping:{self._worker_id()}")
+        else:
+            await self._answer_ping(0.0)
         return None
+
+    async def _answer_ping(self, wait: float) -> None:
+        await asyncio.sleep(wait)
+        self._ping_due = None
+        self._pinged_at = time.monotonic()
+        try:
+            await self.announce_now()
+        except ConnectionError as exc:  # the next ping (or beat after a reconnect) tries again
+            logger.warning("%s did not answer a ping: %s", self._worker_id(), exc)
 
     async def _beat(self) -> None:
         failures = 0
@@ -264,6 +317,10 @@ class Heartbeater:
             return
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        due, self._ping_due = self._ping_due, None
+        if due is not None:
+            due.cancel()
+            await asyncio.gather(due, return_exceptions=True)
         if self._ping_sub is not None:
             await self._ping_sub.unsubscribe()
             self._ping_sub = None
@@ -324,6 +381,28 @@ class WorkerInfo:
 
 Callback = Callable[[WorkerInfo], Awaitable[None] | None]
 
+MAX_DEAD_KEPT = 64
+"""Workers declared dead that the registry keeps until taken (:meth:`WorkerRegistry.take_dead`)."""
+
+
+class Probe(NamedTuple):
+    """What a worker's own subject answered to a :class:`Ping` (:meth:`WorkerRegistry.probe`).
+
+    ``gone``: nobody is subscribed there (no responders); ``silent``: no answer in time (a frozen or
+    unreachable process, or the connection down); ``alive``: an answer, ``announce`` being the
+    worker's own account of itself when it gave one; ``legacy``: an error answer (a worker of an
+    older release, which does not take a ping there), alive but not saying who it is.
+    """
+
+    state: Literal["gone", "silent", "alive", "legacy"]
+    announce: WorkerAnnounce | None = None
+
+
+def identity(announce: WorkerAnnounce) -> dict[str, object]:
+    """What an announce says of its worker, except its weight version (heartbeats and the fleet's
+    weight loads move that): two announces of one process's life have the same identity."""
+    return announce.model_dump(exclude={"weight_version"})
+
 
 class WorkerRegistry:
     """Tracks the workers of every tier from the membership subject."""
@@ -339,9 +418,13 @@ class WorkerRegistry:
         on_leave: Callback | None = None,
         on_dead: Callback | None = None,
         clock: Callable[[], float] = time.monotonic,
+        verify: bool = True,
+        probe_s: float | None = None,
     ) -> None:
         if dead_after <= 0:
             raise ValueError(f"dead_after must be > 0 s, got {dead_after}")
+        if probe_s is not None and probe_s <= 0:
+            raise ValueError(f"probe_s must be > 0 s, got {probe_s}")
         if reconnect_grace < 0:
             raise ValueError(f"reconnect_grace must be >= 0 s, got {reconnect_grace}")
         self.transport = transport
@@ -350,7 +433,15 @@ class WorkerRegistry:
         self.reconnect_grace = reconnect_grace
         self.on_join, self.on_leave, self.on_dead = on_join, on_leave, on_dead
         self.clock = clock
+        self.verify = verify
+        """Check a leave, or an announce changing a known worker, on the worker's own subject first
+        (module docstring); off only for a client that may not send requests to workers and acts on
+        nothing it hears (an observer)."""
+        self.probe_s = probe_s if probe_s is not None else min(5.0, dead_after / 2)
+        """How long a worker's own subject has to answer a probe."""
         self._workers: dict[tuple[str, str], WorkerInfo] = {}
+        self._probes: dict[tuple[str, str, str], asyncio.Task[None]] = {}  # (what, tier, id) -> its check
+        self._dead: list[WorkerInfo] = []  # declared dead, not taken yet
         self._refused: dict[tuple[str, str], WireRefusal] = {}  # workers of another MAJOR wire version
         self._changed = asyncio.Event()
         self._subs: list[Subscription] = []
@@ -376,6 +467,10 @@ class WorkerRegistry:
         if reaper is not None:
             reaper.cancel()
             await asyncio.gather(reaper, return_exceptions=True)
+        probes, self._probes = list(self._probes.values()), {}
+        for probe in probes:
+            probe.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
         subs, self._subs = self._subs, []
         for sub in subs:
             await sub.unsubscribe()
@@ -400,6 +495,12 @@ class WorkerRegistry:
     def get(self, tier: str, worker_id: str) -> WorkerInfo | None:
         """One live worker, or None."""
         return self._workers.get((tier, worker_id))
+
+    def take_dead(self) -> list[WorkerInfo]:
+        """The workers declared dead (silent past ``dead_after``) since the last call, oldest first
+        (at most :data:`MAX_DEAD_KEPT`): what each was when it went silent (its pid, its host)."""
+        dead, self._dead = self._dead, []
+        return dead
 
     def forget(self, tier: str, worker_id: str) -> WorkerInfo | None:
         """Drop a worker known to be gone (its launcher saw the process exit) without waiting
@@ -484,19 +585,28 @@ class WorkerRegistry:
                 info.last_seen, info.weight_version, info.busy = now, message.weight_version, message.busy
                 info.activity, info.activity_s, info.step = message.activity, message.activity_s, message.step
         elif isinstance(message, WorkerLeave):
-            info = self._workers.pop((message.tier, message.worker_id), None)
-            if info is not None:
-                logger.info(
-                    "%s worker %s left (%s)", info.tier, info.worker_id, message.reason or "no reason"
-                )
-                self._changed.set()
-                await self._call(self.on_leave, info)
+            info = self._workers.get((message.tier, message.worker_id))
+            if info is not None and self.verify:
+                self._check_later("leave", info, self._verify_leave(info, message.reason))
+            elif info is not None:
+                await self._left(info, message.reason)
         return None
+
+    async def _left(self, info: WorkerInfo, reason: str) -> None:
+        if self._workers.get((info.tier, info.worker_id)) is not info:
+            return
+        del self._workers[(info.tier, info.worker_id)]
+        logger.info("%s worker %s left (%s)", info.tier, info.worker_id, reason or "no reason")
+        self._changed.set()
+        await self._call(self.on_leave, info)
 
     async def _on_announce(self, message: WorkerAnnounce, now: float) -> None:
         key = (message.tier, message.worker_id)
         self._refused.pop(key, None)  # restarted with a release of our MAJOR version
         info = self._workers.get(key)
+        if info is not None and self.verify and identity(message) != identity(info.announce):
+            self._check_later("announce", info, self._verify_announce(info, message))
+            return
         if info is not None:
             info.announce, info.last_seen, info.weight_version = message, now, message.weight_version
             return
@@ -507,6 +617,79 @@ class WorkerRegistry:
                     release or "release not announced", message.protocol)  # fmt: skip
         self._changed.set()
         await self._call(self.on_join, info)
+
+    # --- a change to a worker, checked with the worker itself (module docstring) -----------------
+
+    async def probe(self, tier: str, worker_id: str) -> Probe:
+        """Ask ``worker_id``'s own subject who is there (a :class:`Ping`, ``probe_s`` to answer)."""
+        own = worker_subject(self.cluster, tier, worker_id)
+        try:
+            reply = await self.transport.request(own, Ping(), timeout=self.probe_s, tier=tier)
+        except NoResponders:
+            return Probe("gone")
+        except RemoteError:
+            return Probe("legacy")
+        except (TimeoutError, ConnectionError) as exc:  # no answer in time; our connection is down
+            logger.debug("probe of %s worker %s: %s", tier, worker_id, exc)
+            return Probe("silent")
+        if isinstance(reply, WorkerAnnounce) and (reply.tier, reply.worker_id) == (tier, worker_id):
+            return Probe("alive", reply.model_copy(update={"subject": own}))
+        return Probe("alive")
+
+    def _check_later(self, what: str, info: WorkerInfo, check: Coroutine[Any, Any, None]) -> None:
+        """Run ``check`` in the background, one at a time per worker and kind of change (another
+        message of that kind while one runs is dropped: the check asks the worker itself anyway)."""
+        key = (what, info.tier, info.worker_id)
+        running = self._probes.get(key)
+        if running is not None and not running.done():
+            check.close()
+            return
+        task = asyncio.create_task(check, name=f"membership-{what}:{info.tier}:{info.worker_id}")
+        self._probes[key] = task
+        task.add_done_callback(lambda done: self._probed(key, done))
+
+    def _probed(self, key: tuple[str, str, str], task: asyncio.Task[None]) -> None:
+        if self._probes.get(key) is task:
+            del self._probes[key]
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("membership check %s failed", key, exc_info=task.exception())
+
+    async def _verify_leave(self, info: WorkerInfo, reason: str) -> None:
+        """Act on a leave of ``info`` only once nobody answers on its own subject."""
+        answer = await self.probe(info.tier, info.worker_id)
+        if self._workers.get((info.tier, info.worker_id)) is not info:
+            return  # forgotten, declared dead or replaced meanwhile
+        if answer.state == "gone":
+            await self._left(info, reason)
+        elif answer.state == "silent":
+            logger.warning("a leave of %s worker %s (%s) is not acted on: its own subject did not answer in "
+                           "%.1fs; its heartbeats decide (dead after %.1fs of silence)", info.tier,
+                           info.worker_id, reason or "no reason", self.probe_s, self.dead_after)  # fmt: skip
+        else:
+            logger.warning("ignored a leave of %s worker %s (%s): the worker still answers on its own "
+                           "subject (a forged or stale leave)", info.tier, info.worker_id,
+                           reason[:64] or "no reason")  # fmt: skip
+
+    async def _verify_announce(self, info: WorkerInfo, message: WorkerAnnounce) -> None:
+        """Adopt what ``info``'s worker says of itself on its own subject, not what ``message`` says."""
+        answer = await self.probe(info.tier, info.worker_id)
+        if self._workers.get((info.tier, info.worker_id)) is not info:
+            return
+        own = message if answer.state == "legacy" else answer.announce  # an older release: as before
+        if own is None:
+            there = "has nobody" if answer.state == "gone" else "did not say who is there"
+            logger.warning("ignored an announce of %s worker %s that changes it: its own subject %s",
+                           info.tier, info.worker_id, there)  # fmt: skip
+            return
+        if own is not message and identity(own) != identity(message):
+            logger.warning("ignored an announce of %s worker %s that differs from what the worker says of "
+                           "itself (a forged or stale announce)", info.tier, info.worker_id)  # fmt: skip
+        if identity(own) != identity(info.announce):
+            before = info.announce
+            logger.warning("%s worker %s is another process now (incarnation %s -> %s, pid %d -> %d)",
+                           info.tier, info.worker_id, before.incarnation or "?", own.incarnation or "?",
+                           before.pid, own.pid)  # fmt: skip
+        info.announce, info.last_seen, info.weight_version = own, self.clock(), own.weight_version
 
     async def _ping(self) -> None:
         now = self.clock()
@@ -568,6 +751,7 @@ class WorkerRegistry:
             info = self._workers.pop(key)
             logger.warning("%s worker %s is dead: no heartbeat for %.1fs (NATS connection up)", info.tier,
                            info.worker_id, now - info.last_seen)  # fmt: skip
+            self._dead = [*self._dead, info][-MAX_DEAD_KEPT:]
             self._changed.set()
             await self._call(self.on_dead, info)
 

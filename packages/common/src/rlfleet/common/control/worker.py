@@ -15,6 +15,12 @@ requests that have not started yet with :class:`~rlfleet.common.errors.WorkerDra
 it nothing new; what it sent already is still answered), lets what it took finish for up to
 ``drain_s`` seconds, and only then says goodbye and releases its resources. A request still
 running at the bound is cancelled.
+
+The worker's own subject is its identity (issue 29): only this process listens there, so the
+controller's registry checks a membership change about a worker with it (a :class:`Ping` there is
+answered with the worker's :class:`WorkerAnnounce`, its own account of itself), and believes a
+leave only once nobody answers there. So a stopping worker leaves its own subject after the drain
+and before it says goodbye (:meth:`Worker.stop`).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from rlfleet.common.control.messages import (
     PROTOCOL,
     Ack,
     AnyMessage,
+    Ping,
     Shutdown,
     WorkerAnnounce,
 )
@@ -78,6 +85,7 @@ class Worker(Generic[C]):
         self.draining = False
         """Set when the worker starts to stop: requests that arrive from then on are refused."""
         self._work_subs: list[Subscription] = []
+        self._own_sub: Subscription | None = None
         self._stopped = asyncio.Event()
         self._membership: Heartbeater | None = None
         self._set_up = False
@@ -124,7 +132,7 @@ class Worker(Generic[C]):
         self._start_metrics()
         await self.setup()
         self._set_up = True
-        await self.transport.subscribe(self.own_subject, self._on_own)
+        self._own_sub = await self.transport.subscribe(self.own_subject, self._on_own)
         self._membership = Heartbeater(
             self.transport, self.config.fleet.cluster, self.announcement, interval=self.config.heartbeat_s,
             status=self.status,
@@ -184,6 +192,8 @@ class Worker(Generic[C]):
             logger.info("shutdown asked: %s", message.reason or "no reason given")
             self._stopped.set()
             return Ack(detail=f"{self.worker_id} stopping")
+        if isinstance(message, Ping):  # the registry checks who is here (module docstring)
+            return self.announcement()
         return await self._tracked(self.handle_own)(message)
 
     async def handle_own(self, message: AnyMessage) -> AnyMessage | None:
@@ -226,6 +236,12 @@ class Worker(Generic[C]):
         self._stopped.set()
         if self._set_up:
             await self.drain()
+        own, self._own_sub = self._own_sub, None
+        if own is not None:  # before the leave: the registry believes it once nobody answers here
+            try:
+                await own.unsubscribe(drain_timeout=1.0)
+            except (ConnectionError, TimeoutError) as exc:
+                logger.warning("%s: leaving its own subject failed: %r", self.worker_id, exc)
         if self._membership is not None:
             await self._membership.stop(reason)  # heartbeats end, WorkerLeave goes out
             self._membership = None

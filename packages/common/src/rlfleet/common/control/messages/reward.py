@@ -23,6 +23,11 @@ class ScoreRequest(Message):
     token: str = Field(
         default="", description="protocol 1.1: the tenant token; now sent in the Rlfleet-Token header"
     )
+    deadline: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False,
+        description="wall-clock time (UNIX seconds) after which the requester no longer waits: the server "
+        "refuses or stops the work past it (wire 2.5; None: the server's own cap)",
+    )  # fmt: skip
 
 
 class ScoreResult(Message):
