@@ -1,8 +1,9 @@
 """Fixtures of the attack suite, loaded from the suites whose setups it attacks.
 
-``reward_server`` and ``rollout_store`` (a shared reward server in process, a real TensorStore)
-come from ``tests/reward/conftest.py``; ``procs`` and ``tiny_model_dir`` (the run's processes, a
-tiny model) from ``tests/integration/conftest.py``: both suites test and attack the same setup.
+``reward_server``, ``rollout_store`` and ``spawn`` (a shared reward server in process, a real
+TensorStore, ``rlfleet-reward serve`` processes) come from ``tests/reward/conftest.py``; ``procs``
+and ``tiny_model_dir`` (the run's processes, a tiny model) from ``tests/integration/conftest.py``:
+both suites test and attack the same setup.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def _load(suite: str) -> ModuleType:
 
 
 _reward, _integration = _load("reward"), _load("integration")
-reward_server, rollout_store = _reward.reward_server, _reward.rollout_store
+reward_server, rollout_store, spawn = _reward.reward_server, _reward.rollout_store, _reward.spawn
 procs, rlfleet_cache, tiny_model_dir = (
     _integration.procs,
     _integration.rlfleet_cache,

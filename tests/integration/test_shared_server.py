@@ -38,7 +38,10 @@ def script(name: str) -> str:
 
 
 @pytest.fixture
-def shared_server(nats_server: EmbeddedNats, tmp_path: Path, rlfleet_env: dict[str, str], spawn) -> Path:
+def shared_server(
+    nats_server: EmbeddedNats, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+    rlfleet_env: dict[str, str], spawn,
+) -> Path:  # fmt: skip
     config = {
         "fleet": {"nats_url": nats_server.url, "cluster": CLUSTER}, "worker_id": "reward-shared",
         "max_concurrency": 4,
@@ -47,7 +50,7 @@ def shared_server(nats_server: EmbeddedNats, tmp_path: Path, rlfleet_env: dict[s
                       "team-b/short": "0.5*concise:max_words=3 + 0.5*exact_match:key=digits"},
         "tenants": [
             {"name": "team-a", "token": TOKEN_A, "endpoints": ["team-a/digits"], "requests_per_s": 100,
-             "can_update": True},
+             "can_update": True, "model_dirs": [str(tmp_path_factory.getbasetemp())]},  # make_tiny_rm's
             {"name": "team-b", "token": TOKEN_B, "endpoints": ["team-b/short"], "max_batch": 256},
         ],
     }  # fmt: skip

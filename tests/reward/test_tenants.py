@@ -121,7 +121,7 @@ def test_max_batch() -> None:
     assert big.value.code == "batch_too_large"
 
 
-def test_code_stores_and_concurrency_are_refused_with_their_wire_codes_fields() -> None:
+async def test_code_stores_and_concurrency_are_refused_with_their_wire_codes_fields() -> None:
     tenant = TenantConfig(name="a", token="token-aa", endpoints=["a/1"], concurrency=1, stores=["10.0.*:*"])
     t = TenantTable([tenant], allowed_modules=["my_rewards"])
     a = t.identify("token-aa", "x")
@@ -130,9 +130,9 @@ def test_code_stores_and_concurrency_are_refused_with_their_wire_codes_fields() 
     assert code.value.code == "forbidden" and code.value.allowed == ["my_rewards"]
     t.check_spec(a, parse_reward_spec("my_rewards:score"))
     with pytest.raises(ForbiddenOperation, match=r"rollouts from '10.1.0.1:5'; its stores: \['10.0") as store:
-        t.check_store(a, "10.1.0.1:5")
+        await t.admit_store(a, "10.1.0.1:5")
     assert store.value.code == "forbidden" and store.value.allowed == ["10.0.*:*"]
-    t.check_store(a, "10.0.3.4:5")
+    assert (await t.admit_store(a, "10.0.3.4:5")).connect == "10.0.3.4:5"
     with t.slot(a), pytest.raises(QuotaExceeded, match="already has 1 requests in progress") as busy:
         with t.slot(a):
             pass

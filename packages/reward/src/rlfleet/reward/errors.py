@@ -235,8 +235,8 @@ class ForbiddenOperation(RewardError, PermissionError):
 
 class QuotaExceeded(RewardError, RuntimeError):
     """A tenant is over one of its quotas for now: its ``requests_per_s`` rate (``limit`` requests a
-    second; retry after ``retry_after_s``) or its ``concurrency`` (``limit`` requests in progress;
-    retry when one finishes)."""
+    second; retry after ``retry_after_s``), its ``concurrency`` (``limit`` requests in progress;
+    retry when one finishes) or its ``bytes_in_flight`` (``limit`` bytes of texts held at once)."""
 
     code = "quota_exceeded"
     retryable = True
@@ -244,7 +244,7 @@ class QuotaExceeded(RewardError, RuntimeError):
     def __init__(
         self,
         tenant: str,
-        quota: Literal["requests_per_s", "concurrency"],
+        quota: Literal["requests_per_s", "concurrency", "bytes_in_flight"],
         limit: float,
         retry_after_s: float = 0.0,
     ) -> None:
@@ -254,6 +254,9 @@ class QuotaExceeded(RewardError, RuntimeError):
         self.retry_after_s = retry_after_s
         if quota == "concurrency":
             detail = f"already has {limit:g} requests in progress (its concurrency); retry when one finishes"
+        elif quota == "bytes_in_flight":
+            detail = (f"would hold more than {limit:g} bytes of texts at once (its bytes_in_flight); retry "
+                      "when one of its requests finishes")  # fmt: skip
         else:
             detail = f"is over its quota of {limit:g} requests/s; retry in {retry_after_s:.2f}s"
         super().__init__(f"tenant {tenant!r} {detail}")
@@ -303,4 +306,48 @@ class BatchTooLarge(RewardError, ValueError):
         super().__init__(
             f"tenant {tenant!r} sent {samples} samples in one request; its max_batch is {max_batch}: "
             "split the batch"
+        )
+
+
+class TextsTooLarge(RewardError, ValueError):
+    """A tenant's request would make the server fetch more text than it may: one sample over its
+    ``sample_bytes``, the request over its ``request_bytes`` (both as the store declared the sizes),
+    or its store sending more than it declared (``declared_bytes``: cut off before it is allocated)."""
+
+    code = "batch_too_large"
+
+    def __init__(
+        self,
+        tenant: str,
+        limit: Literal["sample_bytes", "request_bytes", "declared_bytes"],
+        nbytes: int,
+        cap: int,
+    ) -> None:
+        self.tenant = tenant
+        self.limit = limit
+        self.nbytes = nbytes
+        self.cap = cap
+        if limit == "declared_bytes":
+            detail = f"its store sent {nbytes} bytes where it declared {cap}; the fetch was cut off"
+        else:
+            what = "one sample holds" if limit == "sample_bytes" else "the request's texts take"
+            detail = f"{what} {nbytes} bytes, over its {limit} of {cap}"
+        super().__init__(
+            f"tenant {tenant!r}: {detail}; nothing was scored (split the batch, or shorten the texts)"
+        )
+
+
+class DeadlinePassed(RewardError, TimeoutError):
+    """A score request's deadline passed (its own ``deadline``, or the tenant's ``request_s``) before
+    the work was done: the server stopped it (at the next step: the fetch, or the next slice of
+    samples) and scored nothing for it."""
+
+    code = "timeout"
+
+    def __init__(self, job_id: str, when: str, late_s: float) -> None:
+        self.job_id = job_id
+        self.when = when
+        self.late_s = late_s
+        super().__init__(
+            f"score job {job_id!r}: its deadline passed {late_s:.2f}s ago {when}; the work was stopped"
         )

@@ -56,6 +56,22 @@ MODELS: dict[str, type[ModelComponent]] = {
 BUILTINS: dict[str, type[Rule] | type[ModelComponent]] = {**RULES, **MODELS}
 """Every built-in name a spec may use."""
 
+MODEL_PATH_OPTIONS: dict[str, str] = {"rm": "path", "similarity": "model"}
+"""The option of each model component that names the directory its model loads from."""
+
+
+def model_paths(spec: RewardSpec) -> list[str]:
+    """The model directories ``spec`` names (an option left at its default, e.g. ``minilm``, is a
+    built-in model and names none)."""
+    paths = []
+    for comp in spec.components:
+        option = MODEL_PATH_OPTIONS.get(comp.name)
+        if option is None or option not in comp.args:
+            continue
+        if comp.args[option] != MODELS[comp.name].model_fields[option].default:
+            paths.append(str(comp.args[option]))
+    return paths
+
 
 def parse_reward_spec(
     spec: str | Mapping[str, Any] | RewardSpec, *, revision: int | None = None

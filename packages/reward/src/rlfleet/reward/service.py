@@ -16,6 +16,15 @@ fetches texts only from its own ``stores``, hot-swaps only its own endpoints (wi
 and only to specs that load no code (:meth:`TenantTable.check_spec`); only the admin token may
 shut a shared server down. The admin token may do anything, including creating endpoints.
 Without tenants the server is open.
+
+A tenant's request is bounded before any work (issue 29): its store address must resolve to an
+address its ``stores`` admit, and that address is the one connected to; the sizes its store
+declares (``Stat``) must fit its ``request_bytes`` and, beside its requests in progress, its
+``bytes_in_flight``; its offsets are read first, so no sample over ``sample_bytes`` is fetched; and
+the texts are read with the declared size as a hard cap (a store that sends more is cut off). A
+request stops at its deadline (its own ``deadline``, for a tenant no later than ``request_s``):
+the fetch is cancelled, scoring stops between slices of :data:`SCORE_SLICE` samples, and the
+tenant's slot and bytes are freed only once no work of the request is left running.
 Hot swaps and versions are :mod:`rlfleet.reward.endpoints`' business: a request finishes on the
 version it started with, and its :class:`ScoreResult` names that version.
 """
@@ -25,7 +34,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rlfleet.common.control.messages import (
     AnyMessage,
@@ -40,24 +52,35 @@ from rlfleet.common.control.messages import (
 from rlfleet.common.control.reply_cache import ReplyCache
 from rlfleet.common.control.transport import TOKEN_HEADER, request_headers, subject
 from rlfleet.common.control.worker import Worker
-from rlfleet.common.errors import WrongMessageKind
+from rlfleet.common.errors import MessageTooLarge, WrongMessageKind
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.reward import RewardWorkerConfig
+from rlfleet.reward.composite import ScoreBatch
 from rlfleet.reward.endpoints import Endpoints, EndpointVersion
-from rlfleet.reward.errors import ForbiddenOperation
+from rlfleet.reward.errors import DeadlinePassed, ForbiddenOperation, RewardFunctionError
 from rlfleet.reward.loading import allow_remote_code
 from rlfleet.reward.quota_store import open_quotas
 from rlfleet.reward.registry import parse_reward_spec
-from rlfleet.reward.tenants import Tenant, TenantTable
+from rlfleet.reward.tenants import StoreTarget, Tenant, TenantTable
 
 if TYPE_CHECKING:
-    from rlfleet.common.tensors.client import ClientPool
+    from rlfleet.common.tensors.client import ClientPool, TensorStoreClient
 
 logger = logging.getLogger(__name__)
 
-TEXT_TENSORS = ["prompt_text", "prompt_text_offsets", "response_text", "response_text_offsets", "group_index"]
+T = TypeVar("T")
+
+BOUNDS = ["prompt_text_offsets", "response_text_offsets", "group_index"]
+"""What a tenant's request reads first: where each sample's texts start and end, and its group."""
+TEXTS = ["prompt_text", "response_text"]
+TEXT_TENSORS = TEXTS + BOUNDS
 MAX_STORE_CLIENTS = 64
 """Store connections kept open at once (the least recently used one closes past it)."""
+SCORE_SLICE = 64
+"""Samples scored per step of a request that has a deadline: past it, the work stops between steps
+(as many as the largest default model batch, so a slice keeps the models' batches whole)."""
+Texts = tuple[list[str], list[str], list[int]]
+"""A batch's prompts and responses (N,) and each sample's group index (N,)."""
 
 
 def credential(message: AnyMessage) -> str:
@@ -73,7 +96,7 @@ class RewardWorker(Worker[RewardWorkerConfig]):
     async def setup(self) -> None:
         cfg = self.config
         self.tenants = TenantTable(cfg.tenants, admin=cfg.admin, allowed_modules=cfg.allowed_modules,
-                                   max_concurrency=cfg.max_concurrency,
+                                   max_concurrency=cfg.max_concurrency, limits=cfg.tenant_limits,
                                    quotas=await open_quotas(cfg, self.transport))  # fmt: skip
         allow_remote_code(cfg.loading.trust_remote_code)  # the server's own setting, never a tenant's
         self.endpoints = Endpoints(cfg.state_dir)
@@ -129,6 +152,8 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         await self.tenants.take_request(tenant)
         if tenant is not None and message.spec is not None:
             self.tenants.check_spec(tenant, parse_reward_spec(message.spec))
+        if tenant is not None and message.model_path is not None:
+            self.tenants.check_model_paths(tenant, [message.model_path])
         with self.tenants.slot(tenant):
             old, new, seconds = await self.endpoints.swap(
                 name, spec=message.spec, model_path=message.model_path, component=message.component,
@@ -146,35 +171,41 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         self.tenants.check_endpoint(tenant, name)
         live = self.endpoints.get(name, self.tenants.visible(tenant, self.endpoints.names()))
         await self.tenants.take_request(tenant)
-        self.tenants.check_store(tenant, request.rollout.address)
+        target = await self.tenants.admit_store(tenant, request.rollout.address)
+        deadline = self.tenants.deadline(tenant, request.deadline)
         # A resent score (a retry, a resend after an outage: the same request) is answered from its
         # first reply, so a scaler's statistics count each batch once. Keyed by tenant (job ids are
         # each tenant's own), by the request itself (a client that reuses a job id for another batch
-        # is scored as before, not refused) and by the reward version (after a swap: scored anew).
-        identity = request.model_dump_json(exclude={"protocol"}).encode()
+        # is scored as before, not refused; a retry's later deadline does not make it another) and
+        # by the reward version (after a swap: scored anew).
+        same = request.model_copy(update={"deadline": None})
+        identity = same.model_dump_json(exclude={"protocol"}).encode()
         digest = hashlib.sha256(identity).hexdigest()[:16]
         key = f"{tenant.name if tenant is not None else ''}/{request.job_id}/{digest}/{live.version}"
 
         async def once() -> ScoreResult:
             with self.tenants.slot(tenant):
-                return await self._score_on(request, live, tenant)
+                return await self._score_on(request, live, tenant, target, deadline)
 
-        return await self.replies.once(request, key if request.job_id else "", once)
+        return await self.replies.once(same, key if request.job_id else "", once)
 
     async def _score_on(
-        self, request: ScoreRequest, live: EndpointVersion, tenant: Tenant | None
+        self,
+        request: ScoreRequest,
+        live: EndpointVersion,
+        tenant: Tenant | None,
+        target: StoreTarget,
+        deadline: float | None,
     ) -> ScoreResult:
         name = request.endpoint
         self.busy += 1
         done = False
         try:
-            if tenant is not None and tenant.config.max_batch is not None:  # before any text is fetched
-                counted = await self._fetch(request.rollout, ["group_index"])
-                self.tenants.check_batch(tenant, int(counted["group_index"].numel()))
-            prompts, responses, groups = await self._texts(request)
-            self.tenants.check_batch(tenant, len(responses))
-            metadata = [dict(request.metadata[g]) if g < len(request.metadata) else {} for g in groups]
-            batch = await asyncio.to_thread(live.reward.score, prompts, responses, metadata)
+            _in_time(request.job_id, deadline, "before any work")
+            async with self._texts(request, target, tenant, deadline) as (prompts, responses, groups):
+                self.tenants.check_batch(tenant, len(responses))
+                metadata = [dict(request.metadata[g]) if g < len(request.metadata) else {} for g in groups]
+                batch = await self._score_slices(live, prompts, responses, metadata, request.job_id, deadline)
             done = True
         finally:
             self.busy -= 1
@@ -204,22 +235,111 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         endpoints = {n: self.endpoints.stats(n) for n in names}
         return RewardStats(worker_id=self.worker_id, tenant=who, endpoints=endpoints, refused=refused)
 
-    async def _texts(self, request: ScoreRequest) -> tuple[list[str], list[str], list[int]]:
+    async def _score_slices(
+        self,
+        live: EndpointVersion,
+        prompts: list[str],
+        responses: list[str],
+        metadata: list[dict[str, Any]],
+        job_id: str,
+        deadline: float | None,
+    ) -> ScoreBatch:
+        """The batch's scores; with a deadline, :data:`SCORE_SLICE` samples at a time, stopping
+        (:class:`DeadlinePassed`) before a slice once the deadline has passed."""
+        if deadline is None:
+            return await asyncio.to_thread(live.reward.score, prompts, responses, metadata)
+        n, parts = len(responses), []
+        for start in range(0, max(n, 1), SCORE_SLICE):
+            _in_time(job_id, deadline, f"after {start} of {n} samples were scored")
+            end = start + SCORE_SLICE
+            try:
+                parts.append(await asyncio.to_thread(
+                    live.reward.score, prompts[start:end], responses[start:end], metadata[start:end]
+                ))  # fmt: skip
+            except RewardFunctionError as exc:  # its sample index counts from the slice's start
+                index = None if exc.index is None else exc.index + start
+                raise RewardFunctionError(exc.function, index, exc.reason) from exc
+        components = {label: [s for p in parts for s in p.components[label]] for label in parts[0].components}
+        total = [s for p in parts for s in p.total]
+        return ScoreBatch(total=total, components=components, version=parts[0].version)
+
+    @asynccontextmanager
+    async def _texts(
+        self, request: ScoreRequest, target: StoreTarget, tenant: Tenant | None, deadline: float | None
+    ) -> AsyncIterator[Texts]:
+        """The request's texts, held (for a tenant: counted in its ``bytes_in_flight``) while the block runs.
+
+        For a tenant, every size is checked before the bytes it sizes are fetched: the sample count
+        (``max_batch``) and the texts' total (``request_bytes``, ``bytes_in_flight``) from what the
+        store declares, each sample (``sample_bytes``) from the offsets, read first; every read is
+        capped at the declared size.
+        """
         from rlfleet.common.schema.batch import unpack_texts
 
-        got = await self._fetch(request.rollout, TEXT_TENSORS)
-        prompts = unpack_texts(got["prompt_text"], got["prompt_text_offsets"])
-        responses = unpack_texts(got["response_text"], got["response_text_offsets"])
-        return prompts, responses, [int(g) for g in got["group_index"].tolist()]
+        ref, job = request.rollout, request.job_id
+        if tenant is None:
+            got, held = await _by(job, deadline, self._fetch(target, ref, TEXT_TENSORS)), 0
+        else:
+            declared, samples = await _by(job, deadline, self._declared(target, ref))
+            self.tenants.check_batch(tenant, samples)
+            held = sum(declared.values())
+            self.tenants.check_bytes(tenant, "request_bytes", held)
+        with self.tenants.holding(tenant, held):
+            if tenant is not None:
+                got = await _by(job, deadline, self._fetch_within(tenant, target, ref, BOUNDS, declared))
+                self.tenants.check_bytes(tenant, "sample_bytes", _largest_sample(got))
+                got.update(await _by(job, deadline, self._fetch_within(tenant, target, ref, TEXTS, declared)))
+            prompts = unpack_texts(got["prompt_text"], got["prompt_text_offsets"])
+            responses = unpack_texts(got["response_text"], got["response_text_offsets"])
+            groups = [int(g) for g in got["group_index"].tolist()]
+            del got
+            yield prompts, responses, groups
 
-    async def _fetch(self, ref: TensorRef, names: list[str]) -> dict[str, Any]:
-        """The tensors ``names`` of ``ref``, through one open client per store (the least recently
-        used closes past :data:`MAX_STORE_CLIENTS`)."""
+    async def _declared(self, target: StoreTarget, ref: TensorRef) -> tuple[dict[str, int], int]:
+        """The bytes the store says each text tensor of ``ref`` holds, and its sample count."""
+        stat = await self._store(target).stat(ref)
+        sizes = {t.name: t.nbytes for t in stat.tensors if t.name in TEXT_TENSORS}
+        samples = next((t.shape[0] for t in stat.tensors if t.name == "group_index" and t.shape), 0)
+        return sizes, samples
+
+    async def _fetch_within(
+        self,
+        tenant: Tenant,
+        target: StoreTarget,
+        ref: TensorRef,
+        names: list[str],
+        declared: Mapping[str, int],
+    ) -> dict[str, Any]:
+        """``names`` of ``ref``, cut off past the bytes the store declared for them."""
+        cap = sum(declared.get(n, 0) for n in names)
+        try:
+            return await self._fetch(target, ref, names, max_bytes=cap)
+        except MessageTooLarge as exc:  # the store sends more than it declared: cut off before allocating it
+            self.tenants.check_bytes(tenant, "declared_bytes", exc.size, cap=cap)
+            raise
+
+    async def _fetch(
+        self, target: StoreTarget, ref: TensorRef, names: list[str], *, max_bytes: int | None = None
+    ) -> dict[str, Any]:
+        """The tensors ``names`` of ``ref``, from the store at ``target`` (at most ``max_bytes``)."""
+        client = self._store(target)
+        return await client.get(ref.key, names, capability=ref.capability, nbytes=max_bytes or 0,
+                                max_bytes=max_bytes)  # fmt: skip
+
+    def _store(self, target: StoreTarget) -> TensorStoreClient:
+        """One open client per store address (the least recently used closes past
+        :data:`MAX_STORE_CLIENTS`), dialling the address the tenant's ``stores`` admitted."""
         if self._stores is None:
             from rlfleet.common.tensors.client import ClientPool
 
-            self._stores = ClientPool(self.config.tensor_plane, max_clients=MAX_STORE_CLIENTS)
-        return await self._stores.fetch(ref, names)
+            self._stores = ClientPool(max_clients=MAX_STORE_CLIENTS, connect=self._connect)
+        return self._stores.get(f"{target.connect}|{target.server_name}")
+
+    def _connect(self, key: str) -> TensorStoreClient:
+        from rlfleet.common.tensors.client import worker_client
+
+        address, _, server_name = key.partition("|")
+        return worker_client(address, self.config.tensor_plane, tls_server_name=server_name)
 
     async def _save_periodically(self) -> None:
         while True:
@@ -233,3 +353,36 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         self.endpoints.save()
         if self._stores is not None:
             await self._stores.close()
+
+
+def _in_time(job_id: str, deadline: float | None, when: str) -> None:
+    """Raise :class:`DeadlinePassed` once ``deadline`` (UNIX seconds; None: none) has passed."""
+    if deadline is not None and time.time() > deadline:
+        raise _passed(job_id, deadline, when)
+
+
+def _passed(job_id: str, deadline: float, when: str) -> DeadlinePassed:
+    late = max(0.0, time.time() - deadline)
+    logger.warning("score job %s stopped %s: its deadline passed %.2fs ago", job_id, when, late)
+    return DeadlinePassed(job_id, when, late)
+
+
+async def _by(job_id: str, deadline: float | None, step: Awaitable[T]) -> T:
+    """``step``, cancelled with :class:`DeadlinePassed` when ``deadline`` passes first."""
+    if deadline is None:
+        return await step
+    try:
+        async with asyncio.timeout(deadline - time.time()) as scope:
+            return await step
+    except TimeoutError:
+        if not scope.expired():
+            raise  # the step's own timeout (a stalled store), not the deadline
+        raise _passed(job_id, deadline, "while its texts were fetched") from None
+
+
+def _largest_sample(bounds: Mapping[str, Any]) -> int:
+    """The most text bytes (prompt and response) of one sample, from the batch's offsets (N+1,)."""
+    prompts, responses = bounds["prompt_text_offsets"], bounds["response_text_offsets"]
+    if prompts.dim() != 1 or prompts.shape != responses.shape or prompts.numel() < 2:
+        return 0  # malformed or empty: unpacking the texts names the problem
+    return int((prompts.diff() + responses.diff()).max())

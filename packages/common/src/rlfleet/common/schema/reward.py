@@ -8,9 +8,11 @@ what a run sends when it creates or swaps an endpoint. Torch-free.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 import re
-from typing import Any, ClassVar, Literal
+from pathlib import PurePath
+from typing import Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -19,6 +21,9 @@ from rlfleet.common.schema.worker import ModelLoading, ServiceConfig
 Spec = str | dict[str, Any]
 """A reward spec: text (``'0.7*rm:path=/m + 0.3*concise'``) or its dict form."""
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+MIB = 1 << 20
 
 
 def token_digest(token: str) -> bytes:
@@ -56,6 +61,93 @@ class EndpointConfig(BaseModel):
 
     spec: Spec = Field(description="reward spec (text or dict form), e.g. '0.7*rm:path=/m + 0.3*concise'")
     scaler: ScalerConfig | None = Field(default=None, description="RewardScaler options applied to totals")
+
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class StoreRule(NamedTuple):
+    """One entry of a tenant's ``stores``, parsed: an IP network and a port (None: any)."""
+
+    network: IPNetwork
+    port: int | None
+
+    def admits(self, ip: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> bool:
+        """Whether the store at ``ip:port`` is one this rule allows."""
+        return ip.version == self.network.version and ip in self.network and self.port in (None, port)
+
+
+def parse_store_rule(entry: str) -> StoreRule:
+    """A ``stores`` entry as an IP network and a port: ``10.1.2.3:7000``, ``10.1.0.0/16:*``,
+    ``[fd00::/8]:*``, ``10.1.0.0/16`` (any port), or the previous release's octet globs
+    (``10.1.*:*`` is ``10.1.0.0/16:*``). Names are refused: a name is not an address (the server
+    resolves a store's name once and checks the address it gets). ValueError saying what to write.
+    """
+    text = entry.strip()
+    if text.startswith("["):
+        host, closed, rest = text[1:].partition("]")
+        if not closed or (rest and not rest.startswith(":")):
+            raise ValueError(f"stores entry {entry!r}: write an IPv6 network as '[fd00::/8]:PORT'")
+        port = rest[1:] or "*"
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    else:
+        host, port = text, "*"
+    return StoreRule(_store_network(entry, host), _store_port(entry, port))
+
+
+def _store_network(entry: str, host: str) -> IPNetwork:
+    if "*" in host:  # the previous release's glob form: whole trailing octets only
+        parts = host.split(".")
+        fixed = [p for p in parts if p != "*"]
+        if not fixed or len(parts) > 4 or parts[: len(fixed)] != fixed or not all(p.isdigit() for p in fixed):
+            raise ValueError(f"stores entry {entry!r}: write an IP network (CIDR), e.g. '10.1.0.0/16:*'")
+        host = ".".join(fixed + ["0"] * (4 - len(fixed))) + f"/{8 * len(fixed)}"
+    try:
+        return ipaddress.ip_network(host, strict=True)
+    except ValueError as exc:
+        raise ValueError(
+            f"stores entry {entry!r}: {host!r} is not an IP address or network ({exc}); a store's name is "
+            "resolved when a request names it, so list its address or network (CIDR, e.g. '10.1.0.0/16:*')"
+        ) from None
+
+
+def _store_port(entry: str, port: str) -> int | None:
+    if port == "*":
+        return None
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"stores entry {entry!r}: the port must be a number from 1 to 65535, or '*'")
+    return int(port)
+
+
+class TenantLimits(BaseModel):
+    """What one tenant's score request may make a shared reward server fetch, hold and compute.
+
+    Checked before any work: a request over a byte cap is refused (``batch_too_large``) before its
+    texts are fetched, from the sizes the tenant's store declares, and a store that sends more than
+    it declared is cut off at the declared size. Bytes count the texts and their offsets as stored
+    (UTF-8); decoding them takes about three times as much memory while a request is scored.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sample_bytes: int = Field(
+        default=MIB, ge=1, description="text bytes of one sample (its prompt and its response)"
+    )
+    request_bytes: int = Field(
+        default=256 * MIB, ge=1,
+        description="bytes one request makes the server fetch (texts, offsets, group index)",
+    )  # fmt: skip
+    bytes_in_flight: int = Field(
+        default=1024 * MIB, ge=1,
+        description="bytes the tenant's requests in progress hold at once in one replica; a request past "
+        "it is refused with a retryable quota_exceeded",
+    )  # fmt: skip
+    request_s: float = Field(
+        default=600.0, gt=0, allow_inf_nan=False,
+        description="the longest one request may compute when it carries no earlier deadline; past it "
+        "(or past the request's own deadline) the work stops and the request fails with 'timeout'",
+    )  # fmt: skip
 
 
 class TokenSource(BaseModel):
@@ -108,12 +200,37 @@ class TenantConfig(TokenSource):
     )  # fmt: skip
     stores: list[str] = Field(
         default_factory=list,
-        description="TensorStore addresses (host:port globs, e.g. '10.0.1.*:*') its requests may name; "
-        "empty: any",
+        description="TensorStores its requests may name, as IP addresses or networks with a port or '*' "
+        "('10.0.1.0/24:*', '10.0.1.5:7000', '[fd00::/8]:*'; the previous release's '10.0.1.*:*' reads as "
+        "10.0.1.0/24); a store named by a host name is resolved once and the address checked is the "
+        "one connected to; empty: any",
     )
     can_update: bool = Field(
         default=False, description="may hot-swap the reward of its own endpoints (rule specs only)"
     )
+    model_dirs: list[str] = Field(
+        default_factory=list,
+        description="absolute directories under which its specs may name reward models (rm:path, "
+        "similarity:model, a swap's model_path); empty: none (built-in models only)",
+    )
+    limits: TenantLimits | None = Field(
+        default=None, description="its byte and time caps; None: the server's tenant_limits"
+    )
+
+    @field_validator("stores")
+    @classmethod
+    def _stores_are_addresses(cls, stores: list[str]) -> list[str]:
+        for entry in stores:
+            parse_store_rule(entry)
+        return stores
+
+    @field_validator("model_dirs")
+    @classmethod
+    def _model_dirs_are_absolute(cls, dirs: list[str]) -> list[str]:
+        relative = [d for d in dirs if not PurePath(d).is_absolute()]
+        if relative:
+            raise ValueError(f"model_dirs must be absolute directories, got {relative}")
+        return dirs
 
 
 class RewardWorkerConfig(ServiceConfig):
@@ -135,6 +252,10 @@ class RewardWorkerConfig(ServiceConfig):
         default=None, description="the operators' token (token / token_sha256 / token_env)"
     )
     max_concurrency: int = Field(default=4, ge=1, description="score requests handled at once")
+    tenant_limits: TenantLimits = Field(
+        default_factory=TenantLimits,
+        description="every tenant's byte and time caps (a tenant's own limits replace them)",
+    )
     allowed_modules: list[str] = Field(
         default_factory=list,
         description="modules whose functions a tenant's spec may name ('module:function'); "

@@ -77,7 +77,9 @@ class TensorStoreClient:
     ``secret`` is the store's own (its owner may then put, delete and stat anything there);
     without it the client only reads what a ref's capability opens.
     ``tls_ca`` (a PEM file) speaks TLS to servers whose certificate it signed, with
-    ``tls_cert``/``tls_key`` as this client's own certificate where the server asks for one.
+    ``tls_cert``/``tls_key`` as this client's own certificate where the server asks for one;
+    ``tls_server_name`` is the name the server's certificate must carry when ``address`` is an IP
+    the caller resolved that name to (default: the address's own host).
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class TensorStoreClient:
         tls_ca: str = "",
         tls_cert: str = "",
         tls_key: str = "",
+        tls_server_name: str = "",
     ) -> None:
         check_sizes(chunk_bytes, max_message_bytes)
         if timeout_s <= 0 or idle_timeout_s <= 0:
@@ -108,7 +111,9 @@ class TensorStoreClient:
         self.timeout_s = timeout_s
         self.idle_timeout_s = idle_timeout_s
         self._tls = (tls_ca, tls_cert, tls_key)
-        options = channel_options(max_message_bytes)
+        options: list[tuple[str, int | str]] = [*channel_options(max_message_bytes)]
+        if tls_ca and tls_server_name:
+            options = [*options, ("grpc.ssl_target_name_override", tls_server_name)]
         if tls_ca:
             credentials = channel_credentials(tls_ca, tls_cert, tls_key)
             self._channel = grpc.aio.secure_channel(address, credentials, options=options)
@@ -185,19 +190,26 @@ class TensorStoreClient:
         return TensorRef(address=self.address, key=summary.key, nbytes=summary.nbytes, capability=cap)
 
     async def get(
-        self, key: str, names: Sequence[str] | None = None, *, capability: str = "", nbytes: int = 0
+        self,
+        key: str,
+        names: Sequence[str] | None = None,
+        *,
+        capability: str = "",
+        nbytes: int = 0,
+        max_bytes: int | None = None,
     ) -> dict[str, torch.Tensor]:
         """The tensors under ``key`` (all, or only ``names``), checked chunk by chunk on arrival.
 
         Needs the key's ``capability`` (see :meth:`fetch`, which takes it from the ref) or the
         store's secret; else :class:`TensorAccessDenied`. ``nbytes`` (the size, when known)
         lengthens the deadline; a stream with no chunk for ``idle_timeout_s`` raises
-        :class:`TensorStoreTimeout`.
+        :class:`TensorStoreTimeout`. ``max_bytes`` caps what this call may allocate below the
+        client's ``max_get_bytes``: a stream past it is cut off with :class:`MessageTooLarge`
+        before the tensor that would cross it is allocated.
         """
         self._check_open()
-        assembler = ChunkAssembler(
-            key, max_chunk_bytes=self.max_message_bytes, max_total_bytes=self.max_get_bytes
-        )
+        limit = self.max_get_bytes if max_bytes is None else min(max_bytes, self.max_get_bytes or max_bytes)
+        assembler = ChunkAssembler(key, max_chunk_bytes=self.max_message_bytes, max_total_bytes=limit)
         request = pb.GetRequest(key=key, names=list(names or ()), max_chunk_bytes=self.max_message_bytes)
         deadline = stream_deadline(self.timeout_s, nbytes)
         call = self._get_rpc(request, timeout=deadline, metadata=self._reader(capability))
@@ -341,9 +353,12 @@ class TensorStoreClient:
             raise TransportClosed(f"TensorStoreClient for {self.address}")
 
 
-def worker_client(address: str, settings: TensorPlaneSettings) -> TensorStoreClient:
+def worker_client(
+    address: str, settings: TensorPlaneSettings, *, tls_server_name: str = ""
+) -> TensorStoreClient:
     """A client for another tier's store, speaking TLS when the worker trusts a CA (``tensor_tls_ca``),
-    with ``tensor_tls_cert``/``tensor_tls_key`` as its own certificate for stores that ask for one."""
+    with ``tensor_tls_cert``/``tensor_tls_key`` as its own certificate for stores that ask for one
+    (``tls_server_name``: the name the certificate must carry when ``address`` is a resolved IP)."""
     if not settings.tensor_tls_ca:
         return TensorStoreClient(address)
     return TensorStoreClient(
@@ -351,6 +366,7 @@ def worker_client(address: str, settings: TensorPlaneSettings) -> TensorStoreCli
         tls_ca=settings.tensor_tls_ca,
         tls_cert=settings.tensor_tls_cert,
         tls_key=settings.tensor_tls_key,
+        tls_server_name=tls_server_name,
     )
 
 
