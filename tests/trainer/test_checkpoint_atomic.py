@@ -1,7 +1,8 @@
 """Checkpoints are all or nothing (issue 29, point 4): a save that fails partway leaves no
 completion marker (``trainer/state.json``, which ``resume_from=auto`` needs: tests/controller),
 even one written over an older checkpoint of the same step, and a load that fails partway leaves
-the model, optimizer, schedulers and RNGs as they were. Real actors and critics (tiny model, CPU), real DCP files.
+the model, optimizer, schedulers and RNGs as they were. Real actors and critics (tiny model,
+CPU), real DCP files.
 """
 
 from __future__ import annotations
