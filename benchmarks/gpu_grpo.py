@@ -52,7 +52,8 @@ PHASES = ("generate_s", "score_s", "train_s", "sync_s")
 SPLIT = {"generate_s": "time/generate_s", "score_s": "time/score_s", "train_s": "time/train_s",
          "sync_s": "time/publish_s", "step_s": "time/step_s", "gen_tok_s": "throughput/gen_tok_s",
          "publish_s": "publish/trainer_s", "load_s": "rollout/load_s_max",
-         "update_s": "time/update_s", "plan_s": "time/plan_s", "fetch_s": "time/fetch_s"}  # fmt: skip
+         "update_s": "time/update_s", "plan_s": "time/plan_s", "fetch_s": "time/fetch_s",
+         "score_overlap_s": "time/score_overlap_s"}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -88,11 +88,15 @@ class FakeFleet:
         weight_version: int,
         *,
         pool: str | None = None,
+        on_chunk: Callable[[int, GenerateResult], None] | None = None,
     ) -> list[Any]:
         assert weight_version == self.version, "generation must be pinned to the latest weights"
         ref = TensorRef(address="fake:1", key=f"rollout/{self.version}")
-        return [GenerateResult(job_id="g", worker_id="rollout-0", weight_version=self.version, ref=ref,
-                               num_prompts=len(prompts), num_samples=len(prompts) * sampling.n)]  # fmt: skip
+        result = GenerateResult(job_id="g", worker_id="rollout-0", weight_version=self.version, ref=ref,
+                                num_prompts=len(prompts), num_samples=len(prompts) * sampling.n)  # fmt: skip
+        if on_chunk is not None:  # as the fleet does: the step scores the chunk as it arrives
+            on_chunk(0, result)
+        return [result]
 
     async def score(self, results: list[Any], metadata: list[Any], endpoint: str) -> list[ScoreResult]:
         return [ScoreResult(job_id="s", endpoint=endpoint, spec_version="v0", scores=[0.5] * r.num_samples)

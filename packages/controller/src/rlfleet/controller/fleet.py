@@ -10,11 +10,12 @@ tier that produced them to the tier that consumes them.
         ▲                         └─────────(refs)──────────────────────────► train_step ──► trainer
         └──── load_weights(bucket refs) ◄── publish ◄─────────────────────────────────────────┘
 
-Prompts are split over the rollout fleet by capacity (:func:`split_by_capacity`), and a request to
-a worker that goes is abandoned at once (:class:`GoneWatch`); a chunk whose producer is gone before
-the reward and trainer tiers fetched it is generated again (:mod:`rlfleet.controller.lost_chunks`).
-:func:`publish` moves a run to the trainer's next weights. ``Fleet`` is the run's
-:class:`~rlfleet.controller.ports.FleetClient`.
+Prompts are split over the rollout fleet by capacity (:func:`split_by_capacity`); each chunk is told
+of as soon as it is generated (``on_chunk``: the step scores it while the rest generate); a request
+to a worker that goes is abandoned at once (:class:`GoneWatch`); a chunk whose producer is gone
+before the reward and trainer tiers fetched it is generated again
+(:mod:`rlfleet.controller.lost_chunks`). :func:`publish` moves a run to the trainer's next weights.
+``Fleet`` is the run's :class:`~rlfleet.controller.ports.FleetClient`.
 
 **A pool momentarily empty** (issue 29). When the only worker of a pool dies, leaves or is
 declared dead while it holds the pool's work, the pool has nobody until its launcher has started
@@ -73,7 +74,7 @@ from rlfleet.controller.errors import (
 )
 from rlfleet.controller.fault_settings import FaultSettings
 from rlfleet.controller.lost_chunks import ChunkOrders
-from rlfleet.controller.ports import ChunkOrder, FleetClient, RunState
+from rlfleet.controller.ports import ChunkDone, ChunkOrder, FleetClient, RunState
 from rlfleet.controller.request_policy import (
     POOL_POLL_S,
     Deadlines,
@@ -327,23 +328,32 @@ class Fleet:
         weight_version: int,
         *,
         pool: str | None = None,
+        on_chunk: ChunkDone | None = None,
     ) -> list[GenerateResult]:
         """Split prompts over the admitted rollout workers (those at ``weight_version``, of ``pool``)
         in proportion to their capacity; a chunk whose worker fails, leaves or dies goes to another.
 
         Returns one result per chunk, in prompt order (chunk i holds a contiguous slice), so every
-        prompt is answered exactly once.
+        prompt is answered exactly once. ``on_chunk(first, result)`` is told of each chunk as soon
+        as it is generated (``first``: the index of its first prompt in ``prompts``), while the
+        others still are: the step scores it then (:mod:`rlfleet.controller.lost_chunks`).
         """  # fmt: skip
         workers = await self._admitted(pool, weight_version)
         if not workers:
             what = f"generating {len(prompts)} prompts at weight version {weight_version}"
             workers = await self.pool_back(pool, weight_version, what)
         sizes = split_by_capacity(len(prompts), [w.announce.capacity for w in workers])
+
+        async def one(first: int, chunk: list[list[int]], preferred: str) -> GenerateResult:
+            result = await self._generate_chunk(chunk, sampling, weight_version, preferred, pool)
+            if on_chunk is not None:
+                on_chunk(first, result)
+            return result
+
         tasks, start = [], 0
         for worker, size in zip(workers, sizes, strict=True):
             if size:
-                chunk = [list(p) for p in prompts[start : start + size]]
-                tasks.append(self._generate_chunk(chunk, sampling, weight_version, worker.worker_id, pool))
+                tasks.append(one(start, [list(p) for p in prompts[start : start + size]], worker.worker_id))
             start += size
         return list(await asyncio.gather(*tasks))
 

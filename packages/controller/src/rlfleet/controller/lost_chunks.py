@@ -23,6 +23,14 @@ to ``faults.empty_pool_wait_s`` (:meth:`rlfleet.controller.fleet.Fleet.pool_back
 that wait lives). Past either the step fails with
 :class:`~rlfleet.controller.errors.ChunkNotRegenerated`, naming the chunk and its lost worker.
 
+Scoring streams (issue 30): the step makes its :class:`StepChunks` before anything is generated,
+and each chunk is sent to the reward tier as soon as its worker returns it (:meth:`StepChunks.arrived`,
+told by :meth:`~rlfleet.controller.ports.FleetClient.generate`), while the others still generate.
+That is the chunk's first scoring round, judged like any other once the step's chunks are placed
+in prompt order: a chunk whose producer is already gone when it arrives is not scored then but made
+again, a score that fails on a lost chunk makes it again, and any other failure fails the step.
+Nothing of what is trained depends on when a chunk came.
+
 Why regenerate rather than copy every chunk into the controller's store: the bulk data keeps
 going from the tier that made it to the tiers that use it (the controller never carries a
 batch, :mod:`rlfleet.controller.fleet`), and a lost chunk costs one chunk's generation, only
@@ -35,7 +43,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -118,6 +128,12 @@ def producer_gone(fleet: FleetClient, order: ChunkOrder) -> bool:
 class StepChunks:
     """One step's rollout chunks (``results[i]`` answers the next ``num_prompts`` prompts, with
     ``metadata[i]`` their metadata), scored and trained on by ``fleet``, each lost one generated again.
+
+    Streaming: made before generation (with no results), it is told of each chunk as it arrives
+    (:meth:`arrived`) and starts scoring it at once, while the other chunks are still generating;
+    :meth:`place` then sets the step's chunks in prompt order, and :meth:`score` finishes what
+    arrival began. Made with every result (nothing arrives), :meth:`score` scores them all: the
+    same rounds, so a chunk's score, its place and its regeneration do not depend on when it came.
     """
 
     def __init__(
@@ -126,13 +142,19 @@ class StepChunks:
     ) -> None:  # fmt: skip
         self.fleet = fleet
         self.orders: ChunkOrderBook | None = getattr(fleet, "orders", None)  # none: nothing is regenerated
-        self.results = list(results)
-        self.metadata = [list(m) for m in metadata]
         self.endpoint = endpoint
-        self.scored: list[ScoreResult | None] = [None] * len(self.results)
         self.regenerated = 0
         """Chunks generated again in this step."""
+        self.spans: list[list[float]] = []
+        """Each scoring begun on arrival: ``[start, end]`` in ``time.perf_counter`` (end ``inf``: running)."""
         self._losses: dict[int, int] = {}  # chunk index -> times it was lost
+        self._arrived: dict[str, asyncio.Task[ScoreResult]] = {}  # chunk ref -> scoring begun on arrival
+        self._streamed: dict[int, asyncio.Task[ScoreResult]] = {}  # chunk index -> scoring begun on arrival
+        self._closed = False
+        self.results: list[GenerateResult] = []
+        self.metadata: list[list[dict[str, Any]]] = []
+        self.scored: list[ScoreResult | None] = []
+        self.place(results, metadata)
 
     def _order(self, i: int) -> ChunkOrder | None:
         return self.orders.get(self.results[i]) if self.orders is not None else None
@@ -150,29 +172,91 @@ class StepChunks:
             return True
         return is_retryable(root_cause(exc)) and producer_gone(self.fleet, order)
 
+    # --- streaming: a chunk scored as it arrives ------------------------------------------------
+
+    def arrived(self, result: GenerateResult, metadata: Sequence[dict[str, Any]]) -> None:
+        """Chunk ``result`` (its prompts' ``metadata``) was generated: score it now, while the rest
+        generate. A chunk whose producer is already gone waits for :meth:`score` (made again there)."""
+        order = self.orders.get(result) if self.orders is not None else None
+        key = _key(result.ref)
+        if self._closed or key in self._arrived or (order is not None and producer_gone(self.fleet, order)):
+            return
+        span = [time.perf_counter(), math.inf]
+        self.spans.append(span)
+
+        async def scoring() -> ScoreResult:
+            try:
+                return await self._score_chunk(result, list(metadata))
+            finally:
+                span[1] = time.perf_counter()
+
+        self._arrived[key] = asyncio.create_task(scoring(), name=f"score-{result.job_id}")
+
+    def place(self, results: Sequence[GenerateResult], metadata: Sequence[Sequence[dict[str, Any]]]) -> None:
+        """The step's chunks in prompt order (every arrived one among them), once generation is done."""
+        self.results = list(results)
+        self.metadata = [list(m) for m in metadata]
+        self.scored = [None] * len(self.results)
+        for i, result in enumerate(self.results):
+            if (task := self._arrived.pop(_key(result.ref), None)) is not None:
+                self._streamed[i] = task
+        assert not self._arrived, "every chunk told of is one of the step's"
+
+    def overlap(self, start: float, end: float) -> float:
+        """Seconds within ``[start, end]`` (generation) while at least one chunk was being scored."""
+        covered, reach = 0.0, start
+        for lo, hi in sorted((max(lo, start), min(hi, end)) for lo, hi in self.spans):
+            if hi > max(lo, reach):
+                covered += hi - max(lo, reach)
+                reach = hi
+        return covered
+
+    async def abandon(self) -> None:
+        """Stop the scoring begun on arrival (the step failed before its chunks were placed)."""
+        self._closed = True
+        tasks = [*self._arrived.values(), *self._streamed.values()]
+        self._arrived, self._streamed = {}, {}
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # --- scoring ---------------------------------------------------------------------------------
+
     async def score(self) -> list[ScoreResult]:
         """Every chunk's score, in chunk order; a chunk lost before or while it is scored is
-        generated again and the new one scored."""
+        generated again and the new one scored (the scoring begun on arrival counts as the first round)."""
+        streamed, self._streamed = self._streamed, {}
+        if streamed:
+            pending = sorted(streamed)
+            await self._settle(pending, await asyncio.gather(*(streamed[i] for i in pending),
+                                                             return_exceptions=True))  # fmt: skip
         while True:  # a round scores what is left or replaces a chunk (each lost a bounded number of times)
             await self._replace(self.gone(), None)
             pending = [i for i, s in enumerate(self.scored) if s is None]
             if not pending:
                 return [s for s in self.scored if s is not None]
             outcomes = await asyncio.gather(*(self._score_one(i) for i in pending), return_exceptions=True)
-            lost: list[int] = []
-            cause: BaseException | None = None
-            for i, outcome in zip(pending, outcomes, strict=True):
-                if isinstance(outcome, ScoreResult):
-                    self.scored[i] = outcome
-                elif isinstance(outcome, Exception) and self.lost_by(i, outcome):
-                    lost.append(i)
-                    cause = outcome
-                else:
-                    raise outcome
-            await self._replace(lost, cause)
+            await self._settle(pending, outcomes)
+
+    async def _settle(self, pending: list[int], outcomes: Sequence[ScoreResult | BaseException]) -> None:
+        """Keep each scored chunk; generate the lost ones again; raise any other failure."""
+        lost: list[int] = []
+        cause: BaseException | None = None
+        for i, outcome in zip(pending, outcomes, strict=True):
+            if isinstance(outcome, ScoreResult):
+                self.scored[i] = outcome
+            elif isinstance(outcome, Exception) and self.lost_by(i, outcome):
+                lost.append(i)
+                cause = outcome
+            else:
+                raise outcome
+        await self._replace(lost, cause)
 
     async def _score_one(self, i: int) -> ScoreResult:
-        [scored] = await self.fleet.score([self.results[i]], [self.metadata[i]], self.endpoint)
+        return await self._score_chunk(self.results[i], self.metadata[i])
+
+    async def _score_chunk(self, result: GenerateResult, metadata: list[dict[str, Any]]) -> ScoreResult:
+        [scored] = await self.fleet.score([result], [metadata], self.endpoint)
         return scored
 
     async def train(self, step: int, settings: StepSettings) -> TrainStepResult:

@@ -2,10 +2,23 @@
 
 One step, as the controller runs it (the controller moves refs, never tensors)::
 
-    prompts ──► fleet.generate ──► rollout refs ──► fleet.score ──► scores
-                                        │                              │
-                                        └──────► fleet.train_step ◄────┘ ──► metrics
+    prompts ──► fleet.generate ─┬─► chunk 0 ref ──► fleet.score ──► scores ─┐  each chunk is scored as
+                 (every pool)   ├─► chunk 1 ref ──► fleet.score ──► scores ─┤  soon as it arrives, while
+                                └─► ...                                     │  the others still generate
+        every chunk's ref, in prompt order ──► fleet.train_step ◄───────────┘ ──► metrics
     rollout workers ◄── fleet.load_weights ◄── fleet.publish_weights (version + 1)
+
+Generation and scoring overlap: a chunk is handed to the reward tier as soon as its rollout worker
+returns it (:class:`~rlfleet.controller.lost_chunks.StepChunks`, told by ``fleet.generate``'s
+``on_chunk``), so the reward tier works while generation goes on, and a GRPO group (one prompt's
+samples, always in one chunk) is scored as soon as its chunk is. What the trainer receives does not
+depend on it: the chunks are placed in prompt order once all are generated, so the same seed gives
+the same batch, scores and update as scoring after generation did (a reward endpoint with a
+normalizing scaler is the exception: its running statistics take the chunks in the order the reward
+tier scores them, which no step fixed before either, its chunks being scored at once). The step's
+times: ``time/generate_s`` is generation's wall time; ``time/score_s`` the scoring left after the
+last chunk arrived (the tail the step waits for, regenerated chunks included);
+``time/score_overlap_s`` the part of generation during which at least one chunk was being scored.
 
 ``fleet.train_step`` carries the step's settings (``StepSettings``: the algorithm, its settings,
 the KL controller's current coefficient); the algorithms differ only in what the trainer does
@@ -104,12 +117,17 @@ class OnlineStep:
 
     async def step(self, batch: list[PromptItem], fleet: FleetClient) -> dict[str, float]:
         state, cfg = self.state, self.state.config
+        chunks = StepChunks(fleet, [], [], cfg.reward.endpoint)  # scores each chunk as it arrives
         t0 = time.perf_counter()
-        routed = await self.router.generate(fleet, batch, self.sampling(), state.weight_version)
+        try:
+            routed = await self.router.generate(fleet, batch, self.sampling(), state.weight_version,
+                                                on_chunk=chunks.arrived)  # fmt: skip
+        except BaseException:
+            await chunks.abandon()
+            raise
         self.last_routes = routed.routes
         t1 = time.perf_counter()  # a chunk lost with its worker is generated again (lost_chunks.py)
-        metadata = chunk_metadata(routed.items, routed.results)
-        chunks = StepChunks(fleet, routed.results, metadata, cfg.reward.endpoint)
+        chunks.place(routed.results, chunk_metadata(routed.items, routed.results))
         await chunks.score()
         t2 = time.perf_counter()
         settings = StepSettings.of(cfg, kl_coef=self.kl_controller.value)
@@ -134,7 +152,7 @@ class OnlineStep:
         metrics.update({
             "kl_coef": float(settings.update.kl_coef),  # this step's; the controller moves on below
             "time/generate_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2,
-            "time/publish_s": t4 - t3, "time/step_s": t4 - t0,
+            "time/score_overlap_s": chunks.overlap(t0, t1), "time/publish_s": t4 - t3, "time/step_s": t4 - t0,
             "throughput/gen_tok_s": generated / max(t1 - t0, 1e-9),
         })  # fmt: skip
         advance_kl_controller(self.kl_controller, metrics, len(scores))

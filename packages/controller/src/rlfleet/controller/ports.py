@@ -169,6 +169,11 @@ class ChunkOrder:
     """The answering process (its announce's incarnation): a worker back under the same id is another."""
 
 
+ChunkDone = Callable[[int, GenerateResult], None]
+"""Told of one rollout chunk as soon as it is generated, while the step's other chunks still are:
+the index of its first prompt in the prompts asked for, and its result (:meth:`FleetClient.generate`)."""
+
+
 class ChunkOrderBook(Protocol):
     """The orders of the chunks a fleet generated, by their result
     (:class:`~rlfleet.controller.lost_chunks.ChunkOrders`)."""
@@ -218,8 +223,10 @@ class FleetClient(Protocol):
 
     async def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, weight_version: int, *,
-        pool: str | None = None,
-    ) -> list[GenerateResult]: ...  # fmt: skip
+        pool: str | None = None, on_chunk: ChunkDone | None = None,
+    ) -> list[GenerateResult]:  # fmt: skip
+        """One result per chunk, in prompt order; ``on_chunk`` is told of each as it is generated."""
+        ...
 
     async def regenerate(self, order: ChunkOrder) -> GenerateResult: ...
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -246,7 +247,7 @@ class RewardControl:
             "reward/spec_versions_in_step": float(len(versions)),
         }
         if raw:
-            metrics["reward/raw_mean"] = sum(raw) / len(raw)
+            metrics["reward/raw_mean"] = math.fsum(raw) / len(raw)  # exact: the order chunks came in is not
         return metrics
 
     # --- hot swap and statistics -------------------------------------------------------------

@@ -10,10 +10,13 @@ of a step (``item.text``, ``item.token_ids``, ``item.metadata``) and returns:
 - the response text itself: any other string (used for all ``group_size`` samples), a list of
   ``group_size`` strings, or ``Response(...)`` holding either (for a text that equals a pool name).
 
-The pools generate at the same time. Responses the fn wrote become one rollout batch in the
-controller's own TensorStore, in the batch contract (the prompt as the model sees it, the text
-tokenized, EOS appended unless cut at ``max_response_length``, ``rollout_logprobs`` NaN since no
-engine produced them); the reward and trainer tiers read it like any rollout worker's batch.
+The pools generate at the same time, and each chunk of every route (the fn's texts are one chunk) is
+handed to the step as soon as it is made (``on_chunk``), to be scored while the rest generate; the
+step's chunks are still ordered by route, then by prompt. Responses the fn wrote become one rollout
+batch in the controller's own TensorStore, in the batch contract (the prompt as the model sees it,
+the text tokenized, EOS appended unless cut at ``max_response_length``, ``rollout_logprobs`` NaN
+since no engine produced them); the reward and trainer tiers read it like any rollout worker's
+batch.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from rlfleet.common.schema.batch import RolloutBatch, pad_left, pad_right
 from rlfleet.common.tensors.server import TensorStoreServer
 from rlfleet.controller.dataset import PromptItem
 from rlfleet.controller.errors import RouteError
-from rlfleet.controller.ports import FleetClient
+from rlfleet.controller.ports import ChunkDone, FleetClient
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,9 @@ ANY, TEXT = "any", "text"
 """Route names besides the pools: every pool serves; the fn wrote the response."""
 
 RolloutFn = Callable[[PromptItem], Any]
+
+ChunkArrived = Callable[[GenerateResult, list[dict[str, Any]]], None]
+"""Told of each chunk of a step's rollout as it is generated, with its prompts' metadata."""
 
 
 @dataclass(frozen=True)
@@ -227,21 +233,26 @@ class RolloutRouter:
         return [*self._config_pools, *joined]
 
     async def generate(
-        self, fleet: FleetClient, batch: Sequence[PromptItem], sampling: SamplingParams, weight_version: int
-    ) -> RoutedRollout:
+        self, fleet: FleetClient, batch: Sequence[PromptItem], sampling: SamplingParams, weight_version: int,
+        on_chunk: ChunkArrived | None = None,
+    ) -> RoutedRollout:  # fmt: skip
+        """The step's rollout, every route at once; ``on_chunk(result, metadata)`` is told of each chunk
+        of every route as soon as it is generated (``metadata``: its prompts', as
+        :func:`chunk_metadata` splits them)."""
         pools = self.pools(fleet) if self.fn is not None else []
         plan = await asyncio.to_thread(plan_routes, self.fn, batch, pools, sampling.n)
         order = [route for route in [*pools, ANY, TEXT] if route in plan.routes]
         jobs = []
         for route in order:
             items = [batch[p] for p in plan.routes[route]]
+            told = _telling(on_chunk, items)
             if route == TEXT:
-                jobs.append(self._answer(items, [plan.texts[p] for p in plan.routes[route]], weight_version))
+                texts = [plan.texts[p] for p in plan.routes[route]]
+                jobs.append(self._answer(items, texts, weight_version, told))
             else:
                 pool = None if route == ANY else route
-                jobs.append(
-                    fleet.generate([it.token_ids for it in items], sampling, weight_version, pool=pool)
-                )
+                prompts = [it.token_ids for it in items]
+                jobs.append(fleet.generate(prompts, sampling, weight_version, pool=pool, on_chunk=told))
         done = await asyncio.gather(*jobs)
         routed = RoutedRollout([], [], {})
         for route, results in zip(order, done, strict=True):
@@ -253,7 +264,7 @@ class RolloutRouter:
         return routed
 
     async def _answer(
-        self, items: list[PromptItem], texts: list[list[str]], weight_version: int
+        self, items: list[PromptItem], texts: list[list[str]], weight_version: int, told: ChunkDone | None
     ) -> list[GenerateResult]:
         t0 = time.perf_counter()
         tensors, num_tokens = await asyncio.to_thread(
@@ -268,4 +279,18 @@ class RolloutRouter:
             num_prompts=len(items), num_samples=sum(len(t) for t in texts), num_tokens=num_tokens,
             seconds=time.perf_counter() - t0,
         )  # fmt: skip
+        if told is not None:
+            told(0, result)
         return [result]
+
+
+def _telling(on_chunk: ChunkArrived | None, items: Sequence[PromptItem]) -> ChunkDone | None:
+    """The fleet's per-chunk callback for one route's ``items``: ``on_chunk`` with the chunk's metadata."""
+    if on_chunk is None:
+        return None
+
+    def arrived(first: int, result: GenerateResult) -> None:
+        [metadata] = chunk_metadata(items[first:], [result])
+        on_chunk(result, metadata)
+
+    return arrived
