@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--jobs", default="smollm2-concise,numeric,qwen2.5-0.5b", help=f"any of {', '.join(JOBS)}")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--steps", type=int, default=0, help="override each job's max_steps (0: the job's)")
+    p.add_argument("--lr", type=float, default=0.0, help="override each job's learning rate (0: the job's)")
+    p.add_argument("--micro-batch", type=int, default=0, help="override each job's micro_batch_size (0: the job's)")
     p.add_argument("--numeric-steps", type=int, default=30, help="max_steps of the numeric job")
     p.add_argument("--eager", action="store_true", help="CUDA graphs off (enforce_eager), as before issue 34")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/rlfleet-gpu-grpo"))
@@ -160,6 +162,10 @@ def job_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
         job["rollout"]["engine"]["enforce_eager"] = True
     if args.steps:
         job["max_steps"] = args.steps
+    if args.lr:
+        job["update"]["learning_rate"] = args.lr
+    if args.micro_batch:
+        job["update"]["micro_batch_size"] = args.micro_batch
     return job
 
 
