@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--steps", type=int, default=0, help="override each job's max_steps (0: the job's)")
     p.add_argument("--lr", type=float, default=0.0, help="override each job's learning rate (0: the job's)")
-    p.add_argument("--micro-batch", type=int, default=0, help="override each job's micro_batch_size (0: the job's)")
+    p.add_argument("--micro-batch", type=int, default=0, help="override each job's micro_batch_size")
     p.add_argument("--numeric-steps", type=int, default=30, help="max_steps of the numeric job")
     p.add_argument("--eager", action="store_true", help="CUDA graphs off (enforce_eager), as before issue 34")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/rlfleet-gpu-grpo"))
@@ -166,6 +166,8 @@ def job_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
         job["update"]["learning_rate"] = args.lr
     if args.micro_batch:
         job["update"]["micro_batch_size"] = args.micro_batch
+    if getattr(args, "max_staleness", 0):  # async_pipeline.py's pipelined sides
+        job["max_staleness"] = args.max_staleness
     return job
 
 

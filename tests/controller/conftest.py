@@ -126,7 +126,9 @@ class FakeFleet:
         self.version += 1
         return WeightsPublished(weight_version=self.version, buckets=[], nbytes=0, seconds=0.01)
 
-    async def load_weights(self, published: WeightsPublished) -> list[WeightsLoaded]:
+    async def load_weights(
+        self, published: WeightsPublished, keep_from_version: int = -1
+    ) -> list[WeightsLoaded]:
         return [WeightsLoaded(worker_id="rollout-0", weight_version=published.weight_version)]
 
     async def close(self) -> None:

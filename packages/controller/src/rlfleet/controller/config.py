@@ -305,6 +305,12 @@ class TrainerConfig(ConfigModel):
     )
     max_prompt_length: int = Field(default=512, ge=1, description="longest prompt in tokens")
     max_response_length: int = Field(default=128, ge=1, description="longest response in tokens")
+    max_staleness: int = Field(
+        default=0, ge=0, le=16,
+        description="rollout and training in parallel: the fleet generates up to this many batches ahead "
+        "of the one the trainer trains, each from weights at most this many versions older than those it "
+        "is trained at; 0: synchronous (generate, score, train, sync, in turn)",
+    )  # fmt: skip
     critic_model_name: str | None = Field(
         default=None, description="PPO critic backbone (like model); None: initialised from the actor"
     )
@@ -439,6 +445,10 @@ class TrainerConfig(ConfigModel):
                 f"the samples of one prompt); got {self.batch.group_size}"
             )
         check_kl_start(self.kl, self.update.kl_coef)
+        if self.max_staleness and not ALGORITHMS[name].online:
+            raise ValueError(
+                f"max_staleness: {name} generates nothing to pipeline (it is for online algorithms)"
+            )
         return self
 
     def pools(self) -> dict[str, tuple[int, RolloutSettings]]:

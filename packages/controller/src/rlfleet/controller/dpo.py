@@ -15,6 +15,7 @@ sends the trainer a ref to it, the trainer fetches it (the preference-batch cont
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,9 @@ class DPOStep:
         self.pairs = pairs
         self.last_routes: dict[str, Any] = {}  # DPO generates nothing: no routes
 
-    async def step(self, batch: list[PromptItem], fleet: FleetClient) -> dict[str, float]:
+    async def step(
+        self, batch: list[PromptItem], fleet: FleetClient, upcoming: Sequence[list[PromptItem]] = ()
+    ) -> dict[str, float]:
         state = self.state
         store = await self.store.get()
         t0 = time.perf_counter()

@@ -224,9 +224,12 @@ class Fleet:
         return f"{self._run}-{what}-{next(self._jobs)}"
 
     def rollout_workers(self, pool: str | None = None, weight_version: int = -1) -> list[WorkerInfo]:
-        """Live rollout workers (of ``pool``; at ``weight_version`` unless it is -1), by id."""
+        """Live rollout workers (of ``pool``; at ``weight_version`` or newer unless it is -1), by id.
+
+        Newer serves: in a pipelined run (``max_staleness``) a job sent at one version may meet a
+        worker that has loaded the next since; in a synchronous one no worker is ever ahead."""
         workers = self.registry.workers("rollout", pool)
-        return [w for w in workers if weight_version < 0 or w.weight_version == weight_version]
+        return [w for w in workers if weight_version < 0 or w.weight_version >= weight_version]
 
     async def _admitted(self, pool: str | None, weight_version: int) -> list[WorkerInfo]:
         """Workers that may serve ``weight_version``; a stale one (joined late) is sent the published
@@ -234,7 +237,7 @@ class Fleet:
         admitted = self.rollout_workers(pool, weight_version)
         stale = [w for w in self.rollout_workers(pool) if w not in admitted]
         published = self.published
-        if weight_version < 0 or not stale or published is None or published.weight_version != weight_version:
+        if weight_version < 0 or not stale or published is None or published.weight_version < weight_version:
             return admitted
         tasks = [self.admit(w, published) for w in stale]
         if not admitted:
@@ -439,13 +442,18 @@ class Fleet:
         return await self._generate_chunk(order.prompts, order.sampling, order.weight_version, "", order.pool,
                                           avoid)  # fmt: skip
 
-    async def load_weights(self, published: WeightsPublished) -> list[WeightsLoaded]:
+    async def load_weights(
+        self, published: WeightsPublished, keep_from_version: int = -1
+    ) -> list[WeightsLoaded]:
         """Every rollout worker pulls the published buckets straight from the trainer's store; when
-        every one went meanwhile (the fleet momentarily empty), the first to be back loads them."""
+        every one went meanwhile (the fleet momentarily empty), the first to be back loads them.
+        The workers keep their batches generated at ``keep_from_version`` or later (-1: at the
+        version loaded; a pipelined run trains older ones after this load)."""
         self.published = published
         self._admitting = {k: t for k, t in self._admitting.items() if k[1] == published.weight_version}
         message = LoadWeights(weight_version=published.weight_version, buckets=published.buckets,
-                              ipc_buckets=published.ipc_buckets, job_id=self._job_id("load"))  # fmt: skip
+                              ipc_buckets=published.ipc_buckets, job_id=self._job_id("load"),
+                              keep_from_version=keep_from_version)  # fmt: skip
         loaded, waits = await self._load_all(message), 0
         while not loaded:  # every worker went meanwhile: the first back loads it
             if waits >= self.faults.retry_attempts:
@@ -600,11 +608,13 @@ async def publish(
 ) -> tuple[WeightsPublished, list[WeightsLoaded]]:
     """Publish the trainer's weights (as ``weight_version``; -1: the next, in the run's
     ``publish_dtype``) and have every rollout worker load them; the run (``state``) then generates at
-    that version."""
+    that version. The workers keep the batches generated up to ``max_staleness`` versions back (a
+    pipelined run's batches generated ahead, trained after this load)."""
     cfg = state.config
     published = await fleet.publish_weights(
         cfg.weight_bucket_mb, weight_version, carrier=cfg.weight_carrier, dtype=state.publish_dtype
     )
-    loaded = await fleet.load_weights(published)
+    keep = max(published.weight_version - cfg.max_staleness, 0) if cfg.max_staleness else -1
+    loaded = await fleet.load_weights(published, keep)
     state.weight_version = published.weight_version
     return published, loaded

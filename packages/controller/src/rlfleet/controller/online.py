@@ -50,14 +50,17 @@ and :func:`advance_kl_controller` feeds it the KL the trainer measured.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rlfleet.common.control.messages import (
+    GenerateResult,
     RewardStats,
     SamplingParams,
     ScoreResult,
@@ -81,6 +84,7 @@ from rlfleet.controller.lost_chunks import StepChunks
 from rlfleet.controller.own_store import OwnStore
 from rlfleet.controller.ports import FleetClient, KLController, RunState
 from rlfleet.controller.reward_control import RewardControl, describe_reward_fn, model_swap
+from rlfleet.controller.rollout_ahead import Rollout, RolloutAhead
 from rlfleet.controller.routing import RolloutFn, RolloutRouter, RoutedRollout, RouteSummary, chunk_metadata
 from rlfleet.controller.run import FleetRun
 from rlfleet.controller.run_reward import RunReward
@@ -106,31 +110,52 @@ class OnlineStep:
         self.router = router
         self.last_routes: dict[str, RouteSummary] = {}
         self.last_rollout: RoutedRollout | None = None  # the last step's prompts and the chunks it trained on
+        self.ahead = RolloutAhead()  # batches generating while this one trains (max_staleness)
 
-    def sampling(self) -> SamplingParams:
-        """How this step samples: ``group_size`` samples a prompt, seeded by the step."""
+    def sampling(self, offset: int = 0) -> SamplingParams:
+        """How a step samples: ``group_size`` samples a prompt, seeded by the step (``offset``: the
+        step that many ahead, whose batch a pipelined run generates now)."""
         cfg = self.state.config
         return SamplingParams(n=cfg.batch.group_size, temperature=cfg.update.temperature,
                               top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                               max_tokens=cfg.max_response_length,
-                              seed=cfg.placement.seed + self.state.global_step)  # fmt: skip
+                              seed=cfg.placement.seed + self.state.global_step + offset)  # fmt: skip
 
-    async def step(self, batch: list[PromptItem], fleet: FleetClient) -> dict[str, float]:
+    async def rollout(self, batch: list[PromptItem], fleet: FleetClient, offset: int = 0) -> Rollout:
+        """Generate ``batch`` (the batch ``offset`` steps ahead) at the weights the workers hold now,
+        each chunk scored as it arrives, and score what is left: the step's :class:`Rollout`."""
         state, cfg = self.state, self.state.config
         chunks = StepChunks(fleet, [], [], cfg.reward.endpoint)  # scores each chunk as it arrives
         t0 = time.perf_counter()
         try:
-            routed = await self.router.generate(fleet, batch, self.sampling(), state.weight_version,
+            routed = await self.router.generate(fleet, batch, self.sampling(offset), state.weight_version,
                                                 on_chunk=chunks.arrived)  # fmt: skip
+            t1 = time.perf_counter()  # a chunk lost with its worker is generated again (lost_chunks.py)
+            chunks.place(routed.results, chunk_metadata(routed.items, routed.results))
+            await chunks.score()
         except BaseException:
             await chunks.abandon()
             raise
+        return Rollout(routed, chunks, t0, t1, time.perf_counter(), chunks.overlap(t0, t1), offset)
+
+    async def step(
+        self, batch: list[PromptItem], fleet: FleetClient, upcoming: Sequence[list[PromptItem]] = ()
+    ) -> dict[str, float]:
+        """One step on ``batch``; with ``max_staleness: k``, the first ``k`` of ``upcoming`` (the
+        run's next batches) are begun too, to generate while this one trains (rollout_ahead.py)."""
+        state, cfg = self.state, self.state.config
+        t0 = time.perf_counter()
+        task = await self.ahead.take(batch)
+        if task is None:
+            task = asyncio.ensure_future(self.rollout(batch, fleet))
+        ahead = upcoming[: cfg.max_staleness]
+        await self.ahead.extend(ahead, lambda offset: self.rollout(ahead[offset - 1], fleet, offset))
+        rollout = await task
+        routed, chunks = rollout.routed, rollout.chunks
         self.last_routes = routed.routes
-        t1 = time.perf_counter()  # a chunk lost with its worker is generated again (lost_chunks.py)
-        chunks.place(routed.results, chunk_metadata(routed.items, routed.results))
-        await chunks.score()
-        t2 = time.perf_counter()
+        t2 = time.perf_counter()  # the trainer waited for its batch until now
         settings = StepSettings.of(cfg, kl_coef=self.kl_controller.value)
+        trained_at = state.weight_version
         stepped = await chunks.train(state.global_step + 1, settings)
         results = routed.results = chunks.results  # what was trained: every prompt once
         scored = [s for s in chunks.scored if s is not None]
@@ -148,15 +173,39 @@ class OnlineStep:
                         "rollout/samples": float(len(scores)),
                         "rollout/chunks_regenerated": float(chunks.regenerated)})  # fmt: skip
         metrics.update(publish_metrics(published, loaded))
+        metrics.update(staleness_metrics(results, trained_at, cfg.max_staleness, len(self.ahead)))
+        gen_s = rollout.generated - rollout.started
         generated = sum(r.num_tokens for r in results if r.worker_id != "controller")  # not fn-written
         metrics.update({
             "kl_coef": float(settings.update.kl_coef),  # this step's; the controller moves on below
-            "time/generate_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2,
-            "time/score_overlap_s": chunks.overlap(t0, t1), "time/publish_s": t4 - t3, "time/step_s": t4 - t0,
-            "throughput/gen_tok_s": generated / max(t1 - t0, 1e-9),
+            "time/generate_s": gen_s, "time/score_s": rollout.scored - rollout.generated,
+            "time/rollout_wait_s": t2 - t0, "time/train_s": t3 - t2,
+            "time/score_overlap_s": rollout.overlap, "time/publish_s": t4 - t3, "time/step_s": t4 - t0,
+            "throughput/gen_tok_s": generated / max(gen_s, 1e-9),
         })  # fmt: skip
         advance_kl_controller(self.kl_controller, metrics, len(scores))
         return metrics
+
+
+def staleness_metrics(
+    results: Sequence[GenerateResult], trained_at: int, bound: int, in_flight: int
+) -> dict[str, float]:
+    """How old the weights a step's samples were generated with are, against those it trained at
+    (``trained_at``): per sample, ``trained_at - version``; ``rollout/staleness_over_bound`` counts
+    samples past ``max_staleness`` (``bound``; never, by construction: a test holds it to zero)."""
+    versions = [r.weight_version for r in results for _ in range(r.num_samples)]
+    stale = [trained_at - v for v in versions] or [0]
+    over = sum(s > bound for s in stale)
+    if over:
+        logger.error("%d samples were generated %d versions before the weights they trained at "
+                     "(max_staleness %d)", over, max(stale), bound)  # fmt: skip
+    return {
+        "train/weight_version": float(trained_at),
+        "rollout/weight_version_oldest": float(min(versions, default=trained_at)),
+        "rollout/staleness_mean": statistics.fmean(stale), "rollout/staleness_max": float(max(stale)),
+        "rollout/staleness_min": float(min(stale)), "rollout/staleness_over_bound": float(over),
+        "rollout/batches_ahead": float(in_flight),
+    }  # fmt: skip
 
 
 def reward_metrics(scores: list[float], scored: list[ScoreResult]) -> dict[str, float]:

@@ -244,7 +244,9 @@ class FleetClient(Protocol):
         self, bucket_mb: float, weight_version: int = -1, *, carrier: CarrierSetting = "grpc", dtype: str = ""
     ) -> WeightsPublished: ...
 
-    async def load_weights(self, published: WeightsPublished) -> list[WeightsLoaded]: ...
+    async def load_weights(
+        self, published: WeightsPublished, keep_from_version: int = -1
+    ) -> list[WeightsLoaded]: ...
     async def save(self, path: str, mode: Literal["hf", "full"] = "hf") -> str: ...
     async def load_checkpoint(self, path: str, weight_version: int) -> CheckpointLoaded: ...
 
@@ -275,7 +277,12 @@ class StepProgram(Protocol):
     last_routes: dict[str, Any]
     """Where the last step's prompts went (empty for a step that generates nothing)."""
 
-    async def step(self, batch: list[PromptItem], fleet: FleetClient) -> dict[str, float]: ...
+    async def step(
+        self, batch: list[PromptItem], fleet: FleetClient, upcoming: Sequence[list[PromptItem]] = ()
+    ) -> dict[str, float]:
+        """One step on ``batch``; ``upcoming`` (the run's next batches, as many as
+        ``max_staleness``) may be begun while it trains."""
+        ...
 
 
 class KLController(Protocol):

@@ -9,7 +9,8 @@ checkpoints, and stops exactly what it started::
 
     start():  launcher.spawn(worker specs) ─► connect ─► wait_ready ─► reward tier ─► trainer.configure
               ─► resume_from? ─► "before" eval (run_eval.py)
-    steps():  for each batch: program.step(batch, fleet) ─► metrics ─► sinks / [PROGRESS] ─► checkpoint?
+    steps():  for each batch: program.step(batch, fleet, next ones) ─► metrics ─► sinks / [PROGRESS]
+              ─► checkpoint?  (max_staleness k: the next k batches generate while it trains)
               (a crashed worker: restarted, the step run again; the trainer: restored from the
               latest checkpoint, the steps after it run again; see supervision.py)
     finish(): final HF export ─► "after" eval, samples.md;  close(): leave, stop every started process
@@ -60,6 +61,7 @@ from rlfleet.controller.loggers import RunMetrics
 from rlfleet.controller.models import resolve_model
 from rlfleet.controller.own_store import OwnStore
 from rlfleet.controller.ports import FleetClient, KLController, Launcher, RunState, StepProgram, not_ready
+from rlfleet.controller.rollout_ahead import BatchLookahead
 from rlfleet.controller.rollout_scaling import RolloutScaler, check_request, scale_due
 from rlfleet.controller.run_eval import RunEval
 from rlfleet.controller.run_reward import RunReward, attach_reward
@@ -126,6 +128,7 @@ class FleetRun:
         )
         spec = ALGORITHMS[config.algorithm.name]
         self.online = spec.online
+        self.lookahead: BatchLookahead | None = None  # the batches of steps(), some taken ahead
         """Whether the run generates and scores (rollout and reward tiers); False for DPO."""
         self.kl_controller = kl_controller
         """The KL coefficient of each step (built from the config's ``kl`` section by the trainer)."""
@@ -309,17 +312,20 @@ class FleetRun:
         state = self.state
         total = self.total_steps(num_epochs, max_steps)
         self.metrics.begin(total, num_epochs, from_step=state.global_step)  # resumed: the steps before stay
+        ahead = self.config.max_staleness if self.online else 0
         rewound = True
         while rewound:
             rewound = False
-            for epoch, batch in self._batches(num_epochs):
+            self.lookahead = batches = BatchLookahead(self._batches(num_epochs), self.dataset)
+            for epoch, batch in batches:
                 if state.global_step >= total:
                     return
                 try:
                     if self.online and self.config.rollout.scale:  # the job's schedule, before its step
                         for pool, n in scale_due(state, self.launcher).items():
                             self.scale_rollout(pool, n)
-                    metrics = self.supervisor.run_step(program, batch)
+                    upcoming = batches.peek(min(ahead, total - state.global_step - 1))
+                    metrics = self.supervisor.run_step(program, batch, upcoming)
                     if metrics is None:  # the trainer was restored from a checkpoint: go on from there
                         rewound = True
                         break
@@ -332,7 +338,26 @@ class FleetRun:
                 if rewound:
                     break
                 routes = dict(program.last_routes)
-                yield StepResult(state.global_step, epoch + 1, metrics, state.weight_version, routes=routes)
+                try:
+                    yield StepResult(
+                        state.global_step, epoch + 1, metrics, state.weight_version, routes=routes
+                    )
+                except GeneratorExit:  # the caller left early: the batches taken ahead come again next time
+                    self._untake()
+                    raise
+
+    def _untake(self) -> None:
+        """Put the dataset back to the position after the last batch trained (batches taken ahead of
+        it, for a pipelined run, are handed out again; their rollouts in flight are reused)."""
+        position = self.lookahead.position() if self.lookahead is not None else None
+        if position is not None:
+            self.dataset.load_state_dict(position)
+        self.lookahead = None
+
+    def dataset_position(self) -> dict[str, int]:
+        """The dataset's position after the last batch trained (what a checkpoint saves)."""
+        position = self.lookahead.position() if self.lookahead is not None else None
+        return position if position is not None else self.dataset.state_dict()
 
     def _batches(self, num_epochs: int) -> Iterator[tuple[int, list[PromptItem]]]:
         """``(epoch, batch)`` from the dataset's position on (a rewind moves the position back)."""
@@ -374,10 +399,11 @@ class FleetRun:
         root = path.resolve()
         forget_checkpoint_state(root)
         self.loop.run(self.fleet.save(str(root), mode="full"))
+        position = self.dataset_position()  # not past the batches a pipelined run generates ahead
         state: dict[str, Any] = {
             "global_step": self.state.global_step,
-            "epoch": self.dataset.epoch,
-            "dataset": self.dataset.state_dict(),
+            "epoch": position["epoch"],
+            "dataset": position,
             "kl_controller": self.kl_controller.state_dict(),
             "weight_version": self.state.weight_version,
         }

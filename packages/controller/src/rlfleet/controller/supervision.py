@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from rlfleet.common.control.messages import TrainerConfigure, TrainStepResult
@@ -322,15 +322,18 @@ class Supervisor:
 
     # --- a step ------------------------------------------------------------------------------
 
-    def run_step(self, program: StepProgram, batch: list[PromptItem]) -> dict[str, float] | None:
-        """Run one step to its end, again after a worker's crash explains its failure; None when
-        the trainer was restored from a checkpoint instead (the run goes on from there)."""
+    def run_step(
+        self, program: StepProgram, batch: list[PromptItem], upcoming: Sequence[list[PromptItem]] = ()
+    ) -> dict[str, float] | None:
+        """Run one step to its end (``upcoming``: the batches it may begin ahead), again after a
+        worker's crash explains its failure; None when the trainer was restored from a checkpoint
+        instead (the run goes on from there)."""
         while True:
             fleet = self.fleet()
             self._mark = fleet.train_requests if isinstance(fleet, SupervisedFleet) else 0
             self._in_step, self._crashed = True, False
             try:
-                return self.loop.run(self._step(program, batch, fleet))
+                return self.loop.run(self._step(program, batch, fleet, upcoming))
             except StepInterrupted as exc:
                 logger.warning("step %d interrupted: %s; running it again", self.state.global_step + 1, exc)
             except (TierDied, TrainerRestarted) as exc:
@@ -346,11 +349,12 @@ class Supervisor:
                 self._in_step = False
 
     async def _step(
-        self, program: StepProgram, batch: list[PromptItem], fleet: FleetClient
-    ) -> dict[str, float]:
+        self, program: StepProgram, batch: list[PromptItem], fleet: FleetClient,
+        upcoming: Sequence[list[PromptItem]],
+    ) -> dict[str, float]:  # fmt: skip
         if self.rejoining:
             await self.rejoined()
-        return await program.step(batch, fleet)
+        return await program.step(batch, fleet, upcoming)
 
     def guard(self, call: Callable[..., T], *args: Any) -> T | None:
         """``call(*args)``, or None when the trainer died during it and was restored from a checkpoint."""

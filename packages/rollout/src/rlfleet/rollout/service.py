@@ -218,10 +218,11 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         """
         self._stop_at(request)
         check_products(request, self.config.limits, getattr(self.engine, "max_model_len", None))
-        if request.weight_version >= 0 and request.weight_version != self.weight_version:
+        if request.weight_version > self.weight_version:  # newer weights serve a job (a pipelined run)
             raise StaleWeights(self.worker_id, self.weight_version, request.weight_version)
         async with self._gpu:
             stop_at = self._stop_at(request)  # it may have passed while the job waited for the engine
+            version = self.weight_version  # loads wait for the engine: the job's weights stay these
             self.busy += 1
             try:
                 t0 = time.perf_counter()
@@ -235,11 +236,11 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
             finally:
                 self.busy -= 1
         ref = self.store.put_local(f"rollout/{request.job_id}", tensors)
-        self._batches.append((self.weight_version, ref.key))
+        self._batches.append((version, ref.key))
         generated = sum(len(c.token_ids) for c in completions)
         self.metrics.tokens.inc(generated)  # rlfleet_tokens_total: its rate is the worker's tokens/s
         return GenerateResult(
-            job_id=request.job_id, worker_id=self.worker_id, weight_version=self.weight_version, ref=ref,
+            job_id=request.job_id, worker_id=self.worker_id, weight_version=version, ref=ref,
             num_prompts=len(request.prompt_token_ids), num_samples=len(completions),
             num_tokens=generated, seconds=seconds,
         )  # fmt: skip
@@ -298,18 +299,21 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
                     items.extend((await self._stores.fetch(ref)).items())
                 await asyncio.to_thread(self.engine.load_weights, items, version)
             self.weight_version = version
-            self._release_older_batches()
+            keep = message.keep_from_version
+            self._release_older_batches(min(keep, version) if keep >= 0 else version)
         seconds = time.perf_counter() - t0
         logger.info("loaded weight version %d by %s in %.3fs", message.weight_version, carrier, seconds)
         return WeightsLoaded(worker_id=self.worker_id, weight_version=message.weight_version, seconds=seconds,
                              carrier=carrier)  # fmt: skip
 
-    def _release_older_batches(self) -> None:
-        """Drop the batches generated before the version now loaded: the trainer has trained on them
-        (a step publishes only after it trains). Only the owner deletes; the TTL is the backstop."""
+    def _release_older_batches(self, keep_from: int) -> None:
+        """Drop the batches generated before version ``keep_from`` (the version now loaded, or older
+        in a pipelined run, whose batches generated ahead are trained after this load): the trainer
+        has trained on them (a step publishes only after it trains). Only the owner deletes; the TTL
+        is the backstop."""
         kept = []
         for version, key in self._batches:
-            if version < self.weight_version:
+            if version < keep_from:
                 self.store.delete(key)
             else:
                 kept.append((version, key))

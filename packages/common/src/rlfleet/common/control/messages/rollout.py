@@ -43,8 +43,9 @@ class SamplingParams(BaseModel):
 
 
 class GenerateRequest(Message):
-    """Generate ``n`` samples for each prompt at ``weight_version``; a repeated ``job_id`` (a resend
-    after an outage) gets the first job's reply.
+    """Generate ``n`` samples for each prompt with weights of ``weight_version`` or newer (a
+    pipelined run's worker may have loaded the next version since the job was sent; the reply names
+    the version used); a repeated ``job_id`` (a resend after an outage) gets the first job's reply.
 
     Each field is bounded here; their products (samples, new tokens, prompt tokens, prompt plus
     ``max_tokens`` against the model's context) are bounded by the worker that takes the job
@@ -56,7 +57,10 @@ class GenerateRequest(Message):
     job_id: str
     prompt_token_ids: list[list[TokenId]] = Field(max_length=1 << 16)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
-    weight_version: int = Field(default=-1, description="-1: whatever the worker holds")
+    weight_version: int = Field(
+        default=-1, description="the oldest weights the job may use (wire 2.6; before it: exactly these); "
+        "-1: whatever the worker holds",
+    )  # fmt: skip
     metadata: dict[str, Any] = Field(default_factory=dict)
     deadline: float | None = Field(
         default=None, gt=0, allow_inf_nan=False,
@@ -92,6 +96,11 @@ class LoadWeights(Message):
     job_id: str = Field(
         default="", max_length=128,
         description="idempotency key: a repeat (a retry, a resend after an outage) gets the first answer",
+    )  # fmt: skip
+    keep_from_version: int = Field(
+        default=-1, ge=-1,
+        description="the worker keeps its stored batches generated at this version or later (a pipelined "
+        "run trains them after this load; wire 2.6); -1: only those of the version loaded",
     )  # fmt: skip
 
 
