@@ -20,6 +20,13 @@ times: ``time/generate_s`` is generation's wall time; ``time/score_s`` the scori
 last chunk arrived (the tail the step waits for, regenerated chunks included);
 ``time/score_overlap_s`` the part of generation during which at least one chunk was being scored.
 
+Rollout and training overlap with ``max_staleness: k`` (:mod:`rlfleet.controller.rollout_ahead`):
+the step begins the rollouts (generation and scoring, as above) of the run's next ``k`` batches
+before it trains its own, which was begun by an earlier step; ``time/rollout_wait_s`` is what the
+trainer waited for it, ``time/generate_s`` its generation's wall time (begun a step or more
+before), and ``rollout/staleness_*`` how many versions older than the trained weights its samples'
+weights were. ``k = 0`` is the synchronous step: its own rollout, then train, then publish.
+
 ``fleet.train_step`` carries the step's settings (``StepSettings``: the algorithm, its settings,
 the KL controller's current coefficient); the algorithms differ only in what the trainer does
 with them (advantages, critic, where the KL goes). After the step the KL controller is fed the KL

@@ -29,6 +29,9 @@ from rlfleet.common.schema.worker import ModelLoading, ModelWorkerConfig
 
 KLEstimator = Literal["k1", "k2", "k3"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+OffPolicyCorrection = Literal["none", "token_tis", "seq_mis", "decoupled"]
+"""How a step reweights tokens the engine sampled with other weights (the trainer's
+``algorithms/off_policy.py``)."""
 Precision = Literal["auto", "none", "bf16"]
 Sharding = Literal["auto", "full", "hybrid", "none"]
 
@@ -147,6 +150,21 @@ class UpdateSettings(SettingsModel):
     loss_agg: LossAgg = Field(default="token-mean", description="how per-token losses are averaged")
     temperature: float = Field(
         allow_inf_nan=False, default=1.0, gt=0.0, description="sampling temperature (logprobs use it too)"
+    )
+    off_policy_correction: OffPolicyCorrection = Field(
+        default="none",
+        description="importance weights pi_old / mu of the engine's samples: none | token_tis (truncated at "
+        "is_cap) | seq_mis (sequences whose ratio leaves [is_band_low, is_band_high] dropped) | decoupled "
+        "(tokens over is_cap masked)",
+    )
+    is_cap: float = Field(
+        allow_inf_nan=False, default=2.0, gt=1.0, description="token_tis: weight cap; decoupled: mask cap"
+    )
+    is_band_low: float = Field(
+        allow_inf_nan=False, default=0.5, gt=0.0, lt=1.0, description="seq_mis: lowest sequence ratio kept"
+    )
+    is_band_high: float = Field(
+        allow_inf_nan=False, default=2.0, gt=1.0, description="seq_mis: highest sequence ratio kept"
     )
 
 

@@ -74,9 +74,10 @@ from torch import Tensor
 
 from rlfleet.common.errors import BatchContractError, ConfigError
 from rlfleet.common.schema.algorithms import ALGORITHMS
-from rlfleet.common.schema.trainer import LossAgg, StepSettings
+from rlfleet.common.schema.trainer import LossAgg, StepSettings, UpdateSettings
 from rlfleet.trainer import policy
 from rlfleet.trainer.actor import Actor
+from rlfleet.trainer.algorithms.off_policy import correction_weights, off_policy_metrics
 from rlfleet.trainer.critic import Critic
 from rlfleet.trainer.loop import Divisors, Plan, batch_sizes
 
@@ -556,8 +557,9 @@ def prepare(
     return PreparedBatch(inputs, old, token_adv, ref, rollout_logprobs(batch, actor))
 
 
-def batch_metrics(prepared: PreparedBatch) -> dict[str, float]:
-    """Metrics of the batch before any step: response length, rollout drift, KL to the reference."""
+def batch_metrics(prepared: PreparedBatch, update: UpdateSettings | None = None) -> dict[str, float]:
+    """Metrics of the batch before any step: response length, rollout drift (and, given the step's
+    ``update`` settings, the off-policy mismatch and its correction), KL to the reference."""
     mask = prepared.inputs.response_mask
     metrics = {"response_length": float(mask.sum(dim=-1).float().mean().item())}
     if prepared.old_logprobs is None:
@@ -568,6 +570,9 @@ def batch_metrics(prepared: PreparedBatch) -> dict[str, float]:
         if known.any():
             diff = (prepared.old_logprobs - prepared.rollout_logprobs.nan_to_num()).abs()
             metrics["rollout_logprob_diff"] = float(masked_mean(diff, known).item())
+            if update is not None:
+                old, engine = prepared.old_logprobs, prepared.rollout_logprobs
+                metrics.update(off_policy_metrics(old, engine, mask, update))
     if prepared.ref_logprobs is not None:
         metrics["kl"] = float(masked_mean(kl_k3(prepared.old_logprobs, prepared.ref_logprobs), mask).item())
     return metrics
@@ -636,6 +641,9 @@ class PolicyObjective:
                 self.collect_old[chunk[real]] = (old * mask)[real]
         div = {"num_tokens": tokens, "num_seqs": divisors.num_seqs, "response_width": divisors.response_width}
         pg_tok, clipped = ppo_clip_loss(logp, old, batch.advantages[chunk], clip_eps_low=s.clip_eps)
+        if s.off_policy_correction != "none" and batch.rollout_logprobs is not None:  # off_policy.py
+            weights, _ = correction_weights(old, batch.rollout_logprobs[chunk], mb.response_mask, s)
+            pg_tok = pg_tok * weights
         pg = aggregate(pg_tok, mask, s.loss_agg, **div)
         total = pg
         if s.entropy_coef != 0:
@@ -671,12 +679,12 @@ def policy_plan(
     )  # fmt: skip
     if not on_policy:
         objective = PolicyObjective(actor, prepared, settings)
-        return Plan([objective], settings, n, actor.generator, batch_metrics(prepared))
+        return Plan([objective], settings, n, actor.generator, batch_metrics(prepared, update))
     old = torch.zeros_like(prepared.advantages)
 
     def finish() -> dict[str, float]:
         policy.all_reduce_sum(old, actor.dist)  # each rank wrote its own rows
-        return batch_metrics(replace(prepared, old_logprobs=old))
+        return batch_metrics(replace(prepared, old_logprobs=old), update)
 
     return Plan([PolicyObjective(actor, prepared, settings, collect_old=old)], settings, n, actor.generator,
                 finish=finish)  # fmt: skip
@@ -718,7 +726,7 @@ def step_metrics(prepared: PreparedBatch, kl: Tensor | None, settings: StepSetti
     """:func:`batch_metrics`, the advantages' (:func:`advantage_metrics`) and, with the KL in the
     reward, the mean penalty ``kl_reward``."""
     mask = prepared.inputs.response_mask
-    metrics = batch_metrics(prepared)
+    metrics = batch_metrics(prepared, settings.update)
     metrics.update(advantage_metrics(prepared.advantages, mask))
     if kl is not None and settings.algorithm.resolved_kl_mode() == "reward":
         metrics["kl_reward"] = float(masked_mean(kl, mask).item()) * settings.update.kl_coef
