@@ -1,6 +1,6 @@
 """Rollout and training in parallel (issue 30, point 2), through real processes: tiny GRPO runs
 (library use: a private nats-server, a trainer, a reward worker, rollout workers) with
-``max_staleness`` 1 and 2.
+``max_staleness`` 1 and 2, and PPO (its critic) and REINFORCE++ with 1.
 
 From the versions every step recorded (the weights each sample was generated with, those the
 step trained at), the bound held in every step, and the fleet did generate ahead (some samples
@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from rlfleet.controller import GRPOTrainer, PromptDataset, TrainerConfig
+from rlfleet.controller import GRPOTrainer, PPOTrainer, PromptDataset, TrainerConfig
+from rlfleet.controller.online import OnlineTrainer
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "examples" / "data" / "tiny_digits.jsonl"
@@ -27,14 +28,17 @@ REWARD = "charset:allowed=0123456789"
 BATCH = 4
 
 
-def _trainer(model_dir: Path, out: Path, **overrides: Any) -> GRPOTrainer:
+def _trainer(model_dir: Path, out: Path, algorithm: str = "grpo", **overrides: Any) -> OnlineTrainer:
     settings: dict[str, Any] = {
         "rollout_batch_size": BATCH, "train_batch_size": BATCH, "group_size": 4, "micro_batch_size": 64,
         "max_response_length": 8, "max_prompt_length": 32, "kl_coef": 0.0, "learning_rate": 3e-3,
         "output_dir": str(out), "loggers": ["jsonl"], "sample_table_size": 0, "seed": 0,
     }  # fmt: skip
     settings.update(overrides)
-    return GRPOTrainer(str(model_dir), REWARD, str(DATA), TrainerConfig(**settings))
+    config = TrainerConfig(**settings, algorithm=algorithm)
+    if algorithm == "ppo":  # its critic: the same tiny model with a value head
+        return PPOTrainer(str(model_dir), dataset=str(DATA), config=config, reward=REWARD)
+    return GRPOTrainer(str(model_dir), REWARD, str(DATA), config)
 
 
 def _expected_batches(steps: int) -> list[list[int]]:
@@ -58,7 +62,7 @@ def _assert_bound(rows: list[dict[str, Any]], k: int) -> None:
         assert row["rollout/staleness_max"] <= k and row["rollout/staleness_over_bound"] == 0, row
 
 
-def _trained(trainer: GRPOTrainer, max_steps: int, after_step: Any = None) -> list[list[int]]:
+def _trained(trainer: OnlineTrainer, max_steps: int, after_step: Any = None) -> list[list[int]]:
     """Each step's prompts (row numbers, in batch order), stepping the run to ``max_steps``."""
     trained = []
     for result in trainer.steps(num_epochs=1, max_steps=max_steps):
@@ -72,12 +76,12 @@ def _trained(trainer: GRPOTrainer, max_steps: int, after_step: Any = None) -> li
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize(("algorithm", "k"), [("grpo", 1), ("grpo", 2), ("ppo", 1), ("reinforce_pp", 1)])
 def test_the_bound_holds_every_step_and_every_batch_is_trained_once(
-    tmp_path: Path, tiny_model_dir: Path, procs: Any, k: int
+    tmp_path: Path, tiny_model_dir: Path, procs: Any, algorithm: str, k: int
 ) -> None:
-    steps = 6
-    trainer = _trainer(tiny_model_dir, tmp_path, max_staleness=k)
+    steps = 6 if algorithm == "grpo" else 4
+    trainer = _trainer(tiny_model_dir, tmp_path, algorithm, max_staleness=k)
     try:
         trained = _trained(trainer, steps)
         pids = trainer.process_ids
