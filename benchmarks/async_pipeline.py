@@ -44,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--steps", type=int, default=0, help="override the job's max_steps (0: the job's)")
     p.add_argument("--lr", type=float, default=0.0, help="override the job's learning rate (0: the job's)")
+    p.add_argument("--seed", type=int, help="override the job's placement.seed (sampling and data order)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one side may take")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/rlfleet-async-pipeline"))
     p.add_argument("--out", type=Path, default=RESULTS, help="result JSON")
@@ -76,7 +77,8 @@ def machine(device: str) -> dict[str, Any]:
 def side_args(args: argparse.Namespace, k: int) -> argparse.Namespace:
     """The arguments :func:`gpu_grpo.run_job` reads, for the side of ``max_staleness`` ``k``."""
     return argparse.Namespace(device=args.device, workdir=args.workdir / f"staleness-{k}", eager=False,
-                              steps=args.steps, lr=args.lr, micro_batch=0, max_staleness=k)  # fmt: skip
+                              steps=args.steps, lr=args.lr, micro_batch=0, max_staleness=k,
+                              seed=args.seed)  # fmt: skip
 
 
 def figures(result: dict[str, Any]) -> dict[str, Any]:

@@ -168,6 +168,8 @@ def job_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
         job["update"]["micro_batch_size"] = args.micro_batch
     if getattr(args, "max_staleness", 0):  # async_pipeline.py's pipelined sides
         job["max_staleness"] = args.max_staleness
+    if getattr(args, "seed", None) is not None:  # async_pipeline.py --seed
+        job["placement"]["seed"] = args.seed
     return job
 
 

@@ -25,6 +25,7 @@ from rlfleet.common.schema.rollout import RolloutWorkerConfig
 from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig
 from rlfleet.common.schema.worker import FleetAddress, ModelLoading
 from rlfleet.controller.config import TrainerConfig
+from rlfleet.controller.cpu_shares import cpu_thread_env
 from rlfleet.controller.launcher import WorkerSpec, trainer_rank_specs
 from rlfleet.controller.ports import Launcher, RunState, not_ready
 
@@ -105,7 +106,8 @@ def worker_specs(
 ) -> list[WorkerSpec]:  # fmt: skip
     """Every process an embedded run starts: the trainer ranks, then (online runs) the reward worker,
     unless scores go to a shared server (``reward.url``) or the controller scores them (no
-    ``reward_spec``: a Python reward), and the rollout workers."""
+    ``reward_spec``: a Python reward), and the rollout workers; a pipelined run on CPU gives them
+    their own shares of the cores (cpu_shares.py)."""
     trainer = trainer_worker_config(config, model_path, cluster, critic_path)
     specs = trainer_rank_specs(trainer, config.num_train_workers, TRAINER_ID)
     if not online:
@@ -115,6 +117,10 @@ def worker_specs(
     specs += [
         WorkerSpec("rollout", w.worker_id, w) for w in rollout_worker_configs(config, model_path, cluster)
     ]
+    shares = cpu_thread_env([s.tier for s in specs], device=config.placement.device,
+                            max_staleness=config.max_staleness)  # fmt: skip
+    for spec, env in zip(specs, shares, strict=True):  # a pipelined run on CPU: the tiers' own cores
+        spec.env.update(env)
     return specs
 
 
