@@ -211,8 +211,8 @@ def _watch(trainer: GRPOTrainer, attacks: TensorAttacks) -> list[Any]:
             batches.append(results[0].ref)
         return await score(results, *args, **kwargs)
 
-    async def load_attacked(published: Any) -> Any:  # the publish: the trainer's buckets, then every load
-        done = await load(published)
+    async def load_attacked(published: Any, *keep: int) -> Any:  # the publish: the buckets, then every load
+        done = await load(published, *keep)
         await attacks.on_publish(published.buckets[0])
         return done
 

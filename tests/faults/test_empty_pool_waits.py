@@ -54,8 +54,8 @@ def _kill_during(trainer: GRPOTrainer, killer: Killer) -> None:
             killer.kill("generation")
         return await work
 
-    async def load_killed(published: Any) -> Any:
-        work = asyncio.ensure_future(load_weights(published))
+    async def load_killed(published: Any, *keep: int) -> Any:
+        work = asyncio.ensure_future(load_weights(published, *keep))
         if "weight sync" not in killer.killed and published.weight_version == 2:
             await asyncio.sleep(0)  # the load request goes out
             killer.kill("weight sync")

@@ -1,4 +1,4 @@
-"""One GRPO step passes through at most 45 source files, and ARCHITECTURE.md lists them.
+"""One GRPO step passes through at most 47 source files, and ARCHITECTURE.md lists them.
 
 Issue 10 cut a step to 40 files; issues 12-15 raised it to 59 with fault handling (supervision,
 retries, the stall watchdog, worker activity, sampling bounds, the reply cache, deadlines, lost
@@ -8,8 +8,11 @@ idea per file" and merged back what was one idea (the NATS transport's three fil
 heartbeats, fleet and dispatch, the launcher with its processes and nats-server, the tensor codec
 and its protobuf framing, a worker and its in-flight work, request deadlines and retries,
 membership and the wire-version check of its messages), and gave
-each algorithm one file and the policy's forward one module. A file more than 45 is a design change
-to argue for here, not a number to bump.
+each algorithm one file and the policy's forward one module. Issue 30 added two ideas to the step:
+``controller/rollout_ahead.py`` (the rollouts a pipelined run begins ahead, which a synchronous
+step asks for its own and finds none) and the trainer's ``algorithms/off_policy.py`` (every step
+with engine logprobs reports the trainer-vs-engine mismatch, and weights the loss by it when a run
+asks). A file more than 47 is a design change to argue for here, not a number to bump.
 
 The tiny GRPO example runs as a user runs it (``rlfleet train``, every tier a process) for 4
 steps, with a profiler in every process (``step_trace/sitecustomize.py`` notes when each rlfleet
@@ -32,7 +35,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = Path(__file__).parent / "step_trace"
-LIMIT = 45
+LIMIT = 47
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -70,7 +73,7 @@ def _listed() -> list[str]:
     return re.findall(r"^\s*\d+\.\s+`(rlfleet/[^`]+\.py)`", section, flags=re.MULTILINE)
 
 
-def test_one_grpo_step_passes_through_at_most_45_files(tmp_path: Path) -> None:
+def test_one_grpo_step_passes_through_at_most_47_files(tmp_path: Path) -> None:
     touched = _files_of_step(tmp_path)
     assert touched, "the profiler saw no step"
     assert len(touched) <= LIMIT, f"one step went through {len(touched)} files: {touched}"
