@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -54,24 +53,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def machine(device: str) -> dict[str, Any]:
-    import torch
+    """:func:`rollout.machine` (CPU model and flags, GPU, versions), with the cores this run may use and
+    the commit."""
+    import os
 
-    from rlfleet.common.schema.trainer import cpu_has_native_bf16
+    from rollout import machine as host
 
-    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("flags")), [])  # fmt: skip
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())  # fmt: skip
-    info: dict[str, Any] = {
-        "cpu": cpu, "cores": len(__import__("os").sched_getaffinity(0)), "torch": torch.__version__,
-        "cpu_flags": sorted(f for f in flags if f.startswith(("avx512", "amx"))),
-        "native_bf16": cpu_has_native_bf16(),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                 text=True).stdout.strip(),
-    }  # fmt: skip
-    if device == "cuda" and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    return {**host(device), "cores": len(os.sched_getaffinity(0)), "commit": commit.strip()}
 
 
 def side_args(args: argparse.Namespace, k: int) -> argparse.Namespace:
