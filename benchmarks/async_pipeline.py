@@ -14,7 +14,8 @@ during which no batch was being generated), generated tokens/s, the staleness re
 step, reward against samples seen, and (the main job) the held-out words, share within the limit
 and relevance after each step with the wall time to the held-out target. On CUDA the card's peak
 memory too (the engine and the trainer share it; the engine sleeps between its generate calls, as
-colocated engines do). The table is printed, the JSON names the machine; ``--plot`` draws the
+colocated engines do, unless ``--sleep-level 0`` keeps it awake so that it generates while the trainer
+trains). The table is printed, the JSON names the machine; ``--plot`` draws the
 reward-vs-samples curves of every side on one plot.
 """
 
@@ -44,6 +45,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=0, help="override the job's max_steps (0: the job's)")
     p.add_argument("--lr", type=float, default=0.0, help="override the job's learning rate (0: the job's)")
     p.add_argument("--seed", type=int, help="override the job's placement.seed (sampling and data order)")
+    p.add_argument(
+        "--seeds",
+        help="run every side once per seed (comma-separated): the synchronous "
+        "loop's run-to-run noise, against which the pipelined reward curves are judged",
+    )
+    p.add_argument("--partial-tokens", type=int, default=0, help="also run max_staleness 1 with partial "
+                   "rollouts in segments of this many tokens (0: not run)")  # fmt: skip
+    p.add_argument(
+        "--sleep-level",
+        type=int,
+        choices=(0, 1, 2),
+        help="CUDA: the colocated engine's sleep_level (0: stays awake while the trainer steps)",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one side may take")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/rlfleet-async-pipeline"))
     p.add_argument("--out", type=Path, default=RESULTS, help="result JSON")
@@ -63,11 +77,14 @@ def machine(device: str) -> dict[str, Any]:
     return {**host(device), "cores": len(os.sched_getaffinity(0)), "commit": commit.strip()}
 
 
-def side_args(args: argparse.Namespace, k: int) -> argparse.Namespace:
-    """The arguments :func:`gpu_grpo.run_job` reads, for the side of ``max_staleness`` ``k``."""
-    return argparse.Namespace(device=args.device, workdir=args.workdir / f"staleness-{k}", eager=False,
+def side_args(args: argparse.Namespace, k: int, partial: int = 0) -> argparse.Namespace:
+    """The arguments :func:`gpu_grpo.run_job` reads, for the side of ``max_staleness`` ``k`` (with
+    partial rollouts in segments of ``partial`` tokens)."""
+    folder = f"staleness-{k}" + (f"-partial-{partial}" if partial else "")
+    return argparse.Namespace(device=args.device, workdir=args.workdir / folder, eager=False,
                               steps=args.steps, lr=args.lr, micro_batch=0, max_staleness=k,
-                              seed=args.seed)  # fmt: skip
+                              seed=args.seed, sleep_level=args.sleep_level,
+                              partial_rollout_tokens=partial)  # fmt: skip
 
 
 def figures(result: dict[str, Any]) -> dict[str, Any]:
@@ -92,6 +109,10 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
         "gen_tok_s": round(statistics.median(r["throughput/gen_tok_s"] for r in timed), 1),
         "tokens_per_s_of_run": round(tokens / max(sum(r["time/step_s"] for r in rows), 1e-9), 1),
         "staleness_max": max(r.get("rollout/staleness_max", 0.0) for r in rows),
+        "token_staleness_max": max(r.get("rollout/token_staleness_max", 0.0) for r in rows),
+        "mixed_version_frac": round(
+            statistics.fmean(r.get("rollout/mixed_version_frac", 0.0) for r in rows), 3
+        ),
         "staleness_mean": round(statistics.fmean(r.get("rollout/staleness_mean", 0.0) for r in rows), 3),
         "over_bound": sum(r.get("rollout/staleness_over_bound", 0.0) for r in rows),
         "reward_by_samples": [[s, round(r["reward/mean"], 4)] for s, r in zip(samples, rows, strict=True)],
@@ -117,6 +138,32 @@ def heldout(result: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def reward_noise(sides: dict[str, Any], kinds: dict[str, list[str]]) -> dict[str, Any]:
+    """Reward against samples seen, judged against the synchronous loop's run-to-run noise: per step,
+    the band of the synchronous runs' rewards (min to max over the seeds) and each kind's mean over
+    the seeds; the share of steps where that mean lies inside the band; the final reward (mean of the
+    last 5 steps) of each kind, mean and spread over the seeds."""
+    curves = {kind: [[r for _, r in sides[n].get("reward_by_samples") or []] for n in names]
+              for kind, names in kinds.items()}  # fmt: skip
+    steps = min(len(c) for runs in curves.values() for c in runs)
+    samples = [x for x, _ in sides[kinds["synchronous"][0]]["reward_by_samples"][:steps]]
+    sync = curves["synchronous"]
+    low = [min(run[i] for run in sync) for i in range(steps)]
+    high = [max(run[i] for run in sync) for i in range(steps)]
+    out: dict[str, Any] = {"samples": samples, "synchronous_band": [low, high], "mean": {}, "summary": {}}
+    for kind, runs in curves.items():
+        mean = [statistics.fmean(run[i] for run in runs) for i in range(steps)]
+        finals = [statistics.fmean(run[steps - 5 : steps]) for run in runs]
+        inside = sum(lo <= m <= hi for lo, m, hi in zip(low, mean, high, strict=True)) / steps
+        out["mean"][kind] = [round(m, 4) for m in mean]
+        out["summary"][kind] = {
+            "final_reward_mean": round(statistics.fmean(finals), 4),
+            "final_reward_spread": round(max(finals) - min(finals), 4),
+            "steps_within_sync_band": round(inside, 3), "seeds": len(runs),
+        }  # fmt: skip
+    return out
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -124,13 +171,19 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, side in report["sides"].items():
+    noise = report.get("noise")
+    if noise:  # several seeds: the synchronous band, and each kind's mean over the seeds
+        low, high = noise["synchronous_band"]
+        ax.fill_between(noise["samples"], low, high, alpha=0.25, label="synchronous, min-max over seeds")
+        for kind, mean in noise["mean"].items():
+            ax.plot(noise["samples"], mean, marker="o", markersize=3, label=f"{kind} (mean)")
+    for name, side in [] if noise else report["sides"].items():
         points = side.get("reward_by_samples") or []
         if points:
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
     ax.set_xlabel("samples seen")
     ax.set_ylabel("mean reward of the step")
-    ax.set_title(f"{report['job']}: synchronous vs pipelined ({report['machine'].get('gpu', 'CPU')})")
+    ax.set_title(f"{report['job']}: synchronous vs pipelined ({report['machine'].get('gpu') or 'CPU'})")
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -141,17 +194,27 @@ def plot(report: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     gpu_grpo.console_scripts(args.workdir / "bin")  # the children find rlfleet's commands on PATH
-    sides = [int(k) for k in args.staleness.split(",")]
+    sides = [(int(k), 0) for k in args.staleness.split(",")]
+    if args.partial_tokens:
+        sides.append((1, args.partial_tokens))
+    seeds: list[int | None] = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
     report: dict[str, Any] = {"job": args.job, "device": args.device, "machine": machine(args.device),
                               "command": " ".join(["python", *sys.argv]), "sides": {}}  # fmt: skip
-    for k in sides:
-        name = "synchronous" if k == 0 else f"max_staleness {k}"
-        print(f"running {args.job} with max_staleness {k} ...", flush=True)
-        sub = side_args(args, k)
+    kinds: dict[str, list[str]] = {}
+    for seed, (k, partial) in ((seed, side) for seed in seeds for side in sides):
+        kind = "synchronous" if k == 0 else f"max_staleness {k}" + (f", partial {partial}" if partial else "")
+        name = kind if len(seeds) == 1 else f"{kind}, seed {seed}"
+        kinds.setdefault(kind, []).append(name)
+        print(f"running {args.job}: {name} ...", flush=True)
+        args.seed = seed
+        sub = side_args(args, k, partial)
+        sub.workdir = sub.workdir.with_name(sub.workdir.name + (f"-seed-{seed}" if len(seeds) > 1 else ""))
         sub.workdir.mkdir(parents=True, exist_ok=True)
         result = gpu_grpo.run_job(args.job, sub, args.timeout)
-        side = {"max_staleness": k, "exit_code": result.get("exit_code"), "wall_s": result.get("wall_s"),
-                "steps": result.get("steps"), "peak_gpu_mib": result.get("peak_gpu_mib"), **figures(result),
+        side = {"max_staleness": k, "partial_rollout_tokens": partial, "seed": seed,
+                "exit_code": result.get("exit_code"),
+                "wall_s": result.get("wall_s"), "steps": result.get("steps"),
+                "peak_gpu_mib": result.get("peak_gpu_mib"), **figures(result),
                 "step_end_s": result.get("step_end_s")}  # fmt: skip
         if result.get("error") or result.get("exit_code") != 0:
             side["log_tail"] = result.get("log_tail", "")[-2000:]
@@ -159,12 +222,16 @@ def main(argv: list[str] | None = None) -> int:
             side["heldout"] = heldout(result, result["job"])
         side["rows"] = result.get("rows")
         report["sides"][name] = side
-    base = next(iter(report["sides"].values()))
-    for side in report["sides"].values():
+    for side in report["sides"].values():  # against the first side of the same seed
+        base = next(b for b in report["sides"].values() if b["seed"] == side["seed"])
         if base.get("s_per_step") and side.get("s_per_step"):
             side["speedup"] = round(base["s_per_step"] / side["s_per_step"], 3)
+    if len(seeds) > 1:
+        report["noise"] = reward_noise(report["sides"], kinds)
+        print(json.dumps(report["noise"]["summary"], indent=1))
     keys = ("s_per_step", "speedup", "trainer_idle_share", "fleet_idle_share", "tokens_per_s_of_run",
-            "staleness_max", "over_bound", "reward_last", "peak_gpu_mib", "wall_s")  # fmt: skip
+            "staleness_max", "token_staleness_max", "mixed_version_frac", "over_bound", "reward_last",
+            "peak_gpu_mib", "wall_s")  # fmt: skip
     print("| | " + " | ".join(report["sides"]) + " |")
     print("| --- |" + " --- |" * len(report["sides"]))
     for key in keys:

@@ -170,6 +170,10 @@ def job_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
         job["max_staleness"] = args.max_staleness
     if getattr(args, "seed", None) is not None:  # async_pipeline.py --seed
         job["placement"]["seed"] = args.seed
+    if getattr(args, "sleep_level", None) is not None:  # async_pipeline.py --sleep-level
+        job["rollout"]["engine"]["sleep_level"] = args.sleep_level
+    if getattr(args, "partial_rollout_tokens", 0):  # async_pipeline.py --partial-tokens
+        job["rollout"]["partial_rollout_tokens"] = args.partial_rollout_tokens
     return job
 
 

@@ -69,12 +69,17 @@ BIN = Path(sys.executable).parent
 MAIN_JOB = REPO / "examples" / "smollm2_concise.yaml"
 PROMPTS = REPO / "examples" / "data" / "questions.jsonl"
 PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, RESPONSE_TOKENS = 8, 4, 96
-SIDES = ("rlfleet", "trl", "trl_one_micro_batch")
+SIDES = ("rlfleet", "trl", "trl_one_micro_batch", "rlfleet_pipelined")
+DEFAULT_SIDES = SIDES[:3]
+TRL_SIDES = ("trl", "trl_one_micro_batch")
 DEVICES = ("cpu", "cuda")
 HELDOUT = REPO / "examples" / "data" / "questions_heldout.jsonl"
 """``trl``: TRL in micro-batches of the job's ``micro_batch_size`` (as rlfleet's trainer computes);
 ``trl_one_micro_batch``: TRL with the whole 32-sample batch in one micro-batch (no accumulation),
-the configuration issue 14's reference numbers were measured with."""
+the configuration issue 14's reference numbers were measured with; ``rlfleet_pipelined`` (not run
+unless named): rlfleet with ``max_staleness: 1``, generating the next batch while the trainer trains
+(a batch is trained one version after the weights that sampled it; TRL's GRPOTrainer has no such
+mode, so it is reported beside the like-for-like ratios, never in their place)."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -84,7 +89,14 @@ def parse_args() -> argparse.Namespace:
         "--device", default="cpu", choices=DEVICES, help="cuda: both sides colocate vLLM on one GPU"
     )
     p.add_argument("--only", choices=SIDES, help="run one side only")
-    p.add_argument("--sides", default=",".join(SIDES), help="the sides to run, in order (comma-separated)")
+    p.add_argument(
+        "--sides",
+        default=",".join(DEFAULT_SIDES),
+        help=f"the sides to run, in order (comma-separated; any of {', '.join(SIDES)})",
+    )
+    p.add_argument("--micro-batch", type=int, default=0, help="both sides' micro-batch (0: the job's)")
+    p.add_argument("--awake", action="store_true", help="CUDA: both colocated engines stay awake while "
+                   "the trainer steps (rlfleet sleep_level 0, TRL vllm_enable_sleep_mode off)")  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS, help="result JSON")
     p.add_argument("--job", type=Path, default=MAIN_JOB, help="the rlfleet job whose settings both use")
     p.add_argument("--sample-s", type=float, default=0.5, help="seconds between RSS samples")
@@ -104,9 +116,12 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def bench_overrides(steps: int, data: Path, out: Path, device: str = "cpu") -> list[str]:
+def bench_overrides(
+    steps: int, data: Path, out: Path, device: str = "cpu", micro_batch: int = 0, awake: bool = False
+) -> list[str]:
     """``key=value`` overrides that turn the main job into the benchmark's rlfleet side (on CUDA: vLLM
-    colocated with the trainer on the one GPU, bf16, CUDA graphs and the memory share at their defaults)."""
+    colocated with the trainer on the one GPU, bf16, CUDA graphs and the memory share at their defaults;
+    with ``awake`` the engine does not sleep while the trainer steps)."""
     overrides = [
         f"max_steps={steps}", "num_epochs=1", f"data.path={data}", f"output_dir={out}",
         f"batch.rollout_batch_size={PROMPTS_PER_STEP}", f"batch.train_batch_size={PROMPTS_PER_STEP}",
@@ -117,6 +132,9 @@ def bench_overrides(steps: int, data: Path, out: Path, device: str = "cpu") -> l
     if device == "cuda":
         overrides += ["placement.device=cuda", "rollout.engine.type=vllm", "rollout.engine.colocate=true",
                       "rollout.dtype=bfloat16"]  # fmt: skip
+        overrides += ["rollout.engine.sleep_level=0"] if awake else []
+    if micro_batch:
+        overrides.append(f"update.micro_batch_size={micro_batch}")
     return overrides
 
 
@@ -133,7 +151,9 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         raise SystemExit(f"{PROMPTS} has {len(lines)} prompts, fewer than {PROMPTS_PER_STEP} x {args.steps}")
     data = workdir / "prompts.jsonl"
     data.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    overrides = bench_overrides(args.steps, data, workdir / "rlfleet", args.device)
+    overrides = bench_overrides(
+        args.steps, data, workdir / "rlfleet", args.device, args.micro_batch, args.awake
+    )
     job = load_config(JobConfig, args.job, overrides)
     if resolve_precision(job.model.mixed_precision, args.device) == "bf16" and job.rollout.dtype == "float32":
         # TRL generates under the bf16 autocast it trains with: the engine generates in bf16 too
@@ -154,7 +174,7 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "prompt_key": job.data.prompt_key, "system_prompt": job.data.system_prompt, "seed": seed,
         "device": args.device, "max_model_len": job.rollout.context_cap,
         "max_batch_size": job.rollout.max_batch_size, "eval_max_tokens": job.eval.max_tokens,
-        "eval_limit_words": job.eval.limit_words,
+        "eval_limit_words": job.eval.limit_words, "awake": args.awake,
     }  # fmt: skip
     if args.device == "cuda":
         setup["engine_share"] = engine_share(setup)
@@ -212,10 +232,16 @@ def rlfleet_command(workdir: Path) -> str:
     return shutil.which("rlfleet") or "rlfleet"
 
 
-def run_rlfleet(setup: dict[str, Any], workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    command = [rlfleet_command(workdir), "train", setup["job_file"], *setup["overrides"]]
-    measured = run_side("rlfleet", command, workdir, args)
-    rows = [json.loads(line) for line in (workdir / "rlfleet" / "metrics.jsonl").read_text().splitlines()]
+def run_rlfleet(
+    setup: dict[str, Any], workdir: Path, args: argparse.Namespace, pipelined: bool = False
+) -> dict[str, Any]:
+    """rlfleet's side: the job as the CLI runs it; ``pipelined``: with ``max_staleness: 1`` (its own
+    output folder, ``rlfleet_pipelined``)."""
+    name = "rlfleet_pipelined" if pipelined else "rlfleet"
+    extra = [f"output_dir={workdir / name}", "max_staleness=1"] if pipelined else []
+    command = [rlfleet_command(workdir), "train", setup["job_file"], *setup["overrides"], *extra]
+    measured = run_side(name, command, workdir, args)
+    rows = [json.loads(line) for line in (workdir / name / "metrics.jsonl").read_text().splitlines()]
     rewards, lengths = [r["reward/mean"] for r in rows], [r["response_length"] for r in rows]
     figures = step_figures([r["time"] for r in rows], rows[0]["time/step_s"], rewards, lengths)
     timed = rows[1:] or rows  # the first step (warm-up) left out, as in s/step
@@ -296,13 +322,15 @@ def trl_config(setup: dict[str, Any], workdir: Path, one_micro_batch: bool = Fal
 
 def trl_generation(setup: dict[str, Any]) -> dict[str, Any]:
     """TRL's generation settings: none on CPU (TRL generates with the training model); on CUDA its
-    colocated vLLM engine, given what rlfleet's engine gets: the memory share rlfleet sizes for this
-    model and batch (``gpu_memory_utilization: auto``), the same context cap and sequences at once,
-    and sleep mode on (rlfleet's colocated engine sleeps while the trainer steps)."""
+        colocated vLLM engine, given what rlfleet's engine gets: the memory share rlfleet sizes for this
+        model and batch (``gpu_memory_utilization: auto``), the same context cap and sequences at once,
+        and sleep mode on as rlfleet's colocated engine sleeps while the trainer steps (off with ``--awake``,
+    where rlfleet's stays awake too)."""
     if setup["device"] != "cuda":
         return {"use_vllm": False}
     return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": setup["engine_share"],
-            "vllm_max_model_length": setup["max_model_len"], "vllm_enable_sleep_mode": True}  # fmt: skip
+            "vllm_max_model_length": setup["max_model_len"],
+            "vllm_enable_sleep_mode": not setup.get("awake", False)}  # fmt: skip
 
 
 def engine_share(setup: dict[str, Any]) -> float:
@@ -370,6 +398,7 @@ def eval_child(workdir: Path) -> int:
 
     setup = json.loads((workdir / "setup.json").read_text())
     models = {"base": Path(setup["model_dir"]), "rlfleet": workdir / "rlfleet" / "final",
+              "rlfleet_pipelined": workdir / "rlfleet_pipelined" / "final",
               "trl": trl_model_dir(workdir, False),
               "trl_one_micro_batch": trl_model_dir(workdir, True)}  # fmt: skip
     rows = [json.loads(line) for line in HELDOUT.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -475,8 +504,10 @@ def smoke_check(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="vs-trl-", ignore_cleanup_errors=True) as tmp:
         workdir = Path(tmp)
         setup = prepare(args, workdir)
-        cuda = bench_overrides(args.steps, workdir / "prompts.jsonl", workdir / "rlfleet", "cuda")
-        load_config(JobConfig, args.job, cuda)  # the CUDA mode's overrides are valid too
+        cuda = bench_overrides(args.steps, workdir / "prompts.jsonl", workdir / "rlfleet", "cuda", 32, True)
+        job = load_config(JobConfig, args.job, [*cuda, "max_staleness=1"])  # the CUDA modes' overrides too
+        modes = (job.rollout.engine.sleep_level, job.update.micro_batch_size, job.max_staleness)
+        assert modes == (0, 32, 1), modes
         command = [sys.executable, str(Path(__file__).resolve()), "--trl-child", str(workdir), "--smoke"]
         report["trl_built"] = run_side("trl", command, workdir, args)
         report["setup"] = {k: setup[k] for k in ("model_dir", "overrides", "order", "reward", "settings")}
@@ -514,7 +545,8 @@ def main() -> int:
         }
         report["setup"]["trl_generation"] = trl_generation(setup)
         runners = {"rlfleet": run_rlfleet, "trl": run_trl,
-                   "trl_one_micro_batch": lambda *a: run_trl(*a, one=True)}  # fmt: skip
+                   "trl_one_micro_batch": lambda *a: run_trl(*a, one=True),
+                   "rlfleet_pipelined": lambda *a: run_rlfleet(*a, pipelined=True)}  # fmt: skip
         report["sides"] = {}
         for name in (args.only,) if args.only else [n for n in args.sides.split(",") if n in runners]:
             print(f"running {name} for {args.steps} steps ...", flush=True)
@@ -532,13 +564,17 @@ def main() -> int:
     sides = report["sides"]
     ours = sides.get("rlfleet", {})
     for name in (
-        n for n in SIDES[1:] if n in sides and ours.get("s_per_step") and sides[n].get("s_per_step")
+        n for n in TRL_SIDES if n in sides and ours.get("s_per_step") and sides[n].get("s_per_step")
     ):
         suffix = "" if name == "trl" else "_one_micro_batch"  # trl: the keys earlier results have
         report["speed_ratio" + suffix] = round(sides[name]["s_per_step"] / ours["s_per_step"], 2)
         report["memory_ratio_rss" + suffix] = round(sides[name]["peak_rss_gib"] / ours["peak_rss_gib"], 2)
         if ours.get("peak_gpu_gib") and sides[name].get("peak_gpu_gib"):
             report["memory_ratio_gpu" + suffix] = round(sides[name]["peak_gpu_gib"] / ours["peak_gpu_gib"], 2)
+        piped = sides.get("rlfleet_pipelined", {})
+        if piped.get("s_per_step"):  # beside the like-for-like ratio, not in its place
+            ratio = sides[name]["s_per_step"] / piped["s_per_step"]
+            report["pipelined_speed_ratio" + suffix] = round(ratio, 2)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)

@@ -50,6 +50,36 @@ def test_vs_trl_cuda_mode_colocates_both_sides(tmp_path: Path) -> None:
                    "vllm_max_model_length": 2048, "vllm_enable_sleep_mode": True}  # fmt: skip
 
 
+def test_vs_trl_awake_mode_keeps_both_engines_awake(tmp_path: Path) -> None:
+    cuda = vs_trl.bench_overrides(
+        3, tmp_path / "p.jsonl", tmp_path / "out", "cuda", micro_batch=32, awake=True
+    )
+    assert {"rollout.engine.sleep_level=0", "update.micro_batch_size=32"} <= set(cuda)
+    asleep = vs_trl.bench_overrides(3, tmp_path / "p.jsonl", tmp_path / "out", "cuda")
+    assert not any(o.startswith(("rollout.engine.sleep_level", "update.micro_batch_size")) for o in asleep)
+    trl = vs_trl.trl_generation(
+        {"device": "cuda", "engine_share": 0.04, "max_model_len": 2048, "awake": True}
+    )
+    assert trl["vllm_enable_sleep_mode"] is False
+    assert vs_trl.DEFAULT_SIDES == ("rlfleet", "trl", "trl_one_micro_batch")  # pipelined only when named
+
+
+def test_async_pipeline_passes_the_sleep_level_to_the_job(tmp_path: Path) -> None:
+    import async_pipeline
+
+    args = async_pipeline.parse_args(["--device", "cuda", "--sleep-level", "0", "--workdir", str(tmp_path)])
+    config = gpu_grpo.job_config("tiny", async_pipeline.side_args(args, 1))
+    assert config["rollout"]["engine"]["sleep_level"] == 0 and config["max_staleness"] == 1
+    partial = async_pipeline.side_args(async_pipeline.parse_args(["--partial-tokens", "32"]), 1, 32)
+    assert gpu_grpo.job_config("tiny", partial)["rollout"]["partial_rollout_tokens"] == 32
+    assert partial.workdir.name == "staleness-1-partial-32"
+    default = async_pipeline.parse_args(["--device", "cuda", "--workdir", str(tmp_path)])
+    assert (
+        "sleep_level"
+        not in gpu_grpo.job_config("tiny", async_pipeline.side_args(default, 1))["rollout"]["engine"]
+    )
+
+
 def summary(words: float, within: float, relevance: float) -> dict:
     return {"mean_words": words, "within_limit": within, "relevance": relevance}
 

@@ -113,3 +113,21 @@ def test_contract_violations_name_the_field() -> None:
         RolloutBatch.from_tensors({**tensors, "response_text": texts, "response_text_offsets": offsets})
     with pytest.raises(BatchContractError, match="row 0: 1 logprobs for 2 tokens"):
         RolloutBatch.from_rows(prompts=[[1]], responses=[[1, 2]], logprobs=[[0.0]], group_index=[0], pad_id=0)
+
+
+def test_response_versions_are_checked_and_merged_with_unknown_as_minus_one() -> None:
+    from rlfleet.common.schema.batch import VERSIONS, check_rollout_tensors, merge_rollouts
+
+    tensors = _batch().to_tensors()
+    versioned = {**tensors, VERSIONS: torch.tensor([[3, 3, -1], [3, 4, 4], [3, -1, -1], [4, 4, 4]])}
+    assert check_rollout_tensors(versioned) == 4
+    with pytest.raises(BatchContractError, match="'response_versions': expected an int64"):
+        check_rollout_tensors({**versioned, VERSIONS: versioned[VERSIONS].float()})
+    with pytest.raises(BatchContractError, match="'response_versions': shape"):
+        check_rollout_tensors({**versioned, VERSIONS: versioned[VERSIONS][:, :2]})
+    short = RolloutBatch.from_rows(
+        prompts=[[1]], responses=[[2]], logprobs=[[0.0]], group_index=[0], pad_id=0
+    )
+    merged = merge_rollouts([versioned, short.to_tensors()])  # the second chunk's versions are unknown
+    assert merged[VERSIONS].tolist() == [*versioned[VERSIONS].tolist(), [-1, -1, -1]]
+    assert VERSIONS not in merge_rollouts([tensors, short.to_tensors()])  # none: none in the batch

@@ -77,7 +77,7 @@ def test_kl_coef_set_between_steps_reaches_the_next_train_step(
     assert (sent.algorithm.name, batch.group_size, batch.num_updates, sent.update.learning_rate) == (
         "grpo", 2, 1, 1e-6,
     )  # fmt: skip
-    assert sent == StepSettings.of(trainer.config, kl_coef=0.05)
+    assert sent == StepSettings.of(trainer.config, kl_coef=0.05)  # response_cap only with overlong shaping
     assert [(r.weight_version, r.metrics["rollout/weight_version_min"]) for r in results] == [
         (1, 1),
         (2, 2),

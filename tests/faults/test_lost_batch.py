@@ -262,3 +262,59 @@ def test_embedded_a_chunk_lost_with_its_crashed_rollout_worker_is_generated_agai
     messages = [r.getMessage() for r in caplog.records]
     assert not [m for m in messages if "running it again" in m], "the step was run again"
     assert len([m for m in messages if "is lost (" in m]) == 1
+
+
+@pytest.mark.timeout(600)
+def test_a_chunk_dropped_by_its_live_lone_worker_is_generated_again_there(
+    serve_tier: Starter, tmp_path: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The chunk is gone but its worker lives (it dropped it: here its ``store_ttl_s`` passed while
+    the reward held): with no other worker in the pool, the same worker generates it again at once,
+    instead of the step waiting ``faults.empty_pool_wait_s`` for another."""
+    caplog.set_level(logging.INFO)
+    box = tmp_path / "box"
+    box.mkdir()
+    (tmp_path / "lost_batch_reward.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cluster = f"dropped-{uuid.uuid4().hex[:6]}"
+    model = str(tiny_model_dir)
+    common = {"fleet": {"cluster": cluster}, "heartbeat_s": 1.0}
+    worker = {**common, "model_path": model, "placement": {"device": "cpu"}}
+    with EmbeddedNats(jetstream=False) as nats:
+        url = nats.url
+        serve_tier("trainer", url, {**worker, "worker_id": "trainer-0"})
+        serve_tier("rollout", url, {**worker, "worker_id": "rollout-0", "store_ttl_s": 3.0})
+        env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               "LOST_BATCH_DIR": str(box)}  # fmt: skip
+        serve_tier("reward", url, {**common, "endpoints": {"default": REWARD}, "worker_id": "reward-0"}, env)
+        config = TrainerConfig(
+            fleet={"nats_url": url, "cluster": cluster}, reward={"url": url, "cluster": cluster},
+            rollout_batch_size=BATCH, train_batch_size=BATCH, group_size=GROUP, micro_batch_size=BATCH,
+            max_prompt_length=32, max_response_length=6, kl_coef=0.0, device="cpu", seed=3,
+            output_dir=str(tmp_path / "run"), loggers=["jsonl"], sample_table_size=0, startup_timeout_s=240,
+            faults=FaultSettings(retry_backoff_s=0.3, empty_pool_wait_s=120.0),
+        )  # fmt: skip
+        trainer = GRPOTrainer(model, REWARD, PromptDataset(str(DATA), max_prompt_length=32, seed=3), config)
+        try:
+            steps = trainer.steps(num_epochs=1, max_steps=2)
+            next(steps)
+            _reset(box)
+            (box / "hold").touch()
+            got: dict[str, Any] = {}
+            thread = threading.Thread(target=lambda: got.update(step=next(steps)), name="dropped-step")
+            thread.start()
+            _wait(lambda: _held(box) >= 1, 120, "the reward to hold the chunk")
+            time.sleep(6.0)  # past the chunk's TTL: the worker drops it
+            (box / "hold").unlink()
+            released = time.monotonic()
+            thread.join(300)
+            took = time.monotonic() - released
+        finally:
+            (box / "hold").unlink(missing_ok=True)
+            trainer.close()
+    assert "step" in got, "the step failed"
+    assert got["step"].metrics["rollout/chunks_regenerated"] >= 1.0
+    assert took < 60, f"the step waited {took:.0f} s for another worker"
+    lost = [r.getMessage() for r in caplog.records if "is lost (" in r.getMessage()]
+    assert lost, "the dropped chunk was never found lost"

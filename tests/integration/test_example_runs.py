@@ -65,6 +65,23 @@ def test_tiny_example_raises_the_reward(
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
+@pytest.mark.parametrize("recipe", ["dapo_tiny", "gspo_tiny", "dr_grpo_tiny"])
+def test_a_recipe_raises_the_reward(
+    recipe: str, tmp_path: Path, venv_script, cli_env, tiny_model_dir, procs
+) -> None:
+    """Issue 31's recipes, each what its file says it changes against GRPO, as the trainer saw it."""
+    rows = _train(recipe, tmp_path / recipe, 12, venv_script, cli_env, procs)
+    _assert_reward_rises(rows)
+    if recipe == "dapo_tiny":  # the soft overlong penalty reached the trainer and acted on every step
+        assert all(row["overlong/penalty_mean"] < 0 and "overlong/truncated_frac" in row for row in rows)
+        assert "overlong/masked_frac" not in rows[-1]
+    if recipe == "gspo_tiny":  # the second optimizer step's sequence ratios left the tight range
+        assert max(row["clip_frac"] for row in rows) > 0
+    assert "kl" not in rows[-1] and "critic/vf_loss" not in rows[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
 def test_tiny_ppo_with_a_reward_model_trains(
     tmp_path: Path, venv_script, cli_env, tiny_model_dir, procs
 ) -> None:
@@ -78,11 +95,19 @@ def test_tiny_ppo_with_a_reward_model_trains(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("job", ["gsm8k_numeric", "dapo_gsm8k", "gspo_gsm8k", "dr_grpo_gsm8k"])
 def test_gsm8k_numeric_example_scores_its_answers(
-    tmp_path: Path, venv_script, cli_env, tiny_model_dir, procs
+    job: str, tmp_path: Path, venv_script, cli_env, tiny_model_dir, procs
 ) -> None:
-    for row in _train("gsm8k_numeric", tmp_path / "gsm8k", 2, venv_script, cli_env, procs):
+    """The GSM8K-style job and its recipes (issue 31): both reward components score every answer;
+    DAPO's filter drops the answers cut at the cap (the character model's, all of them) from the loss."""
+    for row in _train(job, tmp_path / job, 2, venv_script, cli_env, procs):
         numeric, regex = row["reward/numeric"], row["reward/regex"]
         assert 0.0 <= numeric <= 1.0 and 0.0 <= regex <= 1.0, row
         assert row["reward/mean"] == pytest.approx(numeric + 0.1 * regex)
         assert row["rollout/samples"] == 32  # 8 problems x 4 samples, all scored
+        if job == "dapo_gsm8k":
+            assert (
+                row["overlong/masked_frac"] == row["overlong/truncated_frac"]
+                and "overlong/penalty_mean" in row
+            )

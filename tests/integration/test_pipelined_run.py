@@ -76,7 +76,9 @@ def _trained(trainer: OnlineTrainer, max_steps: int, after_step: Any = None) -> 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("algorithm", "k"), [("grpo", 1), ("grpo", 2), ("ppo", 1), ("reinforce_pp", 1)])
+@pytest.mark.parametrize(
+    ("algorithm", "k"), [("grpo", 1), ("grpo", 2), ("ppo", 1), ("reinforce_pp", 1), ("rloo", 1)]
+)
 def test_the_bound_holds_every_step_and_every_batch_is_trained_once(
     tmp_path: Path, tiny_model_dir: Path, procs: Any, algorithm: str, k: int
 ) -> None:
@@ -95,6 +97,31 @@ def test_the_bound_holds_every_step_and_every_batch_is_trained_once(
     assert max(r["rollout/staleness_max"] for r in rows) >= 1, "the fleet never generated ahead"
     assert [r["rollout/batches_ahead"] for r in rows] == [min(k, steps - s) for s in range(1, steps + 1)]
     assert rows[-1]["weight_version"] == steps  # one publish a step, as in the synchronous loop
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_partial_rollouts_keep_the_bound_on_every_token(
+    tmp_path: Path, tiny_model_dir: Path, procs: Any
+) -> None:
+    """Point 3: rollout workers generate in segments of 4 tokens, a load may come between two; each
+    token's version reaches the trainer, whose staleness stays within the bound."""
+    steps = 4
+    trainer = _trainer(tiny_model_dir, tmp_path, max_staleness=1, max_response_length=16,
+                       rollout={"partial_rollout_tokens": 4})  # fmt: skip
+    try:
+        trained = _trained(trainer, steps)
+        pids = trainer.process_ids
+    finally:
+        trainer.close()
+    assert procs.survivors(pids) == []
+    assert trained == [sorted(b) for b in _expected_batches(steps)]
+    rows = _rows(tmp_path)
+    _assert_bound(rows, 1)
+    for row in rows:  # every token's version was recorded and is within the bound
+        assert 0 <= row["rollout/token_staleness_max"] <= 1, row
+        assert 0 <= row["rollout/mixed_version_frac"] <= 1
+    assert max(r["rollout/token_staleness_max"] for r in rows) == 1, "the fleet never generated ahead"
 
 
 @pytest.mark.slow

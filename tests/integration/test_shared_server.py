@@ -81,14 +81,14 @@ def run_b(nats_url: str, out: Path, env: dict[str, str]) -> subprocess.Popen[str
     )
 
 
-def trainer_a(nats_url: str, out: Path):  # -> GRPOTrainer
+def trainer_a(nats_url: str, out: Path, **extra: object):  # -> GRPOTrainer
     from rlfleet.controller import GRPOTrainer, TrainerConfig
 
     config = TrainerConfig(
         rollout_batch_size=8, train_batch_size=8, micro_batch_size=64, group_size=4, max_prompt_length=32,
         max_response_length=12, learning_rate=0.003, kl_coef=0.0, seed=0, output_dir=str(out),
         loggers=["jsonl"], sample_table_size=0,
-        reward={"url": nats_url, "cluster": CLUSTER, "endpoint": "team-a/digits", "token": TOKEN_A},
+        reward={"url": nats_url, "cluster": CLUSTER, "endpoint": "team-a/digits", "token": TOKEN_A}, **extra,
     )  # fmt: skip
     return GRPOTrainer("tiny:digits", "charset:allowed=0123456789", str(DATA), config)
 
@@ -154,3 +154,23 @@ def test_two_controllers_train_against_one_shared_server(
     seen = json.loads(admin.stdout.splitlines()[0])["endpoints"]
     assert seen["team-a/digits"]["requests"] >= 6 and seen["team-b/short"]["requests"] >= 8
     assert time.time() > 0 and "invalid_token" not in shared_server.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_pipelined_run_scores_on_the_shared_server(
+    nats_server: EmbeddedNats, shared_server: Path, tmp_path: Path, rlfleet_env: dict[str, str]
+) -> None:
+    """Issue 30 point 5: ``max_staleness: 1`` with its scoring on a shared, multi-tenant server (chunks
+    scored as they arrive, batches generated a step ahead)."""
+    trainer = trainer_a(nats_server.url, tmp_path / "a", max_staleness=1)
+    try:
+        results = list(trainer.steps(max_steps=4))
+    finally:
+        trainer.close()
+    rows = metrics(tmp_path / "a")
+    assert [r.step for r in results] == [row["step"] for row in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert row["train/weight_version"] - row["rollout/weight_version_oldest"] <= 1
+        assert row["rollout/staleness_over_bound"] == 0 and 0.0 <= row["reward/mean"] <= 1.0
+    assert max(row["rollout/staleness_max"] for row in rows) == 1, "the fleet never generated ahead"

@@ -62,6 +62,24 @@ def test_sleep_level_1_frees_the_gpu_and_keeps_the_weights(make_vllm_checkpoint)
 
 
 @pytest.mark.timeout(600)
+def test_sleep_level_0_stays_awake_and_loads_in_place(make_vllm_checkpoint) -> None:
+    path = make_vllm_checkpoint(seed=0)
+    engine = _engine(path, colocate=True, sleep_level=0)
+    try:
+        held = torch.cuda.mem_get_info()[0]
+        first = engine.generate(PROMPTS, GREEDY)
+        assert not engine.sleeping
+        assert torch.cuda.mem_get_info()[0] <= held + 2**26  # nothing was given back (64 MiB of slack)
+        assert [c.token_ids for c in first] == _expected(path)
+        target = make_vllm_checkpoint(seed=1)
+        _publish(engine, target, version=1)
+        assert not engine.sleeping
+        assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == _expected(target)
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(600)
 def test_sleep_level_2_needs_a_full_publish(make_vllm_checkpoint) -> None:
     engine = _engine(make_vllm_checkpoint(seed=0), colocate=True, sleep_level=2)
     try:

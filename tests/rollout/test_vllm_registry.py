@@ -59,6 +59,14 @@ def test_worker_settings_map_to_engine_arguments() -> None:
     assert engine_kwargs(_worker({"type": "vllm", "enforce_eager": False}), "cpu")["enforce_eager"] is False
     auto = engine_kwargs(_worker({"type": "auto", "max_model_len": 512}), "cpu")  # vLLM settings iff vLLM
     assert auto.get("max_model_len") == (512 if vllm_available() else None) and auto["seed"] == 3
+    awake = engine_kwargs(_worker({"type": "vllm", "colocate": True, "sleep_level": 0}), "cuda")
+    assert awake["colocate"] and awake["sleep_level"] == 0  # a colocated engine that stays awake
+
+
+def test_sleep_levels_are_0_1_2() -> None:
+    assert [VLLMEngineSettings(type="vllm", sleep_level=n).sleep_level for n in (0, 1, 2)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="sleep_level"):
+        VLLMEngineSettings(type="vllm", sleep_level=3)
 
 
 def test_the_vllm_section_holds_the_engine_keywords_under_their_own_names() -> None:
@@ -90,6 +98,7 @@ def test_missing_vllm_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, make_vll
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"gpu_memory_utilization": "half"}, "gpu_memory_utilization"),
         ({"sleep_level": 3}, "sleep_level"),
+        ({"sleep_level": -1}, "sleep_level"),
         ({"max_model_len": 1}, "max_model_len"),
     ],
 )

@@ -1,6 +1,8 @@
-"""One GRPO step reads in four trainer files: from ``run_step`` to the first ``backward()`` it calls
+"""One GRPO step reads in five trainer files: from ``run_step`` to the first ``backward()`` it calls
 functions of ``service.py`` (the entry), ``loop.py`` (the update loop), ``algorithms/grpo.py`` (its
-advantages and its loss) and ``policy.py`` (the policy's forward) only.
+advantages and its loss's terms), the policy loss ``algorithms/policy_losses/ppo_clip.py`` (issue 31
+made each policy loss a file of its own, chosen by ``update.policy_loss``) and ``policy.py`` (the
+policy's forward) only.
 
 The step runs in process on a tiny Llama under ``sys.setprofile``, which sees every Python function
 called; each GRPO setting that changes the step's path (the KL in the loss and its reference, the
@@ -29,7 +31,13 @@ pytestmark = pytest.mark.timeout(120)
 
 MakeBatch = Callable[..., dict[str, torch.Tensor]]
 TRAINER = Path(rlfleet.trainer.__file__).parent
-STEP_FILES = {"service.py", "loop.py", "algorithms/grpo.py", "policy.py"}
+STEP_FILES = {
+    "service.py",
+    "loop.py",
+    "algorithms/grpo.py",
+    "algorithms/policy_losses/ppo_clip.py",
+    "policy.py",
+}
 
 
 def _files_until_backward(monkeypatch: pytest.MonkeyPatch, step: Callable[[], Any]) -> list[str]:
@@ -84,14 +92,14 @@ UPDATE = UpdateSettings(kl_coef=0.05, micro_batch_size=2)
     ],
     ids=["kl-in-loss", "kl-in-reward", "several-optimizer-steps"],
 )
-def test_a_grpo_step_reaches_backward_through_at_most_four_trainer_files(
+def test_a_grpo_step_reaches_backward_through_at_most_five_trainer_files(
     tiny_model_dir: Path, make_batch: MakeBatch, monkeypatch: pytest.MonkeyPatch, step: StepSettings
 ) -> None:
     actor = Actor(tiny_model_dir, seed=0, learning_rate=1e-3)
     batch, scores = make_batch([3, 5, 2, 4], [4, 2, 6, 3]), [1.0, 0.0, 0.2, 0.6]
     run_step(actor, None, batch, scores, step)  # the first step: loads the reference
     files = _files_until_backward(monkeypatch, lambda: run_step(actor, None, batch, scores, step))
-    assert "service.py" in files and len(files) <= 4, files
+    assert "service.py" in files and len(files) <= 5, files
     assert set(files) <= STEP_FILES, files
 
 

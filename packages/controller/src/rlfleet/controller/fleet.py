@@ -437,8 +437,18 @@ class Fleet:
 
     async def regenerate(self, order: ChunkOrder) -> GenerateResult:
         """The chunk ``order`` describes generated again (its prompts, sampling seed, weight version and
-        pool) by a live worker, not by the process that lost it (a new one under its id may serve)."""
-        avoid = frozenset({(order.worker_id, order.incarnation)})  # that process, not a new one under its id
+        pool) by a live worker, not by the process that lost it (a new one under its id may serve),
+        unless that process still lives and is its pool's only worker at that version: it dropped the
+        chunk (its store's TTL, a load's release) and makes it again, rather than the step waiting
+        ``faults.empty_pool_wait_s`` for another. A store it cannot serve loses the chunk again, and
+        ``faults.retry_attempts`` bounds the rounds."""
+        producer = (order.worker_id, order.incarnation)
+        serving = [life(w) for w in self.rollout_workers(order.pool, order.weight_version)]
+        lone = serving == [producer]
+        if lone:
+            logger.warning("rollout worker %s dropped a chunk and is its pool's only worker at version "
+                           "%d: it generates it again", order.worker_id, order.weight_version)  # fmt: skip
+        avoid = frozenset() if lone else frozenset({producer})  # that process, not a new one under its id
         return await self._generate_chunk(order.prompts, order.sampling, order.weight_version, "", order.pool,
                                           avoid)  # fmt: skip
 

@@ -161,7 +161,9 @@ class OnlineStep:
         routed, chunks = rollout.routed, rollout.chunks
         self.last_routes = routed.routes
         t2 = time.perf_counter()  # the trainer waited for its batch until now
-        settings = StepSettings.of(cfg, kl_coef=self.kl_controller.value)
+        shaping = cfg.update.overlong_buffer or cfg.update.mask_truncated  # trainer/algorithms/overlong.py
+        cap = {"response_cap": cfg.max_response_length} if shaping else {}  # else an older trainer's default
+        settings = StepSettings.of(cfg, kl_coef=self.kl_controller.value, **cap)
         trained_at = state.weight_version
         stepped = await chunks.train(state.global_step + 1, settings)
         results = routed.results = chunks.results  # what was trained: every prompt once

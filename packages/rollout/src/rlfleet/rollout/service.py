@@ -41,6 +41,7 @@ from rlfleet.common.control.messages import (
     GenerateRequest,
     GenerateResult,
     LoadWeights,
+    SamplingParams,
     WeightsLoaded,
 )
 from rlfleet.common.control.reply_cache import ReplyCache
@@ -61,18 +62,23 @@ from rlfleet.rollout.errors import (
     NoUsableCarrier,
     StaleWeights,
 )
+from rlfleet.rollout.partial_rollout import Segmented, generate_in_segments
 
 logger = logging.getLogger(__name__)
 
 
 def to_rollout_tensors(
-    completions: Sequence[Completion], pad_token_id: int, tokenizer: Any | None = None
+    completions: Sequence[Completion],
+    pad_token_id: int,
+    tokenizer: Any | None = None,
+    versions: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Pack completions (prompt-major) into the rollout-batch tensor dict (see the module docstring).
 
     ``tokenizer`` decodes the prompts for ``prompt_text`` (``skip_special_tokens=True``, like the
     responses); without one, every prompt text is empty. ``response_text`` is each
-    ``Completion.text``. Completions without logprobs get 0 over their whole response.
+    ``Completion.text``. Completions without logprobs get 0 over their whole response. ``versions``
+    (one weight version per token of each completion) become ``response_versions``, -1 at padding.
     """
     if not completions:
         raise ValueError("to_rollout_tensors needs at least one completion")
@@ -90,9 +96,14 @@ def to_rollout_tensors(
         prompts = tokenizer.batch_decode([c.prompt_token_ids for c in completions], skip_special_tokens=True)
     else:
         prompts = [""] * len(completions)
+    if versions is not None:
+        if len(versions) != len(completions) or any(
+            len(v) != len(c.token_ids) for v, c in zip(versions, completions, strict=True)
+        ):
+            raise ValueError("versions needs one weight version per token of every completion")
     prompt_text, prompt_offsets = pack_texts(prompts)
     response_text, response_offsets = pack_texts([c.text for c in completions])
-    return {
+    out = {
         "prompt_ids": prompt_ids,
         "prompt_mask": prompt_mask,
         "response_ids": response_ids,
@@ -104,6 +115,9 @@ def to_rollout_tensors(
         "response_text": response_text,
         "response_text_offsets": response_offsets,
     }
+    if versions is not None:
+        out["response_versions"], _ = pad_right([list(v) for v in versions], -1, width=response_ids.shape[1])
+    return out
 
 
 def check_products(request: GenerateRequest, limits: GenerateLimits, context: int | None) -> None:
@@ -220,21 +234,29 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         check_products(request, self.config.limits, getattr(self.engine, "max_model_len", None))
         if request.weight_version > self.weight_version:  # newer weights serve a job (a pipelined run)
             raise StaleWeights(self.worker_id, self.weight_version, request.weight_version)
-        async with self._gpu:
-            stop_at = self._stop_at(request)  # it may have passed while the job waited for the engine
-            version = self.weight_version  # loads wait for the engine: the job's weights stay these
-            self.busy += 1
-            try:
-                t0 = time.perf_counter()
-                completions = await asyncio.to_thread(self.engine.generate, request.prompt_token_ids,
-                                                      request.sampling, deadline=stop_at)  # fmt: skip
-                seconds = time.perf_counter() - t0
-                tensors = to_rollout_tensors(completions, self.engine.pad_token_id, self.engine.tokenizer)
-            except DeadlinePassed as exc:  # the engine stopped: name the job, the worker is free
-                logger.warning("generate job %s cancelled: %s", request.job_id, exc)
-                raise DeadlinePassed(self._job_name(request), exc.late_s, exc.ran_s) from None
-            finally:
-                self.busy -= 1
+        segment = self.config.rollout.partial_rollout_tokens
+        self.busy += 1
+        try:
+            t0 = time.perf_counter()
+            if segment and request.sampling.max_tokens > segment:  # loads may come between segments
+                job = await self._generate_segments(request, segment)
+                completions, versions, version = job.completions, job.versions, job.versions_used[0]
+            else:
+                async with self._gpu:  # loads wait for the engine: the job's weights stay these
+                    stop_at = self._stop_at(request)  # it may have passed while the job waited
+                    version = self.weight_version
+                    completions = await asyncio.to_thread(self.engine.generate, request.prompt_token_ids,
+                                                          request.sampling, deadline=stop_at)  # fmt: skip
+                versions = [[version] * len(c.token_ids) for c in completions]
+            seconds = time.perf_counter() - t0
+            tensors = to_rollout_tensors(
+                completions, self.engine.pad_token_id, self.engine.tokenizer, versions
+            )
+        except DeadlinePassed as exc:  # the engine stopped: name the job, the worker is free
+            logger.warning("generate job %s cancelled: %s", request.job_id, exc)
+            raise DeadlinePassed(self._job_name(request), exc.late_s, exc.ran_s) from None
+        finally:
+            self.busy -= 1
         ref = self.store.put_local(f"rollout/{request.job_id}", tensors)
         self._batches.append((version, ref.key))
         generated = sum(len(c.token_ids) for c in completions)
@@ -244,6 +266,24 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
             num_prompts=len(request.prompt_token_ids), num_samples=len(completions),
             num_tokens=generated, seconds=seconds,
         )  # fmt: skip
+
+    async def _generate_segments(self, request: GenerateRequest, segment: int) -> Segmented:
+        """The job in segments of ``segment`` new tokens, the engine let go between them
+        (:mod:`~rlfleet.rollout.partial_rollout`); each segment checks the job's deadline."""
+
+        async def one_call(prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+            stop_at = self._stop_at(request)
+            return await asyncio.to_thread(self.engine.generate, prompts, params, deadline=stop_at)
+
+        def decode(token_ids: list[list[int]]) -> list[str]:
+            return self.engine.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
+
+        job = await generate_in_segments(request.prompt_token_ids, request.sampling, segment, self._gpu,
+                                         lambda: self.weight_version, one_call, decode)  # fmt: skip
+        if job.loads_between:
+            logger.info("generate job %s went on across %d weight load(s): versions %s", request.job_id,
+                        job.loads_between, job.versions_used)  # fmt: skip
+        return job
 
     def _job_name(self, request: GenerateRequest) -> str:
         return f"generate job {request.job_id} on rollout worker {self.worker_id}"

@@ -183,8 +183,14 @@ class PolicyInputs:
         )
 
 
+LOSS_MASK = "loss_mask"
+"""An optional (N, R) mask of the response tokens the losses count (overlong filtering zeroes the rows
+of samples cut at the cap); attention still sees every response token."""
+
+
 def build_policy_inputs(batch: Mapping[str, Tensor]) -> PolicyInputs:
-    """Concatenate prompt and response of a contract batch into :class:`PolicyInputs` (same device)."""
+    """Concatenate prompt and response of a contract batch into :class:`PolicyInputs` (same device);
+    the inputs' ``response_mask`` is the batch's ``loss_mask`` where it has one."""
     validate_batch(batch)
     input_ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1).long()
     attention_mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1).long()
@@ -192,7 +198,7 @@ def build_policy_inputs(batch: Mapping[str, Tensor]) -> PolicyInputs:
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
-        response_mask=batch["response_mask"].long(),
+        response_mask=batch.get(LOSS_MASK, batch["response_mask"]).long(),  # what the losses count
     )
 
 

@@ -63,7 +63,7 @@ from rlfleet.common.control.messages import (
 from rlfleet.common.control.transport import subject
 from rlfleet.common.control.worker import Worker
 from rlfleet.common.schema.algorithms import ALGORITHMS
-from rlfleet.common.schema.batch import check_token_ids, merge_preferences, merge_rollouts
+from rlfleet.common.schema.batch import VERSIONS, check_token_ids, merge_preferences, merge_rollouts
 from rlfleet.common.schema.carriers import IpcBucket
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig, model_fingerprint
@@ -71,7 +71,8 @@ from rlfleet.common.tensors.store import ClientPool, TensorStoreServer, worker_s
 from rlfleet.trainer import checkpoint as ckpt
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.admission import conflicts
-from rlfleet.trainer.algorithms import TRAINER_ALGORITHMS
+from rlfleet.trainer.algorithms import TRAINER_ALGORITHMS, overlong
+from rlfleet.trainer.algorithms.grpo import group_stats
 from rlfleet.trainer.commands import CommandChannel, agree
 from rlfleet.trainer.critic import Critic
 from rlfleet.trainer.errors import CarrierUnavailable, SettingsConflict, UnexpectedMessage
@@ -104,6 +105,53 @@ def merge_batch(algorithm: str, chunks: Sequence[Mapping[str, Tensor]]) -> dict[
     if ALGORITHMS[algorithm].online:
         return merge_rollouts(chunks)
     return merge_preferences(chunks)
+
+
+def group_signal_metrics(batch: Mapping[str, Tensor], scores: Tensor) -> dict[str, float]:
+    """How much of the batch carries no learning signal: groups whose rewards are all equal (their
+    group-relative advantages are 0) and the share of the generated tokens spent on them."""
+    groups = batch["group_index"].to(scores.device)
+    if not groups.numel():
+        return {}
+    _, std, count = group_stats(scores.float(), groups)
+    flat = std <= 1e-6  # per sample: its group's rewards are all equal
+    tokens = batch["response_mask"].sum(dim=-1).float().to(scores.device)
+    wasted = tokens[flat].sum() / tokens.sum().clamp(min=1.0)
+    total, flat_groups = (1 / count).sum(), (flat / count).sum()  # each sample counts 1/its group's size
+    return {"groups/total": float(total.item()), "groups/flat": float(flat_groups.item()),
+            "groups/wasted_token_frac": float(wasted.item())}  # fmt: skip
+
+
+def stop_token_ids(actor: Actor) -> torch.Tensor:
+    """The model's EOS ids (its config's and its generation config's): a response ending in one stopped."""
+    ids: set[int] = set()
+    for config in (actor.model.config, getattr(actor.model, "generation_config", None)):
+        eos = getattr(config, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    return torch.tensor(sorted(ids), dtype=torch.int64)
+
+
+def token_version_metrics(batch: Mapping[str, Tensor], trained_at: int) -> dict[str, float]:
+    """The staleness of the batch's tokens against the version it trains (``response_versions``,
+    :mod:`~rlfleet.common.schema.batch`), and the share of samples whose tokens came from more than
+    one version (partial rollouts); nothing when no token's version is known."""
+    versions = batch.get(VERSIONS)
+    if versions is None:
+        return {}
+    known = (versions >= 0) & (batch["response_mask"] > 0)
+    if not bool(known.any()):
+        return {}
+    staleness = (trained_at - versions).clamp(min=0).float()
+    big = torch.iinfo(torch.int64)
+    newest = torch.where(known, versions, torch.full_like(versions, big.min)).amax(dim=-1)
+    oldest = torch.where(known, versions, torch.full_like(versions, big.max)).amin(dim=-1)
+    rows = known.any(dim=-1)
+    mixed = (newest != oldest) & rows
+    return {
+        "rollout/token_staleness_max": float(staleness[known].max().item()),
+        "rollout/token_staleness_mean": float(staleness[known].mean().item()),
+        "rollout/mixed_version_frac": float(mixed.sum().item() / max(int(rows.sum().item()), 1)),
+    }
 
 
 def check_step(actor: Actor, critic: Critic | None, batch: Mapping[str, Tensor], settings: StepSettings,
@@ -140,13 +188,21 @@ def run_step(
     if critic is not None:
         critic.set_rates(settings.algorithm.critic_learning_rate or update.learning_rate, update.weight_decay)
     peaks = memory_peaks(actor.device)
+    rewards, shaped = torch.tensor(scores, dtype=torch.float32), {}
+    if (update.overlong_buffer or update.mask_truncated) and ALGORITHMS[settings.algorithm.name].online:
+        batch, rewards, shaped = overlong.shape(batch, rewards, update, stop_token_ids(actor))
     with _phase(peaks, "plan"):  # the no-grad forwards (old, reference logprobs; values), advantages
-        plan = algorithm.plan(actor, critic, batch, torch.tensor(scores, dtype=torch.float32), settings)
+        plan = algorithm.plan(actor, critic, batch, rewards, settings)
     planned = time.perf_counter()
     with _phase(peaks, "update"):  # forward, backward and optimizer steps: the algorithm's losses
         metrics = train_loop(plan)
     seconds = time.perf_counter() - t0
     tokens = float(sum(batch[key].sum().item() for key in batch if key.endswith("_mask")))
+    metrics.update(shaped)
+    if ALGORITHMS[settings.algorithm.name].uses_groups:
+        metrics.update(group_signal_metrics(batch, rewards))
+    if shaped:  # the length of what was generated, filtered samples included (the losses' mask is not)
+        metrics["response_length"] = float(batch["response_mask"].sum(dim=-1).float().mean().item())
     metrics["time/update_s"] = seconds
     metrics["time/plan_s"] = planned - t0  # of which the plan; the rest is the update loop
     metrics["throughput/train_tok_s"] = tokens / max(seconds, 1e-9)
@@ -249,6 +305,7 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
                 fetched = time.perf_counter() - fetched
                 metrics = await self._ranks(asyncio.to_thread(self._update, batch, request))
                 metrics["time/fetch_s"] = fetched
+                metrics.update(token_version_metrics(batch, self.weight_version))
                 metrics.update(self._publish_peaks)  # a publish answers no metrics: see memory_phases
                 self._publish_peaks = {}
                 self.trained_step = request.step  # heartbeats carry it: `rlfleet status` shows the run's step

@@ -66,3 +66,17 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
     ),  # fmt: skip
 }
 """Algorithm name (the config's ``algorithm``) -> its :class:`AlgorithmSpec`."""
+
+
+PolicyLossName = Literal["ppo_clip", "gspo", "cispo"]
+POLICY_LOSSES: dict[str, str] = {
+    "ppo_clip": "PPO's clipped surrogate per token, ratio clipped to [1 - clip_eps, 1 + clip_eps_high] "
+    "(DAPO's clip-higher: clip_eps_high > clip_eps)",
+    "gspo": "GSPO: one importance ratio per sequence (the geometric mean of its tokens' ratios), clipped "
+    "per sequence; the gradient reaches every token (GSPO-token)",
+    "cispo": "CISPO: REINFORCE on every token, weighted by its importance ratio clipped to "
+    "[1 - clip_eps, 1 + clip_eps_high] without gradient, so no token's gradient is dropped",
+}
+"""Policy loss (``update.policy_loss``) -> what it computes. Every policy-gradient algorithm takes
+any of them; each is one file of ``rlfleet.trainer.algorithms.policy_losses`` registered under the
+same key (``tests/trainer/test_policy_losses.py`` checks the two tables agree)."""

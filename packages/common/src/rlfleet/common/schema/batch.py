@@ -8,6 +8,9 @@ prompt-major (sample j of prompt i is row i*n + j):
   tokens (a generated EOS counts); ``rollout_logprobs`` (N, R) float32, 0 at padding, NaN on
   tokens no engine produced (responses the controller's rollout fn wrote itself)
 - ``group_index`` (N,) int64: the prompt (0..num_prompts-1) each sample answers
+- optional ``response_versions`` (N, R) int64: the weight version that sampled each response token,
+  -1 at padding and where unknown (a rollout worker writes it; with partial rollouts a sample's
+  tokens may come from several versions)
 - ``prompt_text`` / ``response_text`` uint8 (total utf-8 bytes,) with ``*_offsets`` (N+1,) int64:
   text ``i`` is ``data[offsets[i]:offsets[i+1]]`` (:func:`pack_texts` / :func:`unpack_texts`)
 
@@ -49,6 +52,8 @@ DTYPES: dict[str, str] = {
     "prompt_text_offsets": "int64", "response_text": "uint8", "response_text_offsets": "int64",
 }  # fmt: skip
 """Rollout-batch field -> torch dtype name."""
+VERSIONS = "response_versions"
+"""The optional per-token weight versions of a rollout batch (int64, (N, R), -1 = unknown)."""
 PAIR_FIELDS = ("prompt_ids", "prompt_mask", "chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")
 REF_FIELDS = ("ref_chosen_logps", "ref_rejected_logps")
 """Optional precomputed reference sequence log-probs of a preference batch."""
@@ -272,6 +277,13 @@ def check_rollout_tensors(tensors: Mapping[str, Tensor]) -> int:
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
             raise BatchContractError(name, f"shape {list(tensors[name].shape)}, expected {list(shape)}")
+    versions = tensors.get(VERSIONS)
+    if versions is not None:
+        if not isinstance(versions, torch.Tensor) or versions.dtype != torch.int64:
+            got = versions.dtype if isinstance(versions, torch.Tensor) else type(versions).__name__
+            raise BatchContractError(VERSIONS, f"expected an int64 tensor, got {got}")
+        if tuple(versions.shape) != (n, r):
+            raise BatchContractError(VERSIONS, f"shape {list(versions.shape)}, expected {[n, r]}")
     return int(n)
 
 
@@ -315,7 +327,11 @@ def merge_rollouts(chunks: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
         groups = chunk["group_index"]
         merged["group_index"].append(groups + offset)
         offset += int(groups.max().item()) + 1 if groups.numel() else 0
-    return {name: torch.cat(parts) for name, parts in merged.items()}
+    out = {name: torch.cat(parts) for name, parts in merged.items()}
+    if any(VERSIONS in c for c in chunks):  # a chunk without them (a rollout fn's) is unknown: -1
+        parts = [c[VERSIONS] if VERSIONS in c else torch.full_like(c["response_ids"], -1) for c in chunks]
+        out[VERSIONS] = torch.cat([widen(part, r_width, left=False, value=-1) for part in parts])
+    return out
 
 
 # --- preference batches -------------------------------------------------------------------------

@@ -61,8 +61,10 @@ class VLLMEngineSettings(ConfigModel):
     colocate: bool = Field(
         default=False, description="sleep between rollouts to share the GPU with training (not on CPU)"
     )
-    sleep_level: Literal[1, 2] = Field(
-        default=1, description="sleep when colocated: 1 offloads weights to CPU, 2 discards them"
+    sleep_level: Literal[0, 1, 2] = Field(
+        default=1,
+        description="sleep when colocated: 1 offloads weights to CPU, 2 discards them, 0 stays awake "
+        "(the engine keeps its share while the trainer steps: for jobs where both fit on the card)",
     )
     enable_prefix_caching: bool = Field(
         default=True, description="reuse the KV blocks of shared prompt prefixes (LRU eviction)"
@@ -94,6 +96,12 @@ class RolloutSettings(ConfigModel):
     )
     dtype: EngineDtype = Field(default="float32", description="engine dtype")
     max_batch_size: int = Field(default=64, ge=1, description="sequences one worker generates together")
+    partial_rollout_tokens: int = Field(
+        default=0, ge=0, le=1 << 16,
+        description="partial rollouts: generate in segments of this many new tokens, letting a weight "
+        "load in between (the rest of a sample goes on under the new weights, each token recording its "
+        "version); 0 = off, a load waits for the whole generation",
+    )  # fmt: skip
 
     @classmethod
     def tidy(cls, data: dict[str, Any]) -> dict[str, Any]:

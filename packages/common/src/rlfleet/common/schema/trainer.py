@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlfleet.common.errors import ConfigError
-from rlfleet.common.schema.algorithms import ALGORITHMS, AlgorithmName, KLMode
+from rlfleet.common.schema.algorithms import ALGORITHMS, AlgorithmName, KLMode, PolicyLossName
 from rlfleet.common.schema.config import Legacy, SettingsModel
 from rlfleet.common.schema.worker import ModelLoading, ModelWorkerConfig
 
@@ -139,7 +139,34 @@ class UpdateSettings(SettingsModel):
         allow_inf_nan=False, default=1.0, gt=0.0, description="gradient clipping norm"
     )
     ppo_epochs: int = Field(default=1, ge=1, description="passes over each rollout batch")
-    clip_eps: float = Field(allow_inf_nan=False, default=0.2, gt=0.0, description="PPO ratio clip range")
+    clip_eps: float = Field(
+        allow_inf_nan=False, default=0.2, gt=0.0, description="ratio clip range (below 1; above too unless "
+        "clip_eps_high is set)",
+    )  # fmt: skip
+    clip_eps_high: float | None = Field(
+        allow_inf_nan=False, default=None, gt=0.0,
+        description="ratio clip range above 1 (DAPO's clip-higher, e.g. 0.28); None: clip_eps",
+    )  # fmt: skip
+    overlong_buffer: int = Field(
+        default=0, ge=0,
+        description="DAPO's soft overlong penalty: over the last this many tokens before the response cap "
+        "a sample's reward falls linearly, by overlong_penalty at the cap; 0 = off",
+    )  # fmt: skip
+    overlong_penalty: float = Field(
+        allow_inf_nan=False, default=1.0, ge=0.0, description="the soft overlong penalty at the response cap"
+    )
+    mask_truncated: bool = Field(
+        default=False, description="samples cut at the response cap (no stop token) give no loss (DAPO's "
+        "overlong filtering); they still count in their group's advantages",
+    )  # fmt: skip
+    response_cap: int | None = Field(
+        default=None, ge=1, description="the responses' length cap in tokens, for the two above: the "
+        "controller sends its max_response_length with every step",
+    )  # fmt: skip
+    policy_loss: PolicyLossName = Field(
+        default="ppo_clip", description="ppo_clip (PPO's clipped surrogate) | gspo (sequence-level ratio) "
+        "| cispo (clipped importance weights, every token's gradient kept)",
+    )  # fmt: skip
     kl_coef: float = Field(
         allow_inf_nan=False,
         default=0.05,
@@ -166,6 +193,11 @@ class UpdateSettings(SettingsModel):
     is_band_high: float = Field(
         allow_inf_nan=False, default=2.0, gt=1.0, description="seq_mis: highest sequence ratio kept"
     )
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """``(low, high)``: a policy loss clips its ratio to ``[1 - low, 1 + high]``."""
+        return self.clip_eps, self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
 
 
 class AlgorithmSettings(SettingsModel):

@@ -10,9 +10,10 @@ With the KL in the reward (``kl_mode: reward``, ``kl_coef > 0``) token t adds it
 KL penalty ``sum_{k >= t} gamma^(k-t) * (-kl_coef * kl_k)`` (OpenRLHF's RLOO does so).
 
 The loss of a token, with ``rho = exp(logp - old_logp)`` its ratio to the policy that sampled it
-(PPO's clipped surrogate, Schulman et al., 2017)::
+(PPO's clipped surrogate, Schulman et al., 2017, the default ``update.policy_loss: ppo_clip``; GSPO's
+sequence ratio and CISPO's clipped weights are the others, :mod:`~rlfleet.trainer.algorithms.policy_losses`)::
 
-    l_t = -min(rho * A_t, clip(rho, 1 - clip_eps, 1 + clip_eps) * A_t)
+    l_t = -min(rho * A_t, clip(rho, 1 - clip_eps, 1 + clip_eps_high) * A_t)
           - entropy_coef * H_t  +  kl_coef * KL_t                  (KL_t only with the KL in the loss)
 
 reduced over the response tokens by ``loss_agg`` (verl's names for the modes):
@@ -78,6 +79,8 @@ from rlfleet.common.schema.trainer import LossAgg, StepSettings, UpdateSettings
 from rlfleet.trainer import policy
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.algorithms.off_policy import correction_weights, off_policy_metrics
+from rlfleet.trainer.algorithms.policy_losses import TRAINER_POLICY_LOSSES
+from rlfleet.trainer.algorithms.policy_losses.ppo_clip import ppo_clip_loss
 from rlfleet.trainer.critic import Critic
 from rlfleet.trainer.loop import Divisors, Plan, batch_sizes
 
@@ -227,48 +230,6 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 
 
 # --- the clipped surrogate ------------------------------------------------------------------------
-
-
-def ppo_clip_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    *,
-    clip_eps_low: float = 0.2,
-    clip_eps_high: float | None = None,
-    clip_ratio_c: float | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Per-token PPO clipped surrogate loss.
-
-    ``ratio = exp(logp - old_logp)``; ``loss = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)``.
-    With ``clip_ratio_c`` (dual-clip PPO, > 1) the loss of a negative-advantage token is further
-    capped at ``-A * clip_ratio_c``, so a very large ratio cannot blow the update up.
-
-    Args:
-        logprobs: (N, R) log-probs of the sampled tokens under the current policy (with grad).
-        old_logprobs: (N, R) the same under the policy that sampled (no grad).
-        advantages: (N, R) per-token advantages.
-        clip_eps_low: lower clip range.
-        clip_eps_high: upper clip range; defaults to ``clip_eps_low`` (DAPO's clip-higher sets it larger).
-        clip_ratio_c: dual-clip constant, or None.
-
-    Returns:
-        loss (N, R) per token, and clipped (N, R) float: 1 where the clipped branch was chosen
-        (its value exceeds the unclipped one, so the token gives no gradient).
-    """
-    high = clip_eps_low if clip_eps_high is None else clip_eps_high
-    log_ratio = logprobs - old_logprobs
-    ratio = log_ratio.exp()
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_eps_low, 1.0 + high)
-    loss = torch.maximum(unclipped, clipped)
-    is_clipped = (clipped > unclipped).to(logprobs.dtype)
-    if clip_ratio_c is not None:
-        if clip_ratio_c <= 1.0:
-            raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO; got {clip_ratio_c}")
-        capped = torch.minimum(loss, -advantages * clip_ratio_c)
-        loss = torch.where(advantages < 0, capped, loss)
-    return loss, is_clipped
 
 
 def approx_kl(logprobs: Tensor, old_logprobs: Tensor) -> Tensor:
@@ -640,7 +601,7 @@ class PolicyObjective:
                 real = weights > 0
                 self.collect_old[chunk[real]] = (old * mask)[real]
         div = {"num_tokens": tokens, "num_seqs": divisors.num_seqs, "response_width": divisors.response_width}
-        pg_tok, clipped = ppo_clip_loss(logp, old, batch.advantages[chunk], clip_eps_low=s.clip_eps)
+        pg_tok, clipped = TRAINER_POLICY_LOSSES[s.policy_loss](logp, old, batch.advantages[chunk], mask, s)
         if s.off_policy_correction != "none" and batch.rollout_logprobs is not None:  # off_policy.py
             weights, _ = correction_weights(old, batch.rollout_logprobs[chunk], mb.response_mask, s)
             pg_tok = pg_tok * weights

