@@ -6,11 +6,14 @@ job and seed, in one invocation.
 
 Each side is ``rlfleet train`` on its example job (``examples/tiny_grpo.yaml``, ``dr_grpo_tiny.yaml``,
 ``dapo_tiny.yaml``, ``gspo_tiny.yaml``; CISPO is ``tiny_grpo.yaml`` with ``update.policy_loss=cispo``,
-its weights clipped above at 1.28 and unbounded below), its own process tree, one after the other,
+its weights clipped above at 1.28 and unbounded below; ``grpo_dynamic`` is GRPO with DAPO's dynamic
+sampling alone), its own process tree, one after the other,
 with the same seed and prompts. Per side, from its ``metrics.jsonl``: reward against samples seen and
 against wall time (from the command's start), samples and seconds to a mean step reward of
-``--target``, the last 5 steps' mean reward, tokens generated, and the tokens spent on groups whose
-rewards were all equal (``groups/wasted_token_frac``: no group-relative signal). The table is
+``--target`` (samples generated, those dynamic sampling dropped included; the reward is the mean
+over them too), the last 5 steps' mean reward, tokens generated, and the tokens spent on groups
+whose rewards were all equal (``groups/wasted_token_frac``: no group-relative signal, trained or
+dropped), groups generated, trained and flat, and batches generated. The table is
 printed; the JSON names the machine; ``--plot`` overlays the runs (reward against samples, and
 against seconds).
 """
@@ -37,6 +40,7 @@ SIDES: dict[str, tuple[str, list[str]]] = {
     "grpo": ("tiny_grpo", []),
     "dr_grpo": ("dr_grpo_tiny", []),
     "dapo": ("dapo_tiny", []),
+    "grpo_dynamic": ("tiny_grpo", ["dynamic_sampling.enabled=true", "num_epochs=12"]),
     "gspo": ("gspo_tiny", []),
     "cispo": ("tiny_grpo", ["update.policy_loss=cispo", "update.clip_eps=1.0", "update.clip_eps_high=0.28"]),
 }
@@ -84,12 +88,16 @@ def figures(rows: list[dict[str, Any]], started: float, target: float) -> dict[s
     """A side's curves and summary from its steps' metrics (``started``: the command's start)."""
     seen, tokens, wasted, curve = 0.0, 0.0, 0.0, []
     reached: dict[str, Any] = {"step": None, "samples": None, "seconds": None}
+    kept = flat = groups = 0.0
     for row in rows:
-        samples = row["rollout/samples"]
+        samples = row["rollout/samples"]  # every sample generated, with dynamic sampling the dropped too
         seen += samples
-        generated = samples * row.get("response_length", 0.0)
+        generated = row["throughput/gen_tok_s"] * row["time/generate_s"]
         tokens += generated
-        wasted += generated * row.get("groups/wasted_token_frac", 0.0)
+        wasted += generated * row.get("groups/wasted_token_frac", 0.0)  # step-wide with dynamic sampling
+        groups += row.get("groups/generated", row.get("groups/total", 0.0))
+        kept += row.get("groups/kept", row.get("groups/total", 0.0))
+        flat += row.get("groups/dropped_flat", 0.0) + row.get("groups/flat", 0.0)
         curve.append({"step": row["step"], "samples": seen, "seconds": round(row["time"] - started, 2),
                       "reward": round(row["reward/mean"], 4)})  # fmt: skip
         if reached["step"] is None and row["reward/mean"] >= target:
@@ -99,8 +107,8 @@ def figures(rows: list[dict[str, Any]], started: float, target: float) -> dict[s
         "steps": len(rows), "final_reward": round(statistics.fmean(last), 4), "target_reached": reached,
         "tokens_generated": round(tokens), "tokens_wasted": round(wasted),
         "wasted_share": round(wasted / tokens, 3) if tokens else None,
-        "flat_groups": sum(row.get("groups/flat", 0.0) for row in rows),
-        "groups": sum(row.get("groups/total", 0.0) for row in rows),
+        "groups": groups, "groups_trained": kept, "flat_groups": flat,
+        "batches_generated": sum(row.get("rollout/batches_generated", 1.0) for row in rows),
         "s_per_step": round(statistics.median(r["time/step_s"] for r in rows[1:] or rows), 3),
         "curve": curve,
     }  # fmt: skip
@@ -137,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"running {name} ...", flush=True)
         report["sides"][name] = run_side(name, args)
     keys = ("final_reward", "target_reached", "s_per_step", "tokens_generated", "tokens_wasted",
-            "wasted_share", "flat_groups", "wall_s", "exit_code")  # fmt: skip
+            "wasted_share", "groups", "groups_trained", "flat_groups", "batches_generated", "wall_s",
+            "exit_code")  # fmt: skip
     print("| | " + " | ".join(report["sides"]) + " |")
     print("| --- |" + " --- |" * len(report["sides"]))
     for key in keys:

@@ -131,3 +131,43 @@ def test_response_versions_are_checked_and_merged_with_unknown_as_minus_one() ->
     merged = merge_rollouts([versioned, short.to_tensors()])  # the second chunk's versions are unknown
     assert merged[VERSIONS].tolist() == [*versioned[VERSIONS].tolist(), [-1, -1, -1]]
     assert VERSIONS not in merge_rollouts([tensors, short.to_tensors()])  # none: none in the batch
+
+
+def test_select_groups_keeps_the_rows_of_the_named_prompts_renumbered() -> None:
+    from rlfleet.common.schema.batch import VERSIONS, merge_rollouts, select_groups
+
+    three = RolloutBatch.from_rows(  # 3 prompts x 2 samples
+        prompts=[[1], [1], [2, 3], [2, 3], [4], [4]],
+        responses=[[5], [6, 7], [8], [9], [10, 11], [12]],
+        logprobs=[[-0.5], [-1.0, -2.0], [-0.25], [-0.75], [-1.5, -0.5], [-0.125]],
+        group_index=[0, 0, 1, 1, 2, 2],
+        pad_id=0,
+    ).to_tensors()
+    three[VERSIONS] = torch.tensor([[1, -1], [1, 2], [2, -1], [2, -1], [3, 3], [3, -1]])
+    kept = select_groups(three, [0, 2])
+    assert kept["group_index"].tolist() == [0, 0, 1, 1]
+    assert kept["response_ids"].tolist() == [[5, 0], [6, 7], [10, 11], [12, 0]]
+    assert kept[VERSIONS].tolist() == [[1, -1], [1, 2], [3, 3], [3, -1]]
+    assert "prompt_text" not in kept  # like merge_rollouts: token fields only
+    merged = merge_rollouts([select_groups(three, [1]), kept])  # the second chunk's groups follow the first's
+    assert merged["group_index"].tolist() == [0, 0, 1, 1, 2, 2]
+    for groups, match in (([], "at least one"), ([2, 0], "ascending"), ([1, 1], "ascending"),
+                          ([0, 3], "group 3 is not in the chunk \\(it holds 0..2\\)")):  # fmt: skip
+        with pytest.raises(BatchContractError, match=match):
+            select_groups(three, groups)
+
+
+def test_a_train_step_request_carries_one_group_list_a_chunk() -> None:
+    from pydantic import ValidationError
+
+    from rlfleet.common.control.messages import TrainStepRequest
+    from rlfleet.common.schema.refs import TensorRef
+
+    refs = [TensorRef(address="127.0.0.1:1", key=f"rollout/{i}") for i in range(2)]
+    request = TrainStepRequest(step=1, rollouts=refs, scores=[0.0, 1.0], groups=[[0], [2]])
+    assert TrainStepRequest.model_validate_json(request.model_dump_json()).groups == [[0], [2]]
+    assert TrainStepRequest(step=1, rollouts=refs, scores=[]).groups is None  # every group of every chunk
+    with pytest.raises(ValidationError, match="one list a rollout chunk, got 1 lists for 2 chunks"):
+        TrainStepRequest(step=1, rollouts=refs, scores=[], groups=[[0]])
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        TrainStepRequest(step=1, rollouts=refs, scores=[], groups=[[-1], [0]])

@@ -103,11 +103,12 @@ class FakeFleet:
                 for r in results]  # fmt: skip
 
     async def train_step(
-        self, step: int, rollouts: list[TensorRef], scores: list[float], settings: StepSettings
-    ) -> TrainStepResult:
+        self, step: int, rollouts: list[TensorRef], scores: list[float], settings: StepSettings,
+        groups: list[list[int]] | None = None,
+    ) -> TrainStepResult:  # fmt: skip
         if step == self.fail_train_at:
             raise TierDied("trainer", "trainer-0", 1, error="RuntimeError: out of memory")
-        sent = TrainStepRequest(step=step, rollouts=rollouts, scores=scores, settings=settings)
+        sent = TrainStepRequest(step=step, rollouts=rollouts, scores=scores, settings=settings, groups=groups)
         request = TrainStepRequest.model_validate_json(sent.model_dump_json())  # as the trainer reads it
         self.train_requests.append(request)
         if settings.algorithm.name == "dpo":

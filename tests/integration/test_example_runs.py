@@ -75,6 +75,9 @@ def test_a_recipe_raises_the_reward(
     if recipe == "dapo_tiny":  # the soft overlong penalty reached the trainer and acted on every step
         assert all(row["overlong/penalty_mean"] < 0 and "overlong/truncated_frac" in row for row in rows)
         assert "overlong/masked_frac" not in rows[-1]
+        # dynamic sampling: each step trained at most its batch of groups, replacing flat ones
+        assert all(row["groups/kept"] <= 16 and row["rollout/batches_generated"] <= 3 for row in rows)
+        assert max(row["rollout/batches_generated"] for row in rows) > 1
     if recipe == "gspo_tiny":  # the second optimizer step's sequence ratios left the tight range
         assert max(row["clip_frac"] for row in rows) > 0
     assert "kl" not in rows[-1] and "critic/vf_loss" not in rows[-1]
@@ -105,8 +108,10 @@ def test_gsm8k_numeric_example_scores_its_answers(
         numeric, regex = row["reward/numeric"], row["reward/regex"]
         assert 0.0 <= numeric <= 1.0 and 0.0 <= regex <= 1.0, row
         assert row["reward/mean"] == pytest.approx(numeric + 0.1 * regex)
-        assert row["rollout/samples"] == 32  # 8 problems x 4 samples, all scored
+        batches = row.get("rollout/batches_generated", 1)  # dapo_gsm8k: dynamic sampling, up to 3
+        assert row["rollout/samples"] == 32 * batches  # 8 problems x 4 samples a batch, all scored
         if job == "dapo_gsm8k":
+            assert 1 <= batches <= 3 and row["groups/generated"] == 8 * batches
             assert (
                 row["overlong/masked_frac"] == row["overlong/truncated_frac"]
                 and "overlong/penalty_mean" in row

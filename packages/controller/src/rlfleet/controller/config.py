@@ -45,6 +45,7 @@ from rlfleet.common.schema.connection import NatsConnection, Secret, mask_url
 from rlfleet.common.schema.rollout import RolloutSettings
 from rlfleet.common.schema.trainer import AlgorithmSettings, BatchSettings, ModelSettings, UpdateSettings
 from rlfleet.common.schema.worker import FleetAddress, Placement, TensorPlaneSettings
+from rlfleet.controller.dynamic_sampling_settings import DynamicSamplingSettings
 from rlfleet.controller.eval_settings import EvalSettings
 from rlfleet.controller.fault_settings import FaultSettings
 from rlfleet.controller.launcher_settings import (
@@ -373,6 +374,10 @@ class TrainerConfig(ConfigModel):
     )
     reward: RewardSettings = Field(default_factory=RewardSettings, description="the reward tier")
     eval: EvalSettings = Field(default_factory=EvalSettings, description="held-out evaluation")
+    dynamic_sampling: DynamicSamplingSettings = Field(
+        default_factory=DynamicSamplingSettings,
+        description="drop groups whose rewards are all equal and sample more prompts in their place (DAPO)",
+    )
     faults: FaultSettings = Field(
         default_factory=FaultSettings, description="retries, restarts, the stall watchdog (issue 12)"
     )
@@ -445,6 +450,11 @@ class TrainerConfig(ConfigModel):
                 f"the samples of one prompt); got {self.batch.group_size}"
             )
         check_kl_start(self.kl, self.update.kl_coef)
+        if self.dynamic_sampling.enabled and not ALGORITHMS[name].uses_groups:
+            raise ValueError(
+                f"dynamic_sampling: {name} does not compare the samples of a prompt, so a group of equal "
+                "rewards still carries its signal (it is for grpo, rloo and the like)"
+            )
         if self.max_staleness and not ALGORITHMS[name].online:
             raise ValueError(
                 f"max_staleness: {name} generates nothing to pipeline (it is for online algorithms)"

@@ -56,6 +56,7 @@ class DPOStep:
         self.kl_controller = kl_controller
         self.pairs = pairs
         self.last_routes: dict[str, Any] = {}  # DPO generates nothing: no routes
+        self.spare_batches = self.extra_batches = 0  # every step trains its own batch
 
     async def step(
         self, batch: list[PromptItem], fleet: FleetClient, upcoming: Sequence[list[PromptItem]] = ()

@@ -555,11 +555,14 @@ class Fleet:
         return reply
 
     async def train_step(
-        self, step: int, rollouts: Sequence[TensorRef], scores: Sequence[float], settings: StepSettings
-    ) -> TrainStepResult:
-        """One update on the referenced batches (rollouts, or DPO preference pairs), as ``settings`` say."""
+        self, step: int, rollouts: Sequence[TensorRef], scores: Sequence[float], settings: StepSettings,
+        groups: Sequence[Sequence[int]] | None = None,
+    ) -> TrainStepResult:  # fmt: skip
+        """One update on the referenced batches (rollouts, or DPO preference pairs), as ``settings`` say
+        (``groups``: per rollout chunk, the groups it trains on; ``scores`` are theirs)."""
+        kept = {"groups": [list(g) for g in groups]} if groups is not None else {}
         request = TrainStepRequest(step=step, rollouts=list(rollouts), scores=list(scores), settings=settings,
-                                   job_id=self._job_id("step"))  # fmt: skip
+                                   job_id=self._job_id("step"), **kept)  # fmt: skip
         timeout = self.deadlines.train_step(request.rollouts, self._trainer_gpus())
         reply = await self._trainer_request("step", f"train step {step}", request, timeout)
         assert isinstance(reply, TrainStepResult), reply

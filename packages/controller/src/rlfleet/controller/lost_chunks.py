@@ -47,7 +47,7 @@ import math
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlfleet.common.control.messages import GenerateResult, ScoreResult, TrainStepResult
@@ -66,6 +66,12 @@ MAX_ORDERS = 256
 
 FETCH_CODES = frozenset({"unavailable", "timeout", "internal"})
 """Error codes of a tier that could not fetch a chunk (unreachable store, stalled stream, unknown key)."""
+
+
+def group_scores(result: GenerateResult, scored: ScoreResult, prompt: int) -> list[float]:
+    """The scores of chunk ``result``'s samples of its prompt ``prompt`` (prompt-major rows)."""
+    n = result.num_samples // max(result.num_prompts, 1)
+    return list(scored.scores[prompt * n : (prompt + 1) * n])
 
 
 def _key(ref: TensorRef) -> str:
@@ -259,14 +265,40 @@ class StepChunks:
         [scored] = await self.fleet.score([result], [metadata], self.endpoint)
         return scored
 
-    async def train(self, step: int, settings: StepSettings) -> TrainStepResult:
-        """The step's update on every chunk; a chunk the trainer could not fetch (or whose producer
-        went before it was sent) is generated again and scored, and the update asked for again."""
+    def extend(self, other: StepChunks) -> None:
+        """Take ``other``'s chunks (placed, their scoring begun or done) after this step's own: the
+        batches a step generated more of (dynamic sampling), trained and released as one."""
+        base = len(self.results)
+        self.results += other.results
+        self.metadata += other.metadata
+        self.scored += other.scored
+        self._streamed.update({base + i: task for i, task in other._streamed.items()})
+        self._losses.update({base + i: n for i, n in other._losses.items()})
+        self.regenerated += other.regenerated
+        other.results, other.metadata, other.scored, other._streamed = [], [], [], {}
+
+    async def train(
+        self, step: int, settings: StepSettings,
+        choose: Callable[[Sequence[ScoreResult]], list[list[int]]] | None = None,
+    ) -> TrainStepResult:  # fmt: skip
+        """The step's update on every chunk, or (``choose``: per chunk, the groups to train on, from
+        the scores) on the groups chosen; a chunk the trainer could not fetch (or whose producer went
+        before it was sent) is generated again and scored, the choice made again, and the update
+        asked for again."""
         while True:
             scored = await self.score()
+            refs = [r.ref for r in self.results]
             scores = [s for result in scored for s in result.scores]
+            kept: dict[str, Any] = {}
+            if choose is not None:
+                groups = choose(scored)
+                picked = [i for i, chunk_groups in enumerate(groups) if chunk_groups]
+                refs = [self.results[i].ref for i in picked]
+                scores = [s for i in picked for p in groups[i]
+                          for s in group_scores(self.results[i], scored[i], p)]  # fmt: skip
+                kept = {"groups": [groups[i] for i in picked]}
             try:
-                return await self.fleet.train_step(step, [r.ref for r in self.results], scores, settings)
+                return await self.fleet.train_step(step, refs, scores, settings, **kept)
             except Exception as exc:
                 lost = [i for i in range(len(self.results)) if self.lost_by(i, exc)]
                 if not lost:

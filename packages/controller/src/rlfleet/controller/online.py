@@ -27,6 +27,11 @@ trainer waited for it, ``time/generate_s`` its generation's wall time (begun a s
 before), and ``rollout/staleness_*`` how many versions older than the trained weights its samples'
 weights were. ``k = 0`` is the synchronous step: its own rollout, then train, then publish.
 
+With ``dynamic_sampling.enabled`` (:mod:`rlfleet.controller.dynamic_sampling`) a step whose
+scored batch holds fewer groups with a learning signal than ``rollout_batch_size`` takes the run's
+next batch too (from the stream when pipelined), up to ``max_batches`` in all, and trains on the
+first ``rollout_batch_size`` groups with a signal; the trainer gets each chunk's kept groups.
+
 ``fleet.train_step`` carries the step's settings (``StepSettings``: the algorithm, its settings,
 the KL controller's current coefficient); the algorithms differ only in what the trainer does
 with them (advantages, critic, where the KL goes). After the step the KL controller is fed the KL
@@ -86,6 +91,7 @@ from rlfleet.controller.config import (
     check_kl_start,
 )
 from rlfleet.controller.dataset import PromptDataset, PromptItem
+from rlfleet.controller.dynamic_sampling import GroupChoice, choose_groups, count_signal, wasted_token_frac
 from rlfleet.controller.fleet import publish
 from rlfleet.controller.lost_chunks import StepChunks
 from rlfleet.controller.own_store import OwnStore
@@ -118,6 +124,7 @@ class OnlineStep:
         self.last_routes: dict[str, RouteSummary] = {}
         self.last_rollout: RoutedRollout | None = None  # the last step's prompts and the chunks it trained on
         self.ahead = RolloutAhead()  # batches generating while this one trains (max_staleness)
+        self.extra_batches = 0  # the run's next batches the last step used (dynamic sampling)
 
     def sampling(self, offset: int = 0) -> SamplingParams:
         """How a step samples: ``group_size`` samples a prompt, seeded by the step (``offset``: the
@@ -145,28 +152,84 @@ class OnlineStep:
             raise
         return Rollout(routed, chunks, t0, t1, time.perf_counter(), chunks.overlap(t0, t1), offset)
 
+    @property
+    def spare_batches(self) -> int:
+        """The run's next batches a step may generate besides its own (dynamic sampling's budget)."""
+        sampling = self.state.config.dynamic_sampling
+        return sampling.max_batches - 1 if sampling.enabled else 0
+
+    async def _begin_ahead(
+        self, upcoming: Sequence[list[PromptItem]], used: int, window: int, fleet: FleetClient
+    ) -> None:
+        """Keep the ``window`` batches after the ``used`` first of ``upcoming`` in flight (each seeded
+        by its place in ``upcoming``)."""
+        ahead = list(upcoming[used : used + window])
+        await self.ahead.extend(ahead, lambda offset: self.rollout(ahead[offset - 1], fleet, used + offset))
+
+    async def _more(
+        self, first: Rollout, upcoming: Sequence[list[PromptItem]], window: int, fleet: FleetClient
+    ) -> list[Rollout]:
+        """Dynamic sampling: the next batches of ``upcoming`` (in flight already when the run is
+        pipelined), taken one at a time while the step has fewer groups with a signal than its
+        batch size and budget is left."""
+        cfg = self.state.config
+        more: list[Rollout] = []
+        while len(more) < self.spare_batches and self.extra_batches < len(upcoming):
+            done = [first, *more]
+            results = [r for rollout in done for r in rollout.chunks.results]
+            scored = [s for rollout in done for s in rollout.chunks.scored if s is not None]
+            if count_signal(results, scored, cfg.dynamic_sampling.min_std) >= cfg.batch.rollout_batch_size:
+                break
+            taken = upcoming[self.extra_batches]
+            self.extra_batches += 1
+            task = await self.ahead.take(taken)
+            if task is None:
+                task = asyncio.ensure_future(self.rollout(taken, fleet, self.extra_batches))
+            await self._begin_ahead(upcoming, self.extra_batches, window, fleet)
+            more.append(await task)
+        return more
+
     async def step(
         self, batch: list[PromptItem], fleet: FleetClient, upcoming: Sequence[list[PromptItem]] = ()
     ) -> dict[str, float]:
         """One step on ``batch``; with ``max_staleness: k``, the first ``k`` of ``upcoming`` (the
-        run's next batches) are begun too, to generate while this one trains (rollout_ahead.py)."""
+        run's next batches) are begun too, to generate while this one trains (rollout_ahead.py); with
+        dynamic sampling, ``upcoming`` holds ``spare_batches`` more, and the step takes those it
+        needs from its front (dynamic_sampling.py), keeping ``k`` in flight after them."""
         state, cfg = self.state, self.state.config
         t0 = time.perf_counter()
+        self.extra_batches = 0
+        window = max(0, min(cfg.max_staleness, len(upcoming) - self.spare_batches))
         task = await self.ahead.take(batch)
         if task is None:
             task = asyncio.ensure_future(self.rollout(batch, fleet))
-        ahead = upcoming[: cfg.max_staleness]
-        await self.ahead.extend(ahead, lambda offset: self.rollout(ahead[offset - 1], fleet, offset))
+        await self._begin_ahead(upcoming, 0, window, fleet)
         rollout = await task
+        rollouts = [rollout]
+        if cfg.dynamic_sampling.enabled:
+            rollouts += await self._more(rollout, upcoming, window, fleet)
         routed, chunks = rollout.routed, rollout.chunks
-        self.last_routes = routed.routes
+        own = len(chunks.results)
+        for extra in rollouts[1:]:
+            chunks.extend(extra.chunks)
+            routed.items = [*routed.items, *extra.routed.items]
+        self.last_routes = routed.routes  # the step's own batch's
         t2 = time.perf_counter()  # the trainer waited for its batch until now
         shaping = cfg.update.overlong_buffer or cfg.update.mask_truncated  # trainer/algorithms/overlong.py
         cap = {"response_cap": cfg.max_response_length} if shaping else {}  # else an older trainer's default
         settings = StepSettings.of(cfg, kl_coef=self.kl_controller.value, **cap)
         trained_at = state.weight_version
-        stepped = await chunks.train(state.global_step + 1, settings)
-        results = routed.results = chunks.results  # what was trained: every prompt once
+        chosen: list[GroupChoice] = []
+
+        def choose(scored: Sequence[ScoreResult]) -> list[list[int]]:
+            sampling = cfg.dynamic_sampling
+            chosen[:] = [choose_groups(chunks.results, scored, cfg.batch.rollout_batch_size,
+                                       sampling.min_std, own)]  # fmt: skip
+            return chosen[0].groups
+
+        stepped = await chunks.train(state.global_step + 1, settings,
+                                     choose if cfg.dynamic_sampling.enabled else None)  # fmt: skip
+        results = routed.results = chunks.results  # what was generated: every prompt once
         scored = [s for s in chunks.scored if s is not None]
         scores = [s for result in scored for s in result.scores]
         self.last_rollout = routed
@@ -183,7 +246,12 @@ class OnlineStep:
                         "rollout/chunks_regenerated": float(chunks.regenerated)})  # fmt: skip
         metrics.update(publish_metrics(published, loaded))
         metrics.update(staleness_metrics(results, trained_at, cfg.max_staleness, len(self.ahead)))
-        gen_s = rollout.generated - rollout.started
+        if chosen:
+            metrics.update(chosen[0].metrics(len(rollouts)))
+            if "groups/signal_tokens" in metrics:  # a trainer of wire 2.7 or later counts them
+                signal = metrics["groups/signal_tokens"]
+                metrics["groups/wasted_token_frac"] = wasted_token_frac(signal, results)
+        gen_s = sum(r.generated - r.started for r in rollouts)
         generated = sum(r.num_tokens for r in results if r.worker_id != "controller")  # not fn-written
         metrics.update({
             "kl_coef": float(settings.update.kl_coef),  # this step's; the controller moves on below

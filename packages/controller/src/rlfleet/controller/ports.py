@@ -237,8 +237,9 @@ class FleetClient(Protocol):
     async def configure_trainer(self, message: TrainerConfigure) -> TrainerConfigured: ...
 
     async def train_step(
-        self, step: int, rollouts: Sequence[TensorRef], scores: Sequence[float], settings: StepSettings
-    ) -> TrainStepResult: ...
+        self, step: int, rollouts: Sequence[TensorRef], scores: Sequence[float], settings: StepSettings,
+        groups: Sequence[Sequence[int]] | None = None,
+    ) -> TrainStepResult: ...  # fmt: skip
 
     async def publish_weights(
         self, bucket_mb: float, weight_version: int = -1, *, carrier: CarrierSetting = "grpc", dtype: str = ""
@@ -276,12 +277,16 @@ class StepProgram(Protocol):
 
     last_routes: dict[str, Any]
     """Where the last step's prompts went (empty for a step that generates nothing)."""
+    spare_batches: int
+    """How many of the run's next batches a step may use besides its own (dynamic sampling's budget)."""
+    extra_batches: int
+    """How many of them the last step used: the run hands them out no more."""
 
     async def step(
         self, batch: list[PromptItem], fleet: FleetClient, upcoming: Sequence[list[PromptItem]] = ()
     ) -> dict[str, float]:
-        """One step on ``batch``; ``upcoming`` (the run's next batches, as many as
-        ``max_staleness``) may be begun while it trains."""
+        """One step on ``batch``; ``upcoming`` (the run's next batches, as many as ``max_staleness``
+        plus ``spare_batches``) may be begun while it trains or used in its own update."""
         ...
 
 

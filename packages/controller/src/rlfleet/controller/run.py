@@ -324,12 +324,15 @@ class FleetRun:
                     if self.online and self.config.rollout.scale:  # the job's schedule, before its step
                         for pool, n in scale_due(state, self.launcher).items():
                             self.scale_rollout(pool, n)
-                    upcoming = batches.peek(min(ahead, total - state.global_step - 1))
+                    spare = program.spare_batches  # dynamic sampling's budget: batches past the bound
+                    upcoming = batches.peek(min(ahead, total - state.global_step - 1) + spare)
                     metrics = self.supervisor.run_step(program, batch, upcoming)
                     if metrics is None:  # the trainer was restored from a checkpoint: go on from there
                         rewound = True
                         break
                     state.global_step += 1
+                    for _ in range(program.extra_batches):  # the step used them: handed out, never again
+                        epoch, _ = next(batches)
                     state.epoch = epoch
                     rewound = self.supervisor.guard(self._record, epoch + 1, metrics) is None
                 except BaseException:  # re-raised: only makes sure no process outlives a failed run

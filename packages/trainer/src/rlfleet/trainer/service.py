@@ -62,8 +62,15 @@ from rlfleet.common.control.messages import (
 )
 from rlfleet.common.control.transport import subject
 from rlfleet.common.control.worker import Worker
+from rlfleet.common.errors import BatchContractError
 from rlfleet.common.schema.algorithms import ALGORITHMS
-from rlfleet.common.schema.batch import VERSIONS, check_token_ids, merge_preferences, merge_rollouts
+from rlfleet.common.schema.batch import (
+    VERSIONS,
+    check_token_ids,
+    merge_preferences,
+    merge_rollouts,
+    select_groups,
+)
 from rlfleet.common.schema.carriers import IpcBucket
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig, model_fingerprint
@@ -92,6 +99,10 @@ async def fetch_batch(rank: Any, request: TrainStepRequest) -> dict[str, Tensor]
     """A step's own part on every ``rank`` (its ``stores``, ``actor``, ``critic``): the batch, fetched
     from the rollout stores, merged and checked."""
     chunks = await asyncio.gather(*(rank.stores.fetch(ref) for ref in request.rollouts))
+    if request.groups is not None:  # dynamic sampling: the groups the step keeps of each chunk
+        if not ALGORITHMS[request.settings.algorithm.name].online:
+            raise BatchContractError("groups", "only rollout chunks have groups to keep")
+        chunks = [select_groups(chunk, kept) for chunk, kept in zip(chunks, request.groups, strict=True)]
     batch = merge_batch(request.settings.algorithm.name, chunks)
     check_step(rank.actor, rank.critic, batch, request.settings)
     return batch
@@ -109,7 +120,9 @@ def merge_batch(algorithm: str, chunks: Sequence[Mapping[str, Tensor]]) -> dict[
 
 def group_signal_metrics(batch: Mapping[str, Tensor], scores: Tensor) -> dict[str, float]:
     """How much of the batch carries no learning signal: groups whose rewards are all equal (their
-    group-relative advantages are 0) and the share of the generated tokens spent on them."""
+    group-relative advantages are 0), the share of the batch's response tokens spent on them, and
+    the response tokens of the others (``groups/signal_tokens``: with dynamic sampling the
+    controller sets them against every token the step generated)."""
     groups = batch["group_index"].to(scores.device)
     if not groups.numel():
         return {}
@@ -119,7 +132,8 @@ def group_signal_metrics(batch: Mapping[str, Tensor], scores: Tensor) -> dict[st
     wasted = tokens[flat].sum() / tokens.sum().clamp(min=1.0)
     total, flat_groups = (1 / count).sum(), (flat / count).sum()  # each sample counts 1/its group's size
     return {"groups/total": float(total.item()), "groups/flat": float(flat_groups.item()),
-            "groups/wasted_token_frac": float(wasted.item())}  # fmt: skip
+            "groups/wasted_token_frac": float(wasted.item()),
+            "groups/signal_tokens": float(tokens[~flat].sum().item())}  # fmt: skip
 
 
 def stop_token_ids(actor: Actor) -> torch.Tensor:

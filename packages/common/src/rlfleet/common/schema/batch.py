@@ -20,7 +20,8 @@ prompt-major (sample j of prompt i is row i*n + j):
 
 Several chunks (from several workers) merge into one batch with :func:`merge_rollouts` /
 :func:`merge_preferences`: prompts are re-padded on the left, responses on the right, group
-indices offset so each prompt keeps its own group. Every violation is a
+indices offset so each prompt keeps its own group; :func:`select_groups` keeps a chunk's rows of
+some of its prompts (dynamic sampling). Every violation is a
 :class:`~rlfleet.common.errors.BatchContractError` naming the field.
 
 Importing this module does not import torch; its functions do.
@@ -331,6 +332,34 @@ def merge_rollouts(chunks: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
     if any(VERSIONS in c for c in chunks):  # a chunk without them (a rollout fn's) is unknown: -1
         parts = [c[VERSIONS] if VERSIONS in c else torch.full_like(c["response_ids"], -1) for c in chunks]
         out[VERSIONS] = torch.cat([widen(part, r_width, left=False, value=-1) for part in parts])
+    return out
+
+
+def select_groups(chunk: Mapping[str, Tensor], groups: Sequence[int]) -> dict[str, Tensor]:
+    """The rows of the rollout chunk ``chunk`` that answer the prompts ``groups`` (its group indices,
+    ascending, each one in the chunk), with ``group_index`` renumbered ``0..len(groups)-1``: what a
+    step trains of a chunk whose other groups dynamic sampling dropped. Like :func:`merge_rollouts`
+    it keeps the token fields and ``response_versions``, not the texts."""
+    import torch
+
+    check_rollout_tensors(chunk)
+    index = chunk["group_index"]
+    wanted = torch.as_tensor(list(groups), dtype=torch.int64)
+    if not wanted.numel():
+        raise BatchContractError("groups", "a chunk the step trains on needs at least one of its groups")
+    if bool((wanted[1:] <= wanted[:-1]).any()):
+        raise BatchContractError("groups", f"must be ascending without repeats, got {list(groups)[:16]}")
+    present = torch.unique(index)
+    missing = wanted[~torch.isin(wanted, present)]
+    if missing.numel():
+        held = f"0..{int(present.max().item())}" if present.numel() else "none"
+        first = int(missing[0].item())
+        raise BatchContractError("groups", f"group {first} is not in the chunk (it holds {held})")
+    rows = torch.isin(index, wanted)
+    out = {name: chunk[name][rows] for name in TOKEN_FIELDS}
+    out["group_index"] = torch.searchsorted(wanted, index[rows])
+    if VERSIONS in chunk:
+        out[VERSIONS] = chunk[VERSIONS][rows]
     return out
 
 

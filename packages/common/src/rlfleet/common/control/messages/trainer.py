@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from rlfleet.common.control.messages.base import SETTINGS_SET, Message
 from rlfleet.common.schema.carriers import IpcBucket, WeightCarrier
@@ -43,6 +43,9 @@ class TrainerConfigured(Message):
     incarnation: str = Field(default="", max_length=64, description="the answering trainer's incarnation")
 
 
+GroupIndex = Annotated[int, Field(ge=0, lt=1 << 16)]
+"""A group's index in its rollout chunk (the prompt it answers)."""
+
 FiniteScore = Annotated[float, Field(allow_inf_nan=False)]
 """A rollout's score: a finite float (a NaN or infinite score would poison the advantages)."""
 
@@ -61,6 +64,20 @@ class TrainStepRequest(Message):
     job_id: str = Field(
         default="", max_length=128, description="idempotency key: a retry with this id gets the first answer"
     )
+    groups: list[Annotated[list[GroupIndex], Field(max_length=1 << 16)]] | None = Field(
+        default=None, max_length=4096,
+        description="dynamic sampling (wire 2.7): per rollout chunk, the groups (its prompts, ascending) "
+        "the step trains on, and ``scores`` covers only their samples; None: every group of every chunk",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _one_list_a_chunk(self) -> TrainStepRequest:
+        if self.groups is not None and len(self.groups) != len(self.rollouts):
+            raise ValueError(
+                f"groups: one list a rollout chunk, got {len(self.groups)} lists for "
+                f"{len(self.rollouts)} chunks"
+            )
+        return self
 
 
 class TrainStepResult(Message):
