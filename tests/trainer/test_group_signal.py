@@ -49,6 +49,9 @@ def test_a_step_keeps_the_named_groups_of_each_chunk_and_refuses_them_for_pairs(
     batch = asyncio.run(fetch_batch(rank, request))
     assert batch["group_index"].tolist() == [0, 0, 1, 1]
     assert batch["response_ids"][:, 0].tolist() == [4, 5, 3, 3]  # chunk 0's group 1, chunk 1's group 0
+    short = request.model_copy(update={"groups": [[1]]})
+    with pytest.raises(BatchContractError, match="one list a rollout chunk: 1 lists for 2 chunks"):
+        asyncio.run(fetch_batch(rank, short))
     pairs = request.model_copy(update={"settings": StepSettings(algorithm={"name": "dpo"})})
     with pytest.raises(BatchContractError, match="'groups': only rollout chunks have groups to keep"):
         asyncio.run(fetch_batch(rank, pairs))

@@ -79,6 +79,7 @@ WIRE_CODES: dict[str, WireCode] = {
     "timeout": WireCode(True, False, "a wait inside the worker ran out"),
     "unavailable": WireCode(True, False, "a peer the worker needs is gone or unreachable"),
     "stale_weights": WireCode(True, False, "the worker does not hold the requested weight version yet"),
+    "delta_base": WireCode(False, False, "the worker does not hold the version a weight delta applies to"),
     "quota_exceeded": WireCode(True, True, "the tenant is over its quota for now"),
     "unknown_endpoint": WireCode(False, True, "no reward endpoint of that name"),
     "missing_token": WireCode(False, True, "the request carries no credential"),

@@ -54,6 +54,7 @@ from rlfleet.controller.launcher_settings import (
     RayLauncher,
     worker_logins,
 )
+from rlfleet.controller.weight_sync_settings import WeightSyncSettings
 
 POOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 RESERVED_ROUTES = ("any", "text")
@@ -336,6 +337,10 @@ class TrainerConfig(ConfigModel):
     )
     sample_table_size: int = Field(default=4, ge=0, description="prompts shown in the before/after table")
     weight_bucket_mb: float = Field(default=64.0, gt=0.0, description="weight publish bucket size")
+    weight_sync: WeightSyncSettings = Field(
+        default_factory=WeightSyncSettings,
+        description="delta sync of published weights ({delta, anchor_every}); every load is verified",
+    )
     weight_carrier: CarrierSetting = Field(
         default="auto",
         description="how published weights reach rollout workers: auto = CUDA IPC for a worker on the "

@@ -240,6 +240,21 @@ class NoWorkerServed(Failure, RuntimeError):
         super().__init__(what)
 
 
+class WeightSyncMismatch(Failure, RuntimeError):
+    """A rollout worker reports weights other than those the trainer published: what it serves is not
+    the version it claims (a bucket lost or stale on the way, a delta on the wrong base)."""
+
+    def __init__(self, worker_id: str, version: int, published: str, loaded: str) -> None:
+        self.worker_id = worker_id
+        self.version = version
+        self.published = published
+        self.loaded = loaded
+        super().__init__(
+            f"rollout worker {worker_id} loaded weight version {version} with fingerprint {loaded}, but the "
+            f"trainer published {published}: it does not serve the published weights"
+        )
+
+
 class TrainerRestarted(Failure, RuntimeError):
     """The trainer answering is another process than the one the run configured (a restart: it
     came back with the weights it loaded at start, not the run's). Never adopted silently: the

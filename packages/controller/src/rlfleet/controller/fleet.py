@@ -70,6 +70,7 @@ from rlfleet.controller.errors import (
     RetriesExhausted,
     SettingsConflict,
     TrainerRestarted,
+    WeightSyncMismatch,
     WorkerGone,
 )
 from rlfleet.controller.fault_settings import FaultSettings
@@ -191,6 +192,7 @@ class Fleet:
             on_leave=self.gone.mark_gone, on_dead=self.gone.mark_gone,
         )  # fmt: skip
         self.published: WeightsPublished | None = None  # the last version every rollout worker must hold
+        self._hold = False  # workers keep a host copy of what they load (delta sync)
         self._admitting: dict[tuple[str, int], asyncio.Task[None]] = {}
         self.reward: RewardControl | None = None  # set by attach_reward: scores go through it, token and all
         self._jobs = itertools.count()
@@ -256,15 +258,17 @@ class Fleet:
 
     async def _load_one(self, worker: WorkerInfo, published: WeightsPublished) -> None:
         message = LoadWeights(weight_version=published.weight_version, buckets=published.buckets,
-                              ipc_buckets=published.ipc_buckets, job_id=self._job_id("load"))  # fmt: skip
+                              ipc_buckets=published.ipc_buckets, job_id=self._job_id("load"),
+                              hold=self._hold)  # fmt: skip
         try:
             reply = await self._load_request(worker, message)
-        except (RequestTimeout, ConnectionError, RemoteError, RetriesExhausted) as exc:
+            assert isinstance(reply, WeightsLoaded), reply
+            self._check_loaded(reply)
+        except (RequestTimeout, ConnectionError, RemoteError, RetriesExhausted, WeightSyncMismatch) as exc:
             logger.warning("rollout worker %s did not catch up to version %d: %s", worker.worker_id,
                            published.weight_version, exc)  # fmt: skip
             self._admitting.pop((worker.worker_id, published.weight_version), None)
             return
-        assert isinstance(reply, WeightsLoaded), reply
         info = self.registry.get("rollout", worker.worker_id)
         if info is not None:
             info.weight_version = reply.weight_version
@@ -453,17 +457,23 @@ class Fleet:
                                           avoid)  # fmt: skip
 
     async def load_weights(
-        self, published: WeightsPublished, keep_from_version: int = -1
+        self, published: WeightsPublished, keep_from_version: int = -1, *, hold: bool = False
     ) -> list[WeightsLoaded]:
         """Every rollout worker pulls the published buckets straight from the trainer's store; when
         every one went meanwhile (the fleet momentarily empty), the first to be back loads them.
         The workers keep their batches generated at ``keep_from_version`` or later (-1: at the
-        version loaded; a pipelined run trains older ones after this load)."""
+        version loaded; a pipelined run trains older ones after this load).
+
+        Delta sync: a worker that holds ``published.delta_from`` pulls only the delta (one that
+        turns out to hold no copy of it is sent the whole version); ``hold`` has every worker keep a
+        host copy of what it loads, for the next delta. Every load is verified: a worker whose
+        fingerprint differs from the published one raises :class:`WeightSyncMismatch`."""
         self.published = published
         self._admitting = {k: t for k, t in self._admitting.items() if k[1] == published.weight_version}
         message = LoadWeights(weight_version=published.weight_version, buckets=published.buckets,
                               ipc_buckets=published.ipc_buckets, job_id=self._job_id("load"),
-                              keep_from_version=keep_from_version)  # fmt: skip
+                              keep_from_version=keep_from_version, hold=hold)  # fmt: skip
+        self._hold = hold
         loaded, waits = await self._load_all(message), 0
         while not loaded:  # every worker went meanwhile: the first back loads it
             if waits >= self.faults.retry_attempts:
@@ -479,7 +489,7 @@ class Fleet:
         """``message`` to every live rollout worker; the replies of those that loaded it (a worker
         that went meanwhile is skipped: it is admitted at this version when it is back)."""
         workers = self.rollout_workers()
-        loads = (self._load_request(w, message) for w in workers)
+        loads = (self._load_version(w, message) for w in workers)
         replies = await asyncio.gather(*loads, return_exceptions=True)
         loaded: list[WeightsLoaded] = []
         for worker, reply in zip(workers, replies, strict=True):
@@ -490,9 +500,38 @@ class Fleet:
             if isinstance(reply, BaseException):
                 raise reply
             assert isinstance(reply, WeightsLoaded), reply
+            self._check_loaded(reply)
             worker.weight_version = reply.weight_version
             loaded.append(reply)
         return loaded
+
+    async def _load_version(self, worker: WorkerInfo, message: LoadWeights) -> AnyMessage:
+        """``message`` to one worker, as a delta when it holds the version the published delta
+        applies to; the whole version when it turns out to hold no copy of it."""
+        published = self.published
+        if published is None or not published.delta_buckets or worker.weight_version != published.delta_from:
+            return await self._load_request(worker, message)
+        delta = message.model_copy(update={"delta_buckets": published.delta_buckets,
+                                           "delta_from": published.delta_from,
+                                           "job_id": self._job_id("load")})  # fmt: skip
+        try:
+            return await self._load_request(worker, delta)
+        except RemoteError as exc:
+            if exc.code != "delta_base":
+                raise
+            logger.info("rollout worker %s holds no copy of version %d: it loads version %d whole",
+                        worker.worker_id, published.delta_from, message.weight_version)  # fmt: skip
+            return await self._load_request(worker, message)
+
+    def _check_loaded(self, reply: WeightsLoaded) -> None:
+        """Raise :class:`WeightSyncMismatch` when ``reply``'s fingerprint is not the published one
+        (either empty: not computed on that side, nothing to compare)."""
+        published = self.published
+        if published is None or published.weight_version != reply.weight_version:
+            return
+        if published.fingerprint and reply.fingerprint and reply.fingerprint != published.fingerprint:
+            raise WeightSyncMismatch(reply.worker_id, reply.weight_version, published.fingerprint,
+                                     reply.fingerprint)  # fmt: skip
 
     async def _load_request(self, worker: WorkerInfo, message: LoadWeights) -> AnyMessage:
         """One worker's weight load, retried on a retryable error while the worker lives (a gone
@@ -581,13 +620,15 @@ class Fleet:
         return sorted(chosen) or ["grpc"]
 
     async def publish_weights(
-        self, bucket_mb: float, weight_version: int = -1, *, carrier: CarrierSetting = "grpc", dtype: str = ""
-    ) -> WeightsPublished:
+        self, bucket_mb: float, weight_version: int = -1, *, carrier: CarrierSetting = "grpc",
+        dtype: str = "", delta: bool = False,
+    ) -> WeightsPublished:  # fmt: skip
         """Stage the trainer's weights as ``weight_version`` (-1: the next one), for the carriers the
-        rollout workers need under ``carrier`` (``auto``: CUDA IPC to workers on the trainer's GPU)."""
+        rollout workers need under ``carrier`` (``auto``: CUDA IPC to workers on the trainer's GPU);
+        ``delta``: also their change from the version before (delta sync)."""
         message = PublishWeights(bucket_mb=bucket_mb, weight_version=weight_version,
                                  carriers=self.weight_carriers(carrier), dtype=dtype,
-                                 job_id=self._job_id("publish"))  # fmt: skip
+                                 job_id=self._job_id("publish"), delta=delta)  # fmt: skip
         reply = await self._trainer_request("publish", "weight publish", message, self.deadlines.publish())
         assert isinstance(reply, WeightsPublished), reply
         self.deadlines.published(reply.nbytes)
@@ -624,10 +665,13 @@ async def publish(
     that version. The workers keep the batches generated up to ``max_staleness`` versions back (a
     pipelined run's batches generated ahead, trained after this load)."""
     cfg = state.config
+    sync = cfg.weight_sync
+    anchor = (state.weight_version + 1) % sync.anchor_every == 0  # every anchor_every-th version: whole
     published = await fleet.publish_weights(
-        cfg.weight_bucket_mb, weight_version, carrier=cfg.weight_carrier, dtype=state.publish_dtype
-    )
+        cfg.weight_bucket_mb, weight_version, carrier=cfg.weight_carrier, dtype=state.publish_dtype,
+        **({"delta": True} if sync.delta and not anchor else {}),
+    )  # fmt: skip
     keep = max(published.weight_version - cfg.max_staleness, 0) if cfg.max_staleness else -1
-    loaded = await fleet.load_weights(published, keep)
+    loaded = await fleet.load_weights(published, keep, **({"hold": True} if sync.delta else {}))
     state.weight_version = published.weight_version
     return published, loaded

@@ -302,7 +302,8 @@ def reward_metrics(scores: list[float], scored: list[ScoreResult]) -> dict[str, 
 
 
 def publish_metrics(published: WeightsPublished, loaded: list[WeightsLoaded]) -> dict[str, float]:
-    """What a step's weight publish moved, how fast, and the version every rollout worker holds."""
+    """What a step's weight publish moved, how fast, and the version every rollout worker holds; how
+    many workers took it as a delta, and how many were verified (their fingerprint matched)."""
     mb = published.nbytes / 2**20
     return {
         "weight_version": float(published.weight_version),
@@ -312,6 +313,9 @@ def publish_metrics(published: WeightsPublished, loaded: list[WeightsLoaded]) ->
         "publish/mb": mb,
         "publish/trainer_s": published.seconds,
         "publish/mb_s": mb / max(published.seconds, 1e-9),
+        "publish/delta_mb": published.delta_nbytes / 2**20,  # 0: no delta staged (delta sync off, an anchor)
+        "publish/delta_workers": float(sum(r.delta for r in loaded)),
+        "publish/verified_workers": float(sum(bool(r.fingerprint and published.fingerprint) for r in loaded)),
     }
 
 

@@ -242,11 +242,12 @@ class FleetClient(Protocol):
     ) -> TrainStepResult: ...  # fmt: skip
 
     async def publish_weights(
-        self, bucket_mb: float, weight_version: int = -1, *, carrier: CarrierSetting = "grpc", dtype: str = ""
-    ) -> WeightsPublished: ...
+        self, bucket_mb: float, weight_version: int = -1, *, carrier: CarrierSetting = "grpc",
+        dtype: str = "", delta: bool = False,
+    ) -> WeightsPublished: ...  # fmt: skip
 
     async def load_weights(
-        self, published: WeightsPublished, keep_from_version: int = -1
+        self, published: WeightsPublished, keep_from_version: int = -1, *, hold: bool = False
     ) -> list[WeightsLoaded]: ...
     async def save(self, path: str, mode: Literal["hf", "full"] = "hf") -> str: ...
     async def load_checkpoint(self, path: str, weight_version: int) -> CheckpointLoaded: ...

@@ -121,6 +121,21 @@ class StaleWeights(Failure, RuntimeError):
         )
 
 
+class DeltaBaseMissing(Failure, ValueError):
+    """A weight delta came for a version this worker does not hold a copy of (the sender then sends
+    the whole version)."""
+
+    code = "delta_base"
+    retryable = False
+
+    def __init__(self, worker_id: str, held: int | None, base: int) -> None:
+        self.worker_id = worker_id
+        self.held = held
+        self.base = base
+        holds = f"holds a copy of version {held}" if held is not None else "holds no copy of its weights"
+        super().__init__(f"rollout worker {worker_id} {holds}; the delta applies to version {base}")
+
+
 class IncompleteWeights(Failure, ValueError):
     """A weight version was set while a fused block still missed some of its tensors.
 

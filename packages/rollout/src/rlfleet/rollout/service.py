@@ -52,11 +52,14 @@ from rlfleet.common.remote_code import refused_remote_code, remote_code_reason
 from rlfleet.common.schema.batch import pack_texts, pad_left, pad_right
 from rlfleet.common.schema.rollout import GenerateLimits, RolloutWorkerConfig
 from rlfleet.common.tensors.store import ClientPool, TensorStoreServer, worker_store
+from rlfleet.common.tensors.weight_sync import apply_delta
+from rlfleet.common.tensors.weight_sync import fingerprint as weights_fingerprint
 from rlfleet.rollout.catch_up import catch_up
 from rlfleet.rollout.engines.base import Completion
 from rlfleet.rollout.engines.registry import make_engine, resolve_engine_name
 from rlfleet.rollout.errors import (
     DeadlinePassed,
+    DeltaBaseMissing,
     GenerateTooLarge,
     InvalidPrompt,
     NoUsableCarrier,
@@ -195,6 +198,8 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         )
         self.data_address = self.store.address
         self._batches: list[tuple[int, str]] = []  # (weight version, key) of the batches in the store
+        self._held: dict[str, torch.Tensor] | None = None  # a host copy of the weights, for deltas (hold)
+        self._held_version = -1
         self._stores = ClientPool(cfg.tensor_plane)  # one client per trainer store the weights come from
         self._gpu = asyncio.Lock()  # one engine call at a time: generation and weight loads never overlap
         self.replies = ReplyCache()  # a repeated generate or load (same job_id) gets its first reply
@@ -326,25 +331,58 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         error goes back to the sender); so does a copy that fails partway in the HF engine, which
         restores what it overwrote, while the vLLM engine refuses to generate until a full load
         succeeds. The price: the version's buckets are held in host memory while they load.
+
+        Delta sync (``delta_from``): a worker asked to ``hold`` keeps its last gRPC load as a host
+        copy; a delta on that version is written into the copy and the whole version loaded from it
+        (only the delta crosses the network). A delta on any other version raises
+        :class:`DeltaBaseMissing` (the controller then sends the whole version). Every gRPC load
+        answers the fingerprint of the weights loaded (:mod:`rlfleet.common.tensors.weight_sync`).
         """
         t0 = time.perf_counter()
         carrier = self.carrier(message)
         version = message.weight_version
+        fingerprint = ""
         async with self._gpu:
             if carrier == "cuda_ipc":
                 await asyncio.to_thread(self.engine.load_ipc, message.ipc_buckets, version)
             else:
-                items: list[tuple[str, torch.Tensor]] = []
-                for ref in message.buckets:
-                    items.extend((await self._stores.fetch(ref)).items())
-                await asyncio.to_thread(self.engine.load_weights, items, version)
+                items = await self._fetch_version(message)
+                try:
+                    await asyncio.to_thread(self.engine.load_weights, items, version)
+                except BaseException:
+                    self._held = None  # a delta applied to it, or the engine's state unknown: next load whole
+                    raise
+                held = dict(items)
+                self._held = held if message.hold else None
+                self._held_version = version
+                fingerprint = await asyncio.to_thread(weights_fingerprint, held.items())
             self.weight_version = version
             keep = message.keep_from_version
             self._release_older_batches(min(keep, version) if keep >= 0 else version)
         seconds = time.perf_counter() - t0
         logger.info("loaded weight version %d by %s in %.3fs", message.weight_version, carrier, seconds)
         return WeightsLoaded(worker_id=self.worker_id, weight_version=message.weight_version, seconds=seconds,
-                             carrier=carrier)  # fmt: skip
+                             carrier=carrier, fingerprint=fingerprint,
+                             delta=carrier == "grpc" and message.delta_from >= 0)  # fmt: skip
+
+    async def _fetch_version(self, message: LoadWeights) -> list[tuple[str, torch.Tensor]]:
+        """The whole version ``message`` names, as ``(name, tensor)``: its buckets, or (a delta on the
+        version this worker holds a copy of) that copy with the delta buckets written into it."""
+        if message.delta_from < 0:
+            items: list[tuple[str, torch.Tensor]] = []
+            for ref in message.buckets:
+                items.extend((await self._stores.fetch(ref)).items())
+            return items
+        held = self._held
+        if held is None or self._held_version != message.delta_from:
+            raise DeltaBaseMissing(self.worker_id, self._held_version if held is not None else None,
+                                   message.delta_from)  # fmt: skip
+        delta: dict[str, torch.Tensor] = {}
+        for ref in message.delta_buckets:
+            delta.update(await self._stores.fetch(ref))
+        self._held = None  # changed in place from here: whole again only once the engine has it
+        await asyncio.to_thread(apply_delta, held, delta)
+        return list(held.items())
 
     def _release_older_batches(self, keep_from: int) -> None:
         """Drop the batches generated before version ``keep_from`` (the version now loaded, or older

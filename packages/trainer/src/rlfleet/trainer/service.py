@@ -75,6 +75,8 @@ from rlfleet.common.schema.carriers import IpcBucket
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig, model_fingerprint
 from rlfleet.common.tensors.store import ClientPool, TensorStoreServer, worker_store
+from rlfleet.common.tensors.weight_sync import fingerprint as weights_fingerprint
+from rlfleet.common.tensors.weight_sync import weight_delta
 from rlfleet.trainer import checkpoint as ckpt
 from rlfleet.trainer.actor import Actor
 from rlfleet.trainer.admission import conflicts
@@ -102,6 +104,9 @@ async def fetch_batch(rank: Any, request: TrainStepRequest) -> dict[str, Tensor]
     if request.groups is not None:  # dynamic sampling: the groups the step keeps of each chunk
         if not ALGORITHMS[request.settings.algorithm.name].online:
             raise BatchContractError("groups", "only rollout chunks have groups to keep")
+        if len(request.groups) != len(chunks):
+            raise BatchContractError("groups", f"one list a rollout chunk: {len(request.groups)} lists for "
+                                     f"{len(chunks)} chunks")  # fmt: skip
         chunks = [select_groups(chunk, kept) for chunk, kept in zip(chunks, request.groups, strict=True)]
     batch = merge_batch(request.settings.algorithm.name, chunks)
     check_step(rank.actor, rank.critic, batch, request.settings)
@@ -267,6 +272,8 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
         self.data_address = self.store.address
         self.stores = ClientPool(plane)  # the rollout workers' stores this rank fetches from
         self._published: list[TensorRef] = []
+        self._deltas: list[TensorRef] = []  # the current version's delta from the one before (delta sync)
+        self.version_fingerprint = ""  # of the current version's host buckets (weight_sync.fingerprint)
         self._shared: list[IpcBucket] = []  # the current version by CUDA IPC, when it was asked for
         self._shared_buffers: list[dict[str, torch.Tensor]] = []  # kept alive for the receivers
         self._publish_peaks: dict[str, float] = {}  # the last publish's, for the next step's metrics
@@ -392,7 +399,8 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
         refs, shared = list(self._published), list(self._shared)
         return WeightsPublished(weight_version=self.weight_version, buckets=refs, ipc_buckets=shared,
                                 nbytes=sum(r.nbytes for r in refs) or sum(b.nbytes for b in shared),
-                                seconds=0.0, incarnation=self.incarnation)  # fmt: skip
+                                seconds=0.0, incarnation=self.incarnation,
+                                fingerprint=self.version_fingerprint)  # fmt: skip
 
     async def publish(self, request: PublishWeights) -> WeightsPublished:
         """Stage the current weights as a new version, bucket by bucket, for the carriers asked for.
@@ -410,22 +418,56 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
             t0 = time.perf_counter()
             version = request.weight_version if request.weight_version >= 0 else self.weight_version + 1
             bucket_bytes = max(1, int(request.bucket_mb * 2**20))
-            for old in self._published:
+            before, before_version = self._published, self.weight_version  # kept until the delta is made
+            if version == before_version:  # the same version again (a restore): its keys are taken
+                for old in before:
+                    self.store.delete(old.key)
+                before = []
+            for old in self._deltas:
                 self.store.delete(old.key)
+            self._deltas = []
             self._shared, self._shared_buffers = [], []  # the previous version's GPU buffers go
             command = {"op": "publish", "bucket_bytes": bucket_bytes, "dtype": request.dtype}
             await self._agreed(command, f"publish weight version {version}", lambda: None)
             refs, shared = await self._ranks(asyncio.to_thread(
                 self._stage, version, bucket_bytes, set(request.carriers), request.dtype))  # fmt: skip
-            self._published, self._shared = refs, shared
+            base = before if request.delta and refs and before else []
+            fingerprint, deltas = await asyncio.to_thread(self._sync_parts, version, refs, base)
+            for old in before:  # only now: a publish that failed leaves the current version servable
+                self.store.delete(old.key)
+            self._published, self._shared, self._deltas = refs, shared, deltas
             self.weight_version = version
+            self.version_fingerprint = fingerprint
             seconds = time.perf_counter() - t0
         nbytes = sum(ref.nbytes for ref in refs) or sum(b.nbytes for b in shared)
-        logger.info("staged weight version %d for %s: %d buckets, %.1f MB in %.3fs", version,
+        delta_nbytes = sum(ref.nbytes for ref in deltas)
+        logger.info("staged weight version %d for %s: %d buckets, %.1f MB%s in %.3fs", version,
                     "+".join(sorted(request.carriers)), max(len(refs), len(shared)), nbytes / 2**20,
-                    seconds)  # fmt: skip
+                    f" (a delta of {delta_nbytes / 2**20:.2f} MB)" if deltas else "", seconds)  # fmt: skip
         return WeightsPublished(weight_version=version, buckets=refs, ipc_buckets=shared, nbytes=nbytes,
-                                seconds=seconds, incarnation=self.incarnation)  # fmt: skip
+                                seconds=seconds, incarnation=self.incarnation, fingerprint=fingerprint,
+                                delta_buckets=deltas, delta_from=before_version if deltas else -1,
+                                delta_nbytes=delta_nbytes)  # fmt: skip
+
+    def _sync_parts(
+        self, version: int, refs: list[TensorRef], base: list[TensorRef]
+    ) -> tuple[str, list[TensorRef]]:
+        """The staged version's fingerprint (of its host buckets; "" with none) and, when ``base``
+        (the version before, still in the store) is given, its delta buckets (delta sync): the
+        change from ``base``, bucket by bucket."""
+        if not refs:
+            return "", []
+        buckets = [self.store.get_local(ref.key) for ref in refs]
+        fingerprint = weights_fingerprint(item for bucket in buckets for item in bucket.items())
+        if not base:
+            return fingerprint, []
+        old = {name: t for ref in base for name, t in self.store.get_local(ref.key).items()}
+        deltas = []
+        for i, bucket in enumerate(buckets):
+            delta = weight_delta(old, bucket)
+            if delta:
+                deltas.append(self.store.put_local(f"weights/v{version}/delta{i}", delta))
+        return fingerprint, deltas
 
     def _stage(
         self, version: int, bucket_bytes: int, carriers: set[str], dtype: str

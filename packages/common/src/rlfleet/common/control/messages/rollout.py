@@ -102,6 +102,15 @@ class LoadWeights(Message):
         description="the worker keeps its stored batches generated at this version or later (a pipelined "
         "run trains them after this load; wire 2.6); -1: only those of the version loaded",
     )  # fmt: skip
+    delta_buckets: list[TensorRef] = Field(
+        default_factory=list, max_length=1 << 16,
+        description="delta sync (wire 2.7): the change from version delta_from to this one "
+        "(rlfleet.common.tensors.weight_sync); a worker that holds delta_from loads these instead of buckets",
+    )  # fmt: skip
+    delta_from: int = Field(default=-1, ge=-1, description="the version delta_buckets apply to; -1: no delta")
+    hold: bool = Field(
+        default=False, description="keep a host copy of the weights loaded over gRPC, for the next delta"
+    )
 
 
 class WeightsLoaded(Message):
@@ -112,3 +121,9 @@ class WeightsLoaded(Message):
     weight_version: int
     seconds: float = 0.0
     carrier: WeightCarrier = Field(default="grpc", description="how the weights arrived")
+    fingerprint: str = Field(
+        default="", max_length=128,
+        description="the fingerprint of the weights now loaded (wire 2.7; weight_sync.fingerprint), which "
+        "the controller compares with the published one; empty: not computed (CUDA IPC, an older worker)",
+    )  # fmt: skip
+    delta: bool = Field(default=False, description="loaded as a delta on the version it held")

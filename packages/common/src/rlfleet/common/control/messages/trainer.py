@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field
 
 from rlfleet.common.control.messages.base import SETTINGS_SET, Message
 from rlfleet.common.schema.carriers import IpcBucket, WeightCarrier
@@ -66,18 +66,10 @@ class TrainStepRequest(Message):
     )
     groups: list[Annotated[list[GroupIndex], Field(max_length=1 << 16)]] | None = Field(
         default=None, max_length=4096,
-        description="dynamic sampling (wire 2.7): per rollout chunk, the groups (its prompts, ascending) "
-        "the step trains on, and ``scores`` covers only their samples; None: every group of every chunk",
+        description="dynamic sampling (wire 2.7): per rollout chunk, one list of the groups (its prompts, "
+        "ascending) the step trains on, and ``scores`` covers only their samples; None: every group of "
+        "every chunk",
     )  # fmt: skip
-
-    @model_validator(mode="after")
-    def _one_list_a_chunk(self) -> TrainStepRequest:
-        if self.groups is not None and len(self.groups) != len(self.rollouts):
-            raise ValueError(
-                f"groups: one list a rollout chunk, got {len(self.groups)} lists for "
-                f"{len(self.rollouts)} chunks"
-            )
-        return self
 
 
 class TrainStepResult(Message):
@@ -108,6 +100,11 @@ class PublishWeights(Message):
     job_id: str = Field(
         default="", max_length=128, description="idempotency key: a retry with this id gets the first answer"
     )
+    delta: bool = Field(
+        default=False,
+        description="also stage the change from the version before, for workers that hold it (wire 2.7; "
+        "over gRPC; the trainer stages the whole version anyway)",
+    )
 
 
 class WeightsPublished(Message):
@@ -123,6 +120,16 @@ class WeightsPublished(Message):
         default_factory=list, description="the version's buckets shared by CUDA IPC, when asked for"
     )
     incarnation: str = Field(default="", max_length=64, description="the answering trainer's incarnation")
+    fingerprint: str = Field(
+        default="", max_length=128,
+        description="the version's fingerprint (wire 2.7; rlfleet.common.tensors.weight_sync), which every "
+        "worker's WeightsLoaded must match; empty: not computed (a CUDA IPC only publish, an older trainer)",
+    )  # fmt: skip
+    delta_buckets: list[TensorRef] = Field(
+        default_factory=list, description="the change from version delta_from, when asked for and possible"
+    )
+    delta_from: int = Field(default=-1, ge=-1, description="the version delta_buckets apply to; -1: none")
+    delta_nbytes: int = Field(default=0, ge=0, description="bytes of delta_buckets")
 
 
 class LatestWeights(Message):

@@ -1,0 +1,115 @@
+"""What a weight sync moves and how both ends check it: the fingerprint of a weight version, and
+the delta from one version to the next.
+
+**Fingerprint.** :func:`fingerprint` hashes every tensor of a version (its name, dtype, shape and
+bytes, in name order) with xxHash3-128: the trainer hashes what it publishes, each rollout worker
+what it loaded, and the controller compares the two (a mismatch is refused by name). Equal
+fingerprints mean bit-identical weights, whichever way they travelled (whole, or as a delta applied
+to the version before).
+
+**Delta.** At reinforcement-learning learning rates most weights are bit-identical from one version
+to the next in the dtype they are published in (bf16 above all). :func:`weight_delta` compares a
+bucket of the new version with the same bucket of the version before, by bits: per tensor it keeps
+the flat indices (int32 or int64) and new values of the elements that changed (``name@idx``,
+``name@val``), or the whole tensor under its own name where more than half of it changed (then the
+indices would cost more). :func:`apply_delta` writes a delta into the receiver's own copy of the
+version before, in place; the result is the new version, bit for bit (its fingerprint says so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, MutableMapping
+
+import torch
+import xxhash
+from torch import Tensor
+
+from rlfleet.common.errors import BatchContractError
+
+INDEX, VALUES = "@idx", "@val"
+"""Suffixes of a delta's two tensors for one weight (weight names never hold ``@``)."""
+DENSE_FRACTION = 0.5
+"""Above this share of changed elements a tensor travels whole."""
+
+
+def fingerprint(items: Iterable[tuple[str, Tensor]]) -> str:
+    """``xxh3_128:<hex>`` over each tensor's name, dtype, shape and bytes, in name order."""
+    digest = xxhash.xxh3_128()
+    for name, tensor in sorted(items, key=lambda item: item[0]):
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{name}|{str(flat.dtype).removeprefix('torch.')}|{tuple(tensor.shape)}\n".encode())
+        digest.update(flat.view(torch.uint8).numpy().data)
+    return f"xxh3_128:{digest.hexdigest()}"
+
+
+_WIDTHS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: Tensor) -> Tensor:
+    """The tensor's elements as integers of their width (equal bits compare equal, NaNs included)."""
+    return tensor.contiguous().reshape(-1).view(_WIDTHS[tensor.element_size()])
+
+
+def weight_delta(old: Mapping[str, Tensor], new: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The delta from ``old`` to ``new`` (the same names, shapes and dtypes: one bucket of two
+    versions); a tensor unchanged bit for bit is left out."""
+    delta: dict[str, Tensor] = {}
+    for name, tensor in new.items():
+        before = old.get(name)
+        comparable = before is not None and before.shape == tensor.shape and before.dtype == tensor.dtype
+        if not comparable or tensor.element_size() not in _WIDTHS:
+            delta[name] = tensor  # nothing to compare with: whole
+            continue
+        assert before is not None
+        changed = (_bits(tensor) != _bits(before)).nonzero().reshape(-1)
+        if not changed.numel():
+            continue
+        if changed.numel() > DENSE_FRACTION * tensor.numel():
+            delta[name] = tensor
+            continue
+        index_dtype = torch.int32 if tensor.numel() < 2**31 else torch.int64
+        delta[name + INDEX] = changed.to(index_dtype)
+        delta[name + VALUES] = tensor.reshape(-1)[changed].contiguous()
+    return delta
+
+
+def apply_delta(held: MutableMapping[str, Tensor], delta: Mapping[str, Tensor]) -> list[str]:
+    """Write ``delta`` into ``held`` (the receiver's copy of the version before, changed in place);
+    returns the names changed. A delta that does not fit ``held`` (an unknown name, an index out of
+    range, a count, dtype or shape that differs) raises :class:`BatchContractError` before anything
+    is written."""
+    whole: dict[str, Tensor] = {}
+    sparse: dict[str, tuple[Tensor, Tensor]] = {}
+    for key, tensor in delta.items():
+        if key.endswith(VALUES):
+            continue
+        if key.endswith(INDEX):
+            name = key.removesuffix(INDEX)
+            values = delta.get(name + VALUES)
+            if values is None:
+                raise BatchContractError(key, f"no {name + VALUES} beside it")
+            sparse[name] = (tensor, values)
+        else:
+            whole[key] = tensor
+    orphans = [k for k in delta if k.endswith(VALUES) and k.removesuffix(VALUES) not in sparse]
+    if orphans:
+        raise BatchContractError(orphans[0], "values without their indices")
+    for name, tensor in whole.items():
+        target = held.get(name)
+        if target is None or target.shape != tensor.shape or target.dtype != tensor.dtype:
+            raise BatchContractError(name, "does not match the weights held (name, shape or dtype)")
+    for name, (index, values) in sparse.items():
+        target = held.get(name)
+        if target is None:
+            raise BatchContractError(name, "a delta for a weight not held")
+        if index.dtype not in (torch.int32, torch.int64) or index.dim() != 1:
+            raise BatchContractError(name + INDEX, "expected 1-dim int32 or int64 indices")
+        if values.dtype != target.dtype or values.shape != index.shape:
+            raise BatchContractError(name + VALUES, f"expected {index.numel()} {target.dtype} values")
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= target.numel()):
+            raise BatchContractError(name + INDEX, f"an index outside 0..{target.numel() - 1}")
+    for name, tensor in whole.items():
+        held[name].copy_(tensor)
+    for name, (index, values) in sparse.items():
+        held[name].view(-1)[index.long()] = values
+    return [*whole, *sparse]

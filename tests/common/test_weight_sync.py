@@ -1,0 +1,89 @@
+"""A weight version's fingerprint and the delta between two versions (issue 32, points 3 and 4):
+a delta applied to the version before gives the new version bit for bit, and a delta that does not
+fit what the receiver holds is refused before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlfleet.common.errors import BatchContractError
+from rlfleet.common.tensors.weight_sync import INDEX, VALUES, apply_delta, fingerprint, weight_delta
+
+
+def _version(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "a.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16),
+        "b.bias": torch.randn(32, generator=g),
+        "c.step": torch.tensor(7, dtype=torch.int64),
+    }
+
+
+def _step(weights: dict[str, torch.Tensor], share: float) -> dict[str, torch.Tensor]:
+    """The next version: about ``share`` of ``a.weight``'s elements nudged, ``b.bias`` all moved."""
+    new = {k: v.clone() for k, v in weights.items()}
+    flat = new["a.weight"].view(-1)
+    picked = torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(1))[
+        : int(share * flat.numel())
+    ]
+    flat[picked] += 0.5
+    new["b.bias"] += 1e-3
+    return new
+
+
+def test_a_delta_applied_to_the_version_before_is_the_new_version_bit_for_bit() -> None:
+    old = _version(0)
+    new = _step(old, 0.02)
+    delta = weight_delta(old, new)
+    assert set(delta) == {"a.weight" + INDEX, "a.weight" + VALUES, "b.bias"}  # c.step unchanged: left out
+    assert (
+        delta["a.weight" + INDEX].dtype == torch.int32 and delta["a.weight" + VALUES].dtype == torch.bfloat16
+    )
+    changed = int((new["a.weight"].view(torch.int16) != old["a.weight"].view(torch.int16)).sum())
+    assert delta["a.weight" + INDEX].numel() == changed and 0 < changed < 0.05 * old["a.weight"].numel()
+    held = {k: v.clone() for k, v in old.items()}
+    assert sorted(apply_delta(held, delta)) == ["a.weight", "b.bias"]
+    for name in new:
+        assert torch.equal(held[name].reshape(-1).view(torch.uint8), new[name].reshape(-1).view(torch.uint8))
+    assert fingerprint(held.items()) == fingerprint(new.items()) != fingerprint(old.items())
+
+
+def test_the_fingerprint_sees_names_dtypes_shapes_and_bits() -> None:
+    w = _version(0)
+    base = fingerprint(w.items())
+    assert fingerprint(reversed(list(w.items()))) == base  # order-free: name order
+    assert fingerprint({**w, "b.bias": w["b.bias"].to(torch.float64)}.items()) != base
+    assert fingerprint({**w, "a.weight": w["a.weight"].reshape(32, 64)}.items()) != base
+    assert fingerprint({("z" + k): v for k, v in w.items()}.items()) != base
+    flipped = w["b.bias"].clone()
+    flipped.view(torch.int32)[3] ^= 1  # one bit
+    assert fingerprint({**w, "b.bias": flipped}.items()) != base
+    assert base.startswith("xxh3_128:")
+
+
+def test_a_mostly_changed_tensor_travels_whole() -> None:
+    old = _version(0)
+    new = _step(old, 0.9)
+    delta = weight_delta(old, new)
+    assert "a.weight" in delta and "a.weight" + INDEX not in delta
+
+
+def test_a_delta_that_does_not_fit_is_refused_before_anything_is_written() -> None:
+    old = _version(0)
+    delta = weight_delta(old, _step(old, 0.02))
+    bad = [
+        ({**delta, "a.weight" + INDEX: delta["a.weight" + INDEX] + 10_000}, "an index outside 0..2047"),
+        ({**delta, "a.weight" + VALUES: delta["a.weight" + VALUES][:-1]}, "expected .* values"),
+        ({**delta, "a.weight" + VALUES: delta["a.weight" + VALUES].float()}, "expected .* values"),
+        ({k: v for k, v in delta.items() if k != "a.weight" + VALUES}, "no a.weight@val beside it"),
+        ({**delta, "x" + VALUES: torch.zeros(1)}, "values without their indices"),
+        ({**delta, "nope" + INDEX: torch.zeros(1, dtype=torch.int32), "nope" + VALUES: torch.zeros(1)},
+         "a delta for a weight not held"),
+        ({**delta, "b.bias": torch.zeros(3)}, "does not match the weights held"),
+    ]  # fmt: skip
+    for broken, match in bad:
+        held = {k: v.clone() for k, v in old.items()}
+        with pytest.raises(BatchContractError, match=match):
+            apply_delta(held, broken)
+        assert all(torch.equal(held[k], old[k]) for k in old), "nothing written"
