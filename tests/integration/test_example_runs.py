@@ -75,9 +75,11 @@ def test_a_recipe_raises_the_reward(
     if recipe == "dapo_tiny":  # the soft overlong penalty reached the trainer and acted on every step
         assert all(row["overlong/penalty_mean"] < 0 and "overlong/truncated_frac" in row for row in rows)
         assert "overlong/masked_frac" not in rows[-1]
-        # dynamic sampling: each step trained at most its batch of groups, replacing flat ones
-        assert all(row["groups/kept"] <= 16 and row["rollout/batches_generated"] <= 3 for row in rows)
-        assert max(row["rollout/batches_generated"] for row in rows) > 1
+        # dynamic sampling: each step trained at most its batch of groups, taking another batch only
+        # while it had fewer with a signal (early in the run a batch mostly has enough)
+        for row in rows:
+            assert row["groups/kept"] <= 16 and 1 <= row["rollout/batches_generated"] <= 3
+            assert row["rollout/batches_generated"] > 1 or row["groups/kept"] == 16
     if recipe == "gspo_tiny":  # the second optimizer step's sequence ratios left the tight range
         assert max(row["clip_frac"] for row in rows) > 0
     assert "kl" not in rows[-1] and "critic/vf_loss" not in rows[-1]

@@ -1,0 +1,203 @@
+"""Weight sync over the gRPC host path: the whole version against its delta (issue 32), in one run.
+
+    uv run --extra cpu python benchmarks/weight_sync.py                   # a 0.5B-shaped model, on CPU
+    python3 benchmarks/weight_sync.py --device cuda --out $OUT/ws.json    # the trainer on a GPU
+    uv run --extra cpu python benchmarks/weight_sync.py --smoke           # the tiny preset, 2 versions
+
+A Qwen2.5-0.5B-shaped model (random init, 494M parameters; float32 master weights, as a trainer
+holds them) takes ``--versions`` optimizer steps (AdamW at ``--lr`` on random gradients: every
+weight moves by about the learning rate, as in an RL update). After each, one sync as the fleet
+does it, with the real parts: the trainer walks its weights in bf16 buckets
+(``iter_weight_buckets``) into its TensorStore (a real gRPC server on localhost), hashes them and
+diffs them against the version before (``weight_sync.weight_delta``); a receiver pulls over gRPC
+(``ClientPool``) either every bucket (full) or only the delta, which it writes into its host copy
+of the version before (``apply_delta``), then copies the version into its own bf16 model in place
+(the HF engine's ``copy_weights``) and hashes what it holds. Both ends' fingerprints must agree.
+
+Reported per side (median over the versions after the first): bytes moved, trainer seconds
+(stage; for delta, plus the diff), receiver seconds (pull, apply, load, hash) and their sum; the
+share of bf16 weights that changed. Target (issue 32): delta sync of the 0.5B model over the host
+path under 0.3 s. The JSON names the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import smoke  # noqa: E402  (this folder's helper modules)
+from colocated_sync import QWEN25_05B, TINY  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results" / "weight_sync_cpu.json"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="qwen2.5-0.5b", choices=["qwen2.5-0.5b", "tiny"])
+    p.add_argument("--device", default="cpu", help="where the trainer's model lives (cpu, cuda)")
+    p.add_argument("--versions", type=int, default=4, help="optimizer steps, one sync after each")
+    p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate of the steps")
+    p.add_argument("--bucket-mb", type=float, default=256.0)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--smoke", action="store_true", help=smoke.HELP)
+    return smoke.parse(p, argv, {"preset": "tiny", "versions": 2, "bucket_mb": 1.0})
+
+
+def build_model(preset: str, device: str) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    shape = QWEN25_05B if preset == "qwen2.5-0.5b" else TINY
+    config = Qwen2Config(**shape, tie_word_embeddings=True, torch_dtype="float32")
+    return Qwen2ForCausalLM(config).to(device)
+
+
+def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One optimizer step on random gradients of the size a real step's have."""
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+async def sync_round(
+    model: torch.nn.Module, receiver: torch.nn.Module, store: Any, clients: Any, state: dict[str, Any],
+    version: int, bucket_bytes: int,
+) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Stage ``version`` in the store, then sync the receiver both ways; each side's figures."""
+    from rlfleet.common.tensors.weight_sync import apply_delta, fingerprint, weight_delta
+    from rlfleet.rollout.engines.weights import copy_weights, load_targets
+    from rlfleet.trainer.weights import iter_weight_buckets
+
+    t0 = time.perf_counter()
+    pinned = model.device.type == "cuda"
+    walk = iter_weight_buckets(model, bucket_bytes, dtype=torch.bfloat16, pin_memory=pinned)
+    refs = [store.put_local(f"weights/v{version}/{i}", bucket) for i, bucket in enumerate(walk)]
+    staged = time.perf_counter()
+    buckets = [store.get_local(ref.key) for ref in refs]
+    published = fingerprint(item for bucket in buckets for item in bucket.items())
+    hashed = time.perf_counter()
+    deltas, changed, total = [], 0, 0
+    if state.get("refs"):
+        old = {n: t for ref in state["refs"] for n, t in store.get_local(ref.key).items()}
+        for i, bucket in enumerate(buckets):
+            delta = weight_delta(old, bucket)
+            if delta:
+                deltas.append(store.put_local(f"weights/v{version}/delta{i}", delta))
+            changed += sum(delta[k].numel() for k in delta if k.endswith("@idx"))
+            changed += sum(delta[k].numel() for k in delta if "@" not in k)
+            total += sum(t.numel() for t in bucket.values())
+    diffed = time.perf_counter()
+    for ref in state.get("refs", []):
+        store.delete(ref.key)
+    for ref in state.get("deltas", []):
+        store.delete(ref.key)
+    state["refs"], state["deltas"] = refs, deltas
+    targets = load_targets(receiver)
+    sides: dict[str, dict[str, float]] = {}
+
+    t1 = time.perf_counter()  # full: every bucket over gRPC, loaded, hashed
+    items: list[tuple[str, torch.Tensor]] = []
+    for ref in refs:
+        items.extend((await clients.fetch(ref)).items())
+    pulled = time.perf_counter()
+    copy_weights(targets, items)
+    held = dict(items)
+    got = fingerprint(held.items())
+    t2 = time.perf_counter()
+    assert got == published, "the full sync does not hold the published weights"
+    sides["full"] = {"bytes": float(sum(r.nbytes for r in refs)), "stage_s": staged - t0,
+                     "trainer_s": hashed - t0, "pull_s": pulled - t1, "receiver_s": t2 - t1,
+                     "total_s": hashed - t0 + t2 - t1}  # fmt: skip
+    if deltas or state.get("held") is not None:
+        base = state["held"]
+        t3 = time.perf_counter()  # delta: only the change over gRPC, written into the copy held
+        delta_items: dict[str, torch.Tensor] = {}
+        for ref in deltas:
+            delta_items.update(await clients.fetch(ref))
+        pulled = time.perf_counter()
+        apply_delta(base, delta_items)
+        copy_weights(targets, list(base.items()))
+        got = fingerprint(base.items())
+        t4 = time.perf_counter()
+        assert got == published, "the delta sync does not hold the published weights bit for bit"
+        trainer_s = hashed - t0 + diffed - hashed
+        sides["delta"] = {"bytes": float(sum(r.nbytes for r in deltas)), "trainer_s": trainer_s,
+                          "diff_s": diffed - hashed, "pull_s": pulled - t3, "receiver_s": t4 - t3,
+                          "total_s": trainer_s + t4 - t3,
+                          "changed_frac": changed / max(total, 1)}  # fmt: skip
+    state["held"] = {n: t.clone() for n, t in held.items()}  # the receiver's copy for the next delta
+    return sides
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from rlfleet.common.schema.worker import TensorPlaneSettings
+    from rlfleet.common.tensors.store import ClientPool, worker_store
+
+    model = build_model(args.preset, args.device)
+    receiver = build_model(args.preset, "cpu").to(torch.bfloat16)  # the engine's copy, bf16 on the host
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    plane = TensorPlaneSettings()
+    store = await worker_store(plane, capacity_bytes=16 * 2**30, ttl_s=3600.0)
+    clients = ClientPool(plane)
+    state: dict[str, Any] = {}
+    rounds = []
+    try:
+        for version in range(1, args.versions + 1):
+            step(model, optimizer)
+            sides = await sync_round(model, receiver, store, clients, state, version,
+                                     int(args.bucket_mb * 2**20))  # fmt: skip
+            print(f"version {version}: " + ", ".join(
+                f"{name} {s['bytes'] / 2**20:.1f} MB in {s['total_s']:.3f} s" for name, s in sides.items()),
+                flush=True)  # fmt: skip
+            rounds.append(sides)
+    finally:
+        await clients.close()
+        await store.stop()
+    params = sum(p.numel() for p in model.parameters())
+    report: dict[str, Any] = {"preset": args.preset, "parameters": params, "lr": args.lr,
+                              "bucket_mb": args.bucket_mb, "versions": args.versions,
+                              "rounds": rounds}  # fmt: skip
+    timed = [r for r in rounds if "delta" in r] or rounds
+    for name in ("full", "delta"):
+        values = [r[name] for r in timed if name in r]
+        if values:
+            report[name] = {k: statistics.median(v[k] for v in values) for k in values[0]}
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from async_pipeline import machine
+
+    report = asyncio.run(run(args))
+    report["machine"] = machine(args.device)
+    report["command"] = " ".join(["python", *sys.argv])
+    print("| side | MB moved | trainer s | receiver s | total s |")
+    print("| --- | --- | --- | --- | --- |")
+    for name in ("full", "delta"):
+        if name in report:
+            s = report[name]
+            print(
+                f"| {name} | {s['bytes'] / 2**20:.1f} | {s['trainer_s']:.3f} | {s['receiver_s']:.3f} | "
+                f"{s['total_s']:.3f} |"
+            )
+    if "delta" in report:
+        print(f"changed bf16 weights: {report['delta']['changed_frac']:.2%}; target: delta total under 0.3 s")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
