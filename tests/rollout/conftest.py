@@ -7,13 +7,20 @@ from __future__ import annotations
 
 import string
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from rlfleet.common.control.embedded_nats import EmbeddedNats
+from rlfleet.common.control.nats_transport import NatsTransport
+from rlfleet.common.schema.rollout import HFEngineSettings, RolloutSettings, RolloutWorkerConfig
+from rlfleet.common.schema.worker import FleetAddress, Placement
+from rlfleet.common.tensors.server import TensorStoreServer
+from rlfleet.rollout.service import RolloutWorker
 
 sys.path.insert(0, str(Path(__file__).parent))  # this folder's helper modules (weight_buckets.py)
 
@@ -108,3 +115,50 @@ def make_vllm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint
         return made[(seed, tie)]
 
     return build
+
+
+# --- a real rollout worker on a real nats-server, and a trainer's TensorStore -------------------------
+
+WORKER_CLUSTER = "atomic-loads"
+
+
+@pytest.fixture
+async def nats() -> AsyncIterator[EmbeddedNats]:
+    with EmbeddedNats(jetstream=False) as server:
+        yield server
+
+
+@pytest.fixture
+async def worker(nats: EmbeddedNats, make_checkpoint) -> AsyncIterator[RolloutWorker]:  # noqa: ANN001
+    config = RolloutWorkerConfig(fleet=FleetAddress(cluster=WORKER_CLUSTER), worker_id="rollout-0",
+                                 model_path=str(make_checkpoint(seed=0)), placement=Placement(device="cpu"),
+                                 rollout=RolloutSettings(engine=HFEngineSettings(type="hf")),
+                                 catch_up_timeout_s=0.5)  # fmt: skip
+    transport = await NatsTransport.connect(nats.url, name="rollout-0", tier="rollout")
+    worker = RolloutWorker(config, transport)
+    await worker.start()
+    try:
+        yield worker
+    finally:
+        await worker.stop("test over")
+        await transport.close()
+
+
+@pytest.fixture
+async def store() -> AsyncIterator[TensorStoreServer]:
+    """The trainer's side: a real TensorStore the worker pulls buckets from over gRPC."""
+    server = TensorStoreServer(capacity_bytes=1 << 28, ttl_s=600)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+@pytest.fixture
+async def control(nats: EmbeddedNats) -> AsyncIterator[NatsTransport]:
+    transport = await NatsTransport.connect(nats.url, name="controller", tier="controller")
+    try:
+        yield transport
+    finally:
+        await transport.close()

@@ -3,12 +3,13 @@ engine serving a mix of two versions under the version it reports.
 
 The worker tests run a real rollout worker (HF engine, tiny model, CPU) on a real nats-server and
 pull the buckets of a second model from a real TensorStore over gRPC, as they come from a
-trainer. The vLLM tests run the CPU build where it is installed.
+trainer (the fixtures ``worker``, ``store`` and ``control`` of conftest.py). The vLLM tests run
+the CPU build where it is installed.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,20 +18,16 @@ import torch
 from transformers import AutoModelForCausalLM
 from weight_buckets import weight_buckets  # (this folder's helper module)
 
-from rlfleet.common.control.embedded_nats import EmbeddedNats
 from rlfleet.common.control.messages import LoadWeights, SamplingParams, WeightsLoaded
 from rlfleet.common.control.nats_transport import NatsTransport
 from rlfleet.common.errors import RemoteError, RemoteUserError
 from rlfleet.common.schema.refs import TensorRef
-from rlfleet.common.schema.rollout import HFEngineSettings, RolloutSettings, RolloutWorkerConfig
-from rlfleet.common.schema.worker import FleetAddress, Placement
 from rlfleet.common.tensors.server import TensorStoreServer
 from rlfleet.rollout.engines import HFEngine
 from rlfleet.rollout.engines.weights import copy_weights, load_targets
 from rlfleet.rollout.errors import IncompleteWeights, WeightsTorn
 from rlfleet.rollout.service import RolloutWorker
 
-CLUSTER = "atomic-loads"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 PROMPTS = [[30, 11, 8, 15], [5, 40, 6], [50, 60, 44, 9, 13, 21]]
 
@@ -43,48 +40,6 @@ def _assert_holds(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> Non
     """Every tensor of ``model`` equals ``state``'s: one version, not a mix."""
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, state[name]), f"{name} changed: the engine holds a mix of versions"
-
-
-@pytest.fixture
-async def nats() -> AsyncIterator[EmbeddedNats]:
-    with EmbeddedNats(jetstream=False) as server:
-        yield server
-
-
-@pytest.fixture
-async def worker(nats: EmbeddedNats, make_checkpoint) -> AsyncIterator[RolloutWorker]:  # noqa: ANN001
-    config = RolloutWorkerConfig(fleet=FleetAddress(cluster=CLUSTER), worker_id="rollout-0",
-                                 model_path=str(make_checkpoint(seed=0)), placement=Placement(device="cpu"),
-                                 rollout=RolloutSettings(engine=HFEngineSettings(type="hf")),
-                                 catch_up_timeout_s=0.5)  # fmt: skip
-    transport = await NatsTransport.connect(nats.url, name="rollout-0", tier="rollout")
-    worker = RolloutWorker(config, transport)
-    await worker.start()
-    try:
-        yield worker
-    finally:
-        await worker.stop("test over")
-        await transport.close()
-
-
-@pytest.fixture
-async def store() -> AsyncIterator[TensorStoreServer]:
-    """The trainer's side: a real TensorStore the worker pulls buckets from over gRPC."""
-    server = TensorStoreServer(capacity_bytes=1 << 28, ttl_s=600)
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
-
-
-@pytest.fixture
-async def control(nats: EmbeddedNats) -> AsyncIterator[NatsTransport]:
-    transport = await NatsTransport.connect(nats.url, name="controller", tier="controller")
-    try:
-        yield transport
-    finally:
-        await transport.close()
 
 
 def _publish(store: TensorStoreServer, path: Path, version: int) -> list[TensorRef]:

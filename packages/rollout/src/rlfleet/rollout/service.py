@@ -380,8 +380,8 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         delta: dict[str, torch.Tensor] = {}
         for ref in message.delta_buckets:
             delta.update(await self._stores.fetch(ref))
-        self._held = None  # changed in place from here: whole again only once the engine has it
-        await asyncio.to_thread(apply_delta, held, delta)
+        await asyncio.to_thread(apply_delta, held, delta)  # checked whole first: a refusal leaves the copy
+        self._held = None  # written into: the new version's, held again once the engine has it
         return list(held.items())
 
     def _release_older_batches(self, keep_from: int) -> None:

@@ -1,0 +1,117 @@
+"""A rollout worker's delta loads (issue 32, points 3 and 4): a worker asked to hold its weights
+takes the next version as a delta on them and answers the fingerprint of the result, the published
+version's bit for bit; a delta on a version it does not hold, or one that does not fit, is refused
+and leaves the engine on the version it reports.
+
+A real rollout worker (HF engine, tiny model, CPU) on a real nats-server pulls from a real
+TensorStore over gRPC, as from a trainer (the fixtures ``worker``, ``store``, ``control`` of
+conftest.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from weight_buckets import weight_buckets  # (this folder's helper module)
+
+from rlfleet.common.control.messages import LoadWeights, WeightsLoaded
+from rlfleet.common.control.nats_transport import NatsTransport
+from rlfleet.common.errors import RemoteError
+from rlfleet.common.schema.refs import TensorRef
+from rlfleet.common.tensors.server import TensorStoreServer
+from rlfleet.common.tensors.weight_sync import INDEX, fingerprint, weight_delta
+from rlfleet.rollout.service import RolloutWorker
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _buckets(path: Path) -> list[dict[str, torch.Tensor]]:
+    return list(weight_buckets(AutoModelForCausalLM.from_pretrained(path), 8_000))
+
+
+def _nudged(buckets: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """The next version: 1% of every float tensor's elements moved (a delta of indices and values)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for bucket in buckets:
+        new = {n: t.clone() for n, t in bucket.items()}
+        for t in new.values():
+            if t.is_floating_point() and t.numel() >= 100:
+                picked = torch.randperm(t.numel(), generator=g)[: t.numel() // 100]
+                t.view(-1)[picked] += 0.5
+        out.append(new)
+    return out
+
+
+def _holds(model: torch.nn.Module, buckets: list[dict[str, torch.Tensor]]) -> None:
+    state = model.state_dict()
+    for bucket in buckets:
+        for name, tensor in bucket.items():
+            assert torch.equal(state[name], tensor), f"{name}: the engine does not hold this version"
+
+
+def _stage(store: TensorStoreServer, buckets: list[dict[str, torch.Tensor]], name: str) -> list[TensorRef]:
+    return [store.put_local(f"weights/{name}/{i}", b) for i, b in enumerate(buckets) if b]
+
+
+async def _load(control: NatsTransport, worker: RolloutWorker, message: LoadWeights) -> WeightsLoaded:
+    reply = await control.request(worker.own_subject, message, timeout=30, tier="rollout")
+    assert isinstance(reply, WeightsLoaded), reply
+    return reply
+
+
+async def test_a_delta_on_the_version_held_loads_the_new_version_bit_for_bit(
+    worker: RolloutWorker, store: TensorStoreServer, control: NatsTransport, make_checkpoint
+) -> None:
+    v1 = _buckets(make_checkpoint(seed=0))
+    v2 = _nudged(v1)
+    first = await _load(control, worker, LoadWeights(weight_version=1, buckets=_stage(store, v1, "v1"),
+                                                     hold=True, job_id="l1"))  # fmt: skip
+    assert first.fingerprint == fingerprint(item for b in v1 for item in b.items()) and not first.delta
+    old = {n: t for b in v1 for n, t in b.items()}
+    deltas = _stage(store, [weight_delta(old, b) for b in v2], "v2-delta")
+    second = await _load(control, worker, LoadWeights(weight_version=2, buckets=[], delta_buckets=deltas,
+                                                      delta_from=1, hold=True, job_id="l2"))  # fmt: skip
+    assert second.delta and second.fingerprint == fingerprint(item for b in v2 for item in b.items())
+    assert worker.weight_version == 2
+    _holds(worker.engine.model, v2)
+
+
+async def test_a_delta_it_cannot_apply_is_refused_and_the_engine_keeps_its_version(
+    worker: RolloutWorker, store: TensorStoreServer, control: NatsTransport, make_checkpoint
+) -> None:
+    v1 = _buckets(make_checkpoint(seed=0))
+    v2 = _nudged(v1)
+    old = {n: t for b in v1 for n, t in b.items()}
+    deltas = _stage(store, [weight_delta(old, b) for b in v2], "v2-delta")
+    # held nothing yet: loaded whole without hold
+    await _load(control, worker, LoadWeights(weight_version=1, buckets=_stage(store, v1, "v1"), job_id="l1"))
+    delta = LoadWeights(weight_version=2, buckets=[], delta_buckets=deltas, delta_from=1, job_id="d1")
+    with pytest.raises(
+        RemoteError, match="holds no copy of its weights; the delta applies to version 1"
+    ) as no:
+        await _load(control, worker, delta)
+    assert no.value.code == "delta_base"
+    # held version 1, but the delta is on version 0
+    await _load(control, worker, LoadWeights(weight_version=1, buckets=_stage(store, v1, "v1b"), hold=True,
+                                             job_id="l2"))  # fmt: skip
+    with pytest.raises(RemoteError, match="holds a copy of version 1; the delta applies to version 0"):
+        await _load(control, worker, delta.model_copy(update={"delta_from": 0, "job_id": "d2"}))
+    # a delta that does not fit the copy (an index out of range): refused, nothing changed
+    broken = [weight_delta(old, b) for b in v2]
+    name = next(k for b in broken for k in b if k.endswith(INDEX))
+    for b in broken:
+        if name in b:
+            b[name] = b[name] + 10**6
+    with pytest.raises(RemoteError, match="an index outside"):
+        await _load(control, worker, delta.model_copy(update={"delta_buckets": _stage(store, broken, "bad"),
+                                                              "job_id": "d3"}))  # fmt: skip
+    assert worker.weight_version == 1
+    _holds(worker.engine.model, v1)
+    # the delta was checked whole before anything was written: the copy of version 1 is intact
+    good = await _load(control, worker, delta.model_copy(update={"job_id": "d4"}))
+    assert good.delta and good.fingerprint == fingerprint(item for b in v2 for item in b.items())
+    _holds(worker.engine.model, v2)
