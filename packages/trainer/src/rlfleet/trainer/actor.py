@@ -10,6 +10,10 @@ Dropout is disabled: the first step's ratio is then exactly 1.
 
 Ranks: with a :class:`~rlfleet.trainer.distributed.DistContext` of W > 1 ranks the policy and the
 reference are sharded with FSDP2 (:mod:`rlfleet.trainer.distributed`).
+
+LoRA (``model.lora``, one process): the policy gets PEFT adapters and only they train; the reference
+is the policy with its adapters off; publishes and exports carry the weights merged
+(:mod:`rlfleet.trainer.lora`).
 """
 
 from __future__ import annotations
@@ -20,12 +24,15 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
+from peft import PeftModel
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.trainer import ModelSettings
 from rlfleet.trainer.distributed import DistContext, save_hf_sharded, shard_model, shared_seed
 from rlfleet.trainer.loop import Trainable, placement
+from rlfleet.trainer.lora import AdapterOff, add_adapters, merged_state, save_adapter
 from rlfleet.trainer.model_io import (
     compile_blocks,
     disable_dropout,
@@ -96,11 +103,15 @@ class Actor(Trainable):
         self.share_prompts = self.settings.share_prompts and not self.compiled and not dist.distributed
         policy = self._load(dist)
         disable_dropout(policy)
+        self.peft: PeftModel | None = None  # LoRA: the PEFT model around the policy (lora.py)
+        if self.settings.lora is not None:
+            self.peft = self._adapt(policy, dist)  # only the adapters train
         if self.settings.gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.compiled:
             compile_blocks(policy)
-        policy.requires_grad_(True)
+        if self.peft is None:
+            policy.requires_grad_(True)
         self.trainable: set[str] | None = None
         if self.settings.trainable_layers is not None:
             self.trainable = set(train_top_layers(policy, self.settings.trainable_layers))
@@ -110,6 +121,18 @@ class Actor(Trainable):
         self.generator = torch.Generator()
         self.generator.manual_seed(shared_seed(seed, dist))
         self.ref_model: PreTrainedModel | None = None
+
+    def _adapt(self, policy: PreTrainedModel, dist: DistContext) -> PeftModel:
+        """LoRA adapters on ``policy`` (in place), after checking the settings allow them."""
+        lora = self.settings.lora
+        assert lora is not None
+        if dist.distributed:
+            raise ConfigError("model.lora", lora.model_dump(), "LoRA trains in one trainer process for now, "
+                              "not under FSDP ranks (num_train_workers: 1)")  # fmt: skip
+        if self.settings.trainable_layers is not None:
+            raise ConfigError("model.lora", lora.model_dump(), "trains adapters instead of layers: unset "
+                              "model.trainable_layers")  # fmt: skip
+        return add_adapters(policy, lora)
 
     def _load(self, dist: DistContext) -> PreTrainedModel:
         """Load the model: on its device, or on the CPU when FSDP will shard it onto the device."""
@@ -125,6 +148,8 @@ class Actor(Trainable):
         Under FSDP it is sharded like the policy (1/W of its size per rank); its forwards
         all-gather block by block like the policy's.
         """
+        if self.ref_model is None and self.peft is not None:  # the base: the policy, adapters off
+            self.ref_model = AdapterOff(self.model, self.peft)
         if self.ref_model is None:
             ref = freeze(self._load(self.dist))
             if self.compiled:
@@ -146,9 +171,11 @@ class Actor(Trainable):
 
         Under FSDP every rank must iterate to the end; see :mod:`rlfleet.trainer.weights`.
         """
+        merged = merged_state(self.model) if self.peft is not None else None  # LoRA: what engines load
         return iter_weight_buckets(
             self.model, bucket_bytes, dtype=dtype, include_tied=include_tied, only=self.trainable,
             keep=self.dist.is_main, pin_memory=pin_memory, on_device=on_device and self.dist.is_main,
+            state=merged,
         )  # fmt: skip
 
     def save_hf(self, path: str | Path) -> Path:
@@ -158,4 +185,8 @@ class Actor(Trainable):
         """
         if self.dist.distributed:
             return save_hf_sharded(self.model, path, self.dist.is_main, source_dir=self.model_path)
+        if self.peft is not None:  # LoRA: the merged model, and the adapter in PEFT's format beside it
+            saved = save_hf(self.model, path, source_dir=self.model_path, state_dict=merged_state(self.model))
+            save_adapter(self.peft, Path(path) / "adapter")
+            return saved
         return save_hf(self.model, path, source_dir=self.model_path)

@@ -171,10 +171,13 @@ class _Slot:
 
 
 def _plan(
-    model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None, include_tied: bool, only: set[str] | None
-) -> Iterator[list[_Slot]]:
-    """Group the state dict into buckets of at most ``bucket_bytes`` (a larger tensor goes alone)."""
-    state = model.state_dict(keep_vars=True)  # one walk (slow for a big FSDP model); detached later
+    model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None, include_tied: bool, only: set[str] | None,
+    state: Mapping[str, Tensor] | None = None,
+) -> Iterator[list[_Slot]]:  # fmt: skip
+    """Group the state dict (or ``state``) into buckets of at most ``bucket_bytes`` (a larger tensor
+    goes alone)."""
+    if state is None:
+        state = model.state_dict(keep_vars=True)  # one walk (slow for a big FSDP model); detached later
     skip = set() if include_tied else set(_aliases(state))
     bucket: list[_Slot] = []
     size = end = 0  # payload bytes, and the end of the last tensor in the host buffer
@@ -279,6 +282,7 @@ def iter_weight_buckets(
     keep: bool = True,
     pin_memory: bool = False,
     on_device: bool = False,
+    state: Mapping[str, Tensor] | None = None,
 ) -> Iterator[dict[str, Tensor]]:
     """Yield the state dict in buckets of at most ``bucket_bytes`` (HF names, state-dict order).
 
@@ -303,13 +307,15 @@ def iter_weight_buckets(
         on_device: keep each bucket in one flat buffer on the model's GPU instead of the host
             (the tensors are views of it at 64-byte aligned offsets): what CUDA IPC shares with a
             colocated engine. The buffers are new for every call; each stays as long as its views.
+        state: walk these tensors instead of ``model``'s state dict (one process: a LoRA actor's
+            weights with the adapters merged, :func:`rlfleet.trainer.lora.merged_state`).
 
     Yields:
         ``{name: tensor}`` dicts, never empty on a keeping rank.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0; got {bucket_bytes}")
-    plan = _plan(model, bucket_bytes, dtype, include_tied, only)
+    plan = _plan(model, bucket_bytes, dtype, include_tied, only, state)
     on_gpu = any(p.is_cuda for p in model.parameters())
     if on_device:
         if not on_gpu:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.algorithms import ALGORITHMS, AlgorithmName, KLMode, PolicyLossName
-from rlfleet.common.schema.config import Legacy, SettingsModel
+from rlfleet.common.schema.config import ConfigModel, Legacy, SettingsModel
 from rlfleet.common.schema.worker import ModelLoading, ModelWorkerConfig
 
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -84,6 +84,30 @@ def resolve_precision(setting: Precision, device: str) -> Literal["none", "bf16"
     return "bf16" if native else "none"
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""PEFT's usual targets on a Llama/Qwen-style model: every linear layer of attention and the MLP."""
+
+
+class LoraSettings(ConfigModel):
+    """LoRA adapters on the actor (``model.lora``), in PEFT's conventions: each targeted linear layer
+    ``W`` computes ``W x + (alpha / rank) B A x`` with ``A`` (rank x in) and ``B`` (out x rank,
+    zero at the start), and only ``A`` and ``B`` train. The reference model is the base with the
+    adapters switched off (no second copy of the weights)."""
+
+    rank: int = Field(default=16, ge=1, le=4096, description="the adapters' rank r")
+    alpha: float = Field(
+        default=32.0, gt=0.0, allow_inf_nan=False, description="scaling numerator: updates are alpha / rank"
+    )
+    dropout: float = Field(
+        default=0.0, ge=0.0, lt=1.0, allow_inf_nan=False,
+        description="dropout on the adapters' input (0: none, so that a step's first ratio is exactly 1)",
+    )  # fmt: skip
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGETS), min_length=1, max_length=64,
+        description="names (last component) of the linear layers that get adapters",
+    )  # fmt: skip
+
+
 class ModelSettings(ModelLoading):
     """How the trainer holds the model; fixed for a run (see the module docstring)."""
 
@@ -118,6 +142,11 @@ class ModelSettings(ModelLoading):
         default=False,
         description="torch.compile the policy's and reference's decoder blocks and the logprob reduction "
         "(about 2x faster updates on a GPU; the first steps, and new sequence shapes, compile)",
+    )
+    lora: LoraSettings | None = Field(
+        default=None,
+        description="train LoRA adapters on the actor instead of every weight ({rank, alpha, dropout, "
+        "target_modules}); the reference is the base with the adapters off. None: full training",
     )
 
     def conflicts(self, other: ModelSettings) -> dict[str, tuple[object, object]]:

@@ -1,0 +1,61 @@
+"""LoRA through real processes (issue 32, point 1): the tiny GRPO job with ``model.lora`` (a private
+nats-server, a trainer, a reward worker and a rollout worker on the HF engine or the vLLM CPU
+build; library use) raises its reward; every publish (the adapted layers merged) is what the
+engine then holds (its fingerprint is the trainer's); the reference is the base with the adapters
+off (a KL term is measured, no second model loaded); the export holds the adapter in PEFT's format
+beside the merged model. On this character model LoRA learns far slower than full training (its
+tied embeddings, which full training moves first, stay frozen): the test asks for a small rise.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlfleet.controller import GRPOTrainer, TrainerConfig
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = REPO / "examples" / "data" / "tiny_digits.jsonl"
+RANK, STEPS = 16, 16
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_lora_training_raises_the_reward(
+    tmp_path: Path, tiny_model_dir: Path, procs: Any, engine: str
+) -> None:
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+    config = TrainerConfig(
+        rollout_batch_size=16, train_batch_size=16, group_size=8, micro_batch_size=128,
+        max_response_length=12, max_prompt_length=32, learning_rate=5e-2, kl_coef=0.01, temperature=1.0,
+        output_dir=str(tmp_path),
+        loggers=["jsonl"], sample_table_size=0, seed=0, rollout={"engine": engine},
+        model={"lora": {"rank": RANK, "alpha": 2.0 * RANK}},
+    )  # fmt: skip
+    trainer = GRPOTrainer(str(tiny_model_dir), "charset:allowed=0123456789", str(DATA), config)
+    try:
+        list(trainer.steps(num_epochs=2, max_steps=STEPS))
+        trainer.finish()
+        pids = trainer.process_ids
+    finally:
+        trainer.close()
+    assert procs.survivors(pids) == []
+    rows = [
+        json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()
+    ]
+    rewards = [row["reward/mean"] for row in rows]
+    # adapters on the attention and MLP layers of this 2-block character model lift the share of
+    # digits from about 0.10 to 0.13-0.15 in 16 steps and no further: its tied embeddings, small at
+    # init and frozen under LoRA, bound how far a normalised hidden state can tilt the logits (full
+    # training, which grows them, reaches 0.9 in 20 steps)
+    assert statistics.fmean(rewards[-8:]) > statistics.fmean(rewards[:3]) + 0.015, f"no rise: {rewards}"
+    assert all(row["publish/verified_workers"] == 1 for row in rows)  # the engine holds the merged weights
+    assert all(row["kl"] >= 0 for row in rows) and rows[-1]["kl"] > 0  # against the base, adapters off
+    assert (tmp_path / "final" / "adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / "final" / "config.json").is_file()
