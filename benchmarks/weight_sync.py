@@ -9,7 +9,7 @@ holds them) takes ``--versions`` optimizer steps (AdamW at ``--lr`` on random gr
 weight moves by about the learning rate, as in an RL update). After each, one sync as the fleet
 does it, with the real parts: the trainer walks its weights in bf16 buckets
 (``iter_weight_buckets``) into its TensorStore (a real gRPC server on localhost), hashes them and
-diffs them against the version before (``weight_sync.weight_delta``); a receiver pulls over gRPC
+diffs them against the version before (the trainer's own ``sync_parts``); a receiver pulls over gRPC
 (``ClientPool``) either every bucket (full) or only the delta, which it writes into its host copy
 of the version before (``apply_delta``), then copies the version into its own bf16 model in place
 (the HF engine's ``copy_weights``) and hashes what it holds. Both ends' fingerprints must agree.
@@ -74,8 +74,9 @@ async def sync_round(
     version: int, bucket_bytes: int,
 ) -> dict[str, dict[str, float]]:  # fmt: skip
     """Stage ``version`` in the store, then sync the receiver both ways; each side's figures."""
-    from rlfleet.common.tensors.weight_sync import apply_delta, fingerprint, weight_delta
+    from rlfleet.common.tensors.weight_sync import apply_delta, fingerprint
     from rlfleet.rollout.engines.weights import copy_weights, load_targets
+    from rlfleet.trainer.service import sync_parts
     from rlfleet.trainer.weights import iter_weight_buckets
 
     t0 = time.perf_counter()
@@ -83,20 +84,19 @@ async def sync_round(
     walk = iter_weight_buckets(model, bucket_bytes, dtype=torch.bfloat16, pin_memory=pinned)
     refs = [store.put_local(f"weights/v{version}/{i}", bucket) for i, bucket in enumerate(walk)]
     staged = time.perf_counter()
-    buckets = [store.get_local(ref.key) for ref in refs]
-    published = fingerprint(item for bucket in buckets for item in bucket.items())
+    published, _ = sync_parts(store, version, refs, [])  # the whole version's publish: its fingerprint
     hashed = time.perf_counter()
-    deltas, changed, total = [], 0, 0
-    if state.get("refs"):
-        old = {n: t for ref in state["refs"] for n, t in store.get_local(ref.key).items()}
-        for i, bucket in enumerate(buckets):
-            delta = weight_delta(old, bucket)
-            if delta:
-                deltas.append(store.put_local(f"weights/v{version}/delta{i}", delta))
-            changed += sum(delta[k].numel() for k in delta if k.endswith("@idx"))
-            changed += sum(delta[k].numel() for k in delta if "@" not in k)
-            total += sum(t.numel() for t in bucket.values())
+    deltas: list[Any] = []
+    changed = total = 0
+    if state.get("refs"):  # delta sync's publish: the fingerprint and the delta from the version before
+        again, deltas = sync_parts(store, version, refs, state["refs"])
     diffed = time.perf_counter()
+    if deltas:
+        assert again == published
+        for ref in deltas:
+            delta = store.get_local(ref.key)
+            changed += sum(delta[k].numel() for k in delta if k.endswith("@idx") or "@" not in k)
+        total = sum(t.numel() for ref in refs for t in store.get_local(ref.key).values())
     for ref in state.get("refs", []):
         store.delete(ref.key)
     for ref in state.get("deltas", []):
@@ -130,9 +130,9 @@ async def sync_round(
         got = fingerprint(base.items())
         t4 = time.perf_counter()
         assert got == published, "the delta sync does not hold the published weights bit for bit"
-        trainer_s = hashed - t0 + diffed - hashed
+        trainer_s = staged - t0 + diffed - hashed  # stage, then hash and diff as a delta publish does
         sides["delta"] = {"bytes": float(sum(r.nbytes for r in deltas)), "trainer_s": trainer_s,
-                          "diff_s": diffed - hashed, "pull_s": pulled - t3, "receiver_s": t4 - t3,
+                          "hash_and_diff_s": diffed - hashed, "pull_s": pulled - t3, "receiver_s": t4 - t3,
                           "total_s": trainer_s + t4 - t3,
                           "changed_frac": changed / max(total, 1)}  # fmt: skip
     state["held"] = {n: t.clone() for n, t in held.items()}  # the receiver's copy for the next delta

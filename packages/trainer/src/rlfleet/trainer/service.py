@@ -243,6 +243,27 @@ def _phase(peaks: PhasePeaks | None, name: str) -> AbstractContextManager[None]:
     return nullcontext() if peaks is None else peaks.phase(name)
 
 
+def sync_parts(
+    store: TensorStoreServer, version: int, refs: list[TensorRef], base: list[TensorRef]
+) -> tuple[str, list[TensorRef]]:
+    """What a publish stages beside a version's host buckets ``refs`` in ``store``: their
+    fingerprint ("" with none) and, when ``base`` (the version before, still in the store) is given,
+    the delta buckets (delta sync): the change from ``base``, bucket by bucket."""
+    if not refs:
+        return "", []
+    buckets = [store.get_local(ref.key) for ref in refs]
+    fingerprint = weights_fingerprint(item for bucket in buckets for item in bucket.items())
+    if not base:
+        return fingerprint, []
+    old = {name: t for ref in base for name, t in store.get_local(ref.key).items()}
+    deltas = []
+    for i, bucket in enumerate(buckets):
+        delta = weight_delta(old, bucket)
+        if delta:
+            deltas.append(store.put_local(f"weights/v{version}/delta{i}", delta))
+    return fingerprint, deltas
+
+
 # --- rank 0: the NATS service ---------------------------------------------------------------------
 
 M = TypeVar("M")
@@ -432,7 +453,7 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
             refs, shared = await self._ranks(asyncio.to_thread(
                 self._stage, version, bucket_bytes, set(request.carriers), request.dtype))  # fmt: skip
             base = before if request.delta and refs and before else []
-            fingerprint, deltas = await asyncio.to_thread(self._sync_parts, version, refs, base)
+            fingerprint, deltas = await asyncio.to_thread(sync_parts, self.store, version, refs, base)
             for old in before:  # only now: a publish that failed leaves the current version servable
                 self.store.delete(old.key)
             self._published, self._shared, self._deltas = refs, shared, deltas
@@ -448,26 +469,6 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
                                 seconds=seconds, incarnation=self.incarnation, fingerprint=fingerprint,
                                 delta_buckets=deltas, delta_from=before_version if deltas else -1,
                                 delta_nbytes=delta_nbytes)  # fmt: skip
-
-    def _sync_parts(
-        self, version: int, refs: list[TensorRef], base: list[TensorRef]
-    ) -> tuple[str, list[TensorRef]]:
-        """The staged version's fingerprint (of its host buckets; "" with none) and, when ``base``
-        (the version before, still in the store) is given, its delta buckets (delta sync): the
-        change from ``base``, bucket by bucket."""
-        if not refs:
-            return "", []
-        buckets = [self.store.get_local(ref.key) for ref in refs]
-        fingerprint = weights_fingerprint(item for bucket in buckets for item in bucket.items())
-        if not base:
-            return fingerprint, []
-        old = {name: t for ref in base for name, t in self.store.get_local(ref.key).items()}
-        deltas = []
-        for i, bucket in enumerate(buckets):
-            delta = weight_delta(old, bucket)
-            if delta:
-                deltas.append(self.store.put_local(f"weights/v{version}/delta{i}", delta))
-        return fingerprint, deltas
 
     def _stage(
         self, version: int, bucket_bytes: int, carriers: set[str], dtype: str
