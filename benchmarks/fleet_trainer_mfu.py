@@ -15,7 +15,12 @@ step is the service's ``run_step`` (GRPO advantages from the scores, the referen
 
 A variant is ``{eager|compile}-mb<N>`` with optional ``-kl`` (``kl_coef`` 0.05, the GRPO default:
 the reference model is loaded and runs a forward each step) and ``-ragged`` (prompts of P/2..P and
-responses of R/4..R tokens, padded to the batch's widths, instead of all P + R).
+responses of R/4..R tokens, padded to the batch's widths, instead of all P + R), ``-lora`` (LoRA
+adapters of rank 16, alpha 32 on every linear layer of the blocks, ``model.lora``: only they train,
+and the reference is the base with them off) and ``-bf16`` (``param_dtype: bfloat16``: the weights
+held in bf16, as a LoRA run keeps its frozen base; full training keeps float32 master weights).
+For LoRA, the FLOPs below still count the weight gradients it skips (4 of the 6 per parameter and
+token are done), so its ``mfu`` is an equal-work figure: compare its tokens/s with full training's.
 
 FLOPs: ``update_flops`` of ``benchmarks/trainer.py`` (imported: ``6 N_body T + 6 V H (R + 1) + 6 L
 T^2 d`` per sequence), summed over the rows at their real lengths; the reference's forward adds a
@@ -48,6 +53,7 @@ from trainer import PEAK_BF16, PRESETS, matmul_tflops, sync, update_flops, write
 from rlfleet.common.schema.batch import RolloutBatch  # noqa: E402
 from rlfleet.common.schema.trainer import (  # noqa: E402
     BatchSettings,
+    LoraSettings,
     ModelSettings,
     StepSettings,
     TrainerWorkerConfig,
@@ -87,15 +93,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def parse_variant(name: str) -> dict[str, Any]:
-    """``compile-mb16-kl`` -> {compile: True, micro_batch: 16, kl: True, ragged: False}."""
+    """``compile-mb16-kl`` -> {compile: True, micro_batch: 16, kl: True, ragged: False, lora: False,
+    bf16: False}."""
     parts = name.split("-")
     if parts[0] not in ("eager", "compile") or len(parts) < 2 or not parts[1].startswith("mb"):
-        raise SystemExit(f"variant {name!r}: expected {{eager|compile}}-mb<N>[-kl][-ragged]")
-    extra = set(parts[2:])
-    if extra - {"kl", "ragged"}:
-        raise SystemExit(f"variant {name!r}: unknown parts {sorted(extra - {'kl', 'ragged'})}")
-    return {"compile": parts[0] == "compile", "micro_batch": int(parts[1][2:]), "kl": "kl" in extra,
-            "ragged": "ragged" in extra}  # fmt: skip
+        raise SystemExit(f"variant {name!r}: expected {{eager|compile}}-mb<N>[-kl][-ragged][-lora][-bf16]")
+    extra, known = set(parts[2:]), {"kl", "ragged", "lora", "bf16"}
+    if extra - known:
+        raise SystemExit(f"variant {name!r}: unknown parts {sorted(extra - known)}")
+    return {"compile": parts[0] == "compile", "micro_batch": int(parts[1][2:]),
+            **{part: part in extra for part in sorted(known)}}  # fmt: skip
 
 
 def rollout_batch(
@@ -145,13 +152,17 @@ def run_variant(
         update=UpdateSettings(micro_batch_size=v["micro_batch"], kl_coef=KL_COEF if v["kl"] else 0.0),
         batch=BatchSettings(rollout_batch_size=n_prompts, train_batch_size=n_prompts, group_size=args.group),
     )
+    lora = LoraSettings(rank=16, alpha=32.0) if v["lora"] else None
+    model_settings = ModelSettings(
+        compile=v["compile"], lora=lora, param_dtype="bfloat16" if v["bf16"] else "float32"
+    )
     cfg = TrainerWorkerConfig(model_path=str(path), placement=Placement(device=args.device, seed=0),
-                              model=ModelSettings(compile=v["compile"]), step=step)  # fmt: skip
+                              model=model_settings, step=step)  # fmt: skip
     t0 = time.perf_counter()
     ctx, actor, critic = build_models(cfg)
     load_s = time.perf_counter() - t0
     settings = StepSettings.of(cfg)
-    num_params = sum(p.numel() for p in actor.model.parameters())
+    num_params = sum(p.numel() for n, p in actor.model.named_parameters() if ".lora_" not in n)  # the base's
     batch, scores = rollout_batch(args, config.vocab_size, v["ragged"])
     on_gpu = ctx.device.type == "cuda"
     times, warm, metrics, peak_gib = [], [], {}, 0.0
@@ -174,6 +185,7 @@ def run_variant(
 
     result = {
         "model": model, "variant": name, **v, "world_size": ctx.world_size, "params": num_params,
+        "trainable_params": sum(p.numel() for p in actor.model.parameters() if p.requires_grad),
         "load_s": round(load_s, 2), "warmup_s": [round(w, 3) for w in warm],
         "step_s": [round(s, 4) for s in times],
         "step_s_median": round(seconds, 4), "tokens_per_step": tokens,
