@@ -11,9 +11,9 @@ Dropout is disabled: the first step's ratio is then exactly 1.
 Ranks: with a :class:`~rlfleet.trainer.distributed.DistContext` of W > 1 ranks the policy and the
 reference are sharded with FSDP2 (:mod:`rlfleet.trainer.distributed`).
 
-LoRA (``model.lora``, one process): the policy gets PEFT adapters and only they train; the reference
-is the policy with its adapters off; publishes and exports carry the weights merged
-(:mod:`rlfleet.trainer.lora`).
+LoRA (``model.lora``, one process or FSDP ranks): the policy gets PEFT adapters (before it is
+sharded) and only they train; the reference is the policy with its adapters off; publishes carry
+the weights merged or the adapter alone, exports both (:mod:`rlfleet.trainer.lora`).
 """
 
 from __future__ import annotations
@@ -30,9 +30,16 @@ from transformers import PreTrainedModel
 
 from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.trainer import ModelSettings
-from rlfleet.trainer.distributed import DistContext, save_hf_sharded, shard_model, shared_seed
+from rlfleet.trainer.distributed import DistContext, gathered_state, save_hf_sharded, shard_model, shared_seed
 from rlfleet.trainer.loop import Trainable, placement
-from rlfleet.trainer.lora import AdapterOff, add_adapters, merged_state, save_adapter
+from rlfleet.trainer.lora import (
+    AdapterOff,
+    adapter_state,
+    add_adapters,
+    lora_params,
+    merged_state,
+    save_adapter,
+)
 from rlfleet.trainer.model_io import (
     compile_blocks,
     disable_dropout,
@@ -105,7 +112,7 @@ class Actor(Trainable):
         disable_dropout(policy)
         self.peft: PeftModel | None = None  # LoRA: the PEFT model around the policy (lora.py)
         if self.settings.lora is not None:
-            self.peft = self._adapt(policy, dist)  # only the adapters train
+            self.peft = self._adapt(policy)  # only the adapters train
         if self.settings.gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.compiled:
@@ -122,13 +129,11 @@ class Actor(Trainable):
         self.generator.manual_seed(shared_seed(seed, dist))
         self.ref_model: PreTrainedModel | None = None
 
-    def _adapt(self, policy: PreTrainedModel, dist: DistContext) -> PeftModel:
-        """LoRA adapters on ``policy`` (in place), after checking the settings allow them."""
+    def _adapt(self, policy: PreTrainedModel) -> PeftModel:
+        """LoRA adapters on ``policy`` (in place, before FSDP shards it), after checking the settings
+        allow them."""
         lora = self.settings.lora
         assert lora is not None
-        if dist.distributed:
-            raise ConfigError("model.lora", lora.model_dump(), "LoRA trains in one trainer process for now, "
-                              "not under FSDP ranks (num_train_workers: 1)")  # fmt: skip
         if self.settings.trainable_layers is not None:
             raise ConfigError("model.lora", lora.model_dump(), "trains adapters instead of layers: unset "
                               "model.trainable_layers")  # fmt: skip
@@ -166,12 +171,17 @@ class Actor(Trainable):
         include_tied: bool = False,
         pin_memory: bool = False,
         on_device: bool = False,
+        adapter: bool = False,
     ) -> Iterator[dict[str, Tensor]]:
         """The policy's trainable state dict in buckets, kept by rank 0 (``{}`` on other ranks).
 
-        Under FSDP every rank must iterate to the end; see :mod:`rlfleet.trainer.weights`.
+        LoRA: the weights with the adapters merged, or with ``adapter`` the adapter's tensors alone
+        (PEFT's names, :func:`rlfleet.trainer.lora.adapter_state`). Under FSDP every rank must
+        iterate to the end; see :mod:`rlfleet.trainer.weights`.
         """
-        merged = merged_state(self.model) if self.peft is not None else None  # LoRA: what engines load
+        merged = None
+        if self.peft is not None:  # LoRA: what the engines load
+            merged = adapter_state(self.peft) if adapter else merged_state(self.model)
         return iter_weight_buckets(
             self.model, bucket_bytes, dtype=dtype, include_tied=include_tied, only=self.trainable,
             keep=self.dist.is_main, pin_memory=pin_memory, on_device=on_device and self.dist.is_main,
@@ -179,14 +189,28 @@ class Actor(Trainable):
         )  # fmt: skip
 
     def save_hf(self, path: str | Path) -> Path:
-        """Save the policy (safetensors + config) and the source directory's tokenizer files to ``path``.
+        """Save the policy (safetensors + config) and the source directory's tokenizer files to ``path``;
+        LoRA: the weights merged, and the adapter in PEFT's format in ``path/adapter``.
 
         Under FSDP every rank must call it (see :func:`rlfleet.trainer.distributed.save_hf_sharded`).
         """
+        if self.peft is not None:
+            return self._save_lora(Path(path))
         if self.dist.distributed:
             return save_hf_sharded(self.model, path, self.dist.is_main, source_dir=self.model_path)
-        if self.peft is not None:  # LoRA: the merged model, and the adapter in PEFT's format beside it
-            saved = save_hf(self.model, path, source_dir=self.model_path, state_dict=merged_state(self.model))
-            save_adapter(self.peft, Path(path) / "adapter")
-            return saved
         return save_hf(self.model, path, source_dir=self.model_path)
+
+    def _save_lora(self, path: Path) -> Path:
+        """LoRA's export: the merged model in HF format in ``path``, the adapter in PEFT's format in
+        ``path/adapter``. Under FSDP every rank gathers both, rank 0 writes."""
+        assert self.peft is not None
+        merged, adapter = merged_state(self.model), lora_params(self.peft)
+        if self.dist.distributed:
+            merged = gathered_state(self.model, self.dist.is_main, state=merged)
+            adapter = gathered_state(self.model, self.dist.is_main, state=adapter)
+        if self.dist.is_main:
+            save_hf(self.model, path, source_dir=self.model_path, state_dict=merged)
+            save_adapter(self.peft, path / "adapter", adapter)
+        if self.dist.distributed:
+            torch.distributed.barrier()  # written before any rank goes on
+        return path

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -260,10 +261,20 @@ def save_hf_sharded(
     The weights are gathered a bucket at a time into rank 0's host memory, which holds the
     whole state dict while it writes; the other ranks keep nothing.
     """
-    state: dict[str, Tensor] = {}
-    for bucket in iter_weight_buckets(model, bucket_bytes, include_tied=True, keep=is_main):
-        state.update(bucket)
+    state = gathered_state(model, is_main, bucket_bytes=bucket_bytes)
     if is_main:
         save_hf(model, path, source_dir=source_dir, state_dict=state)  # type: ignore[arg-type]
     torch.distributed.barrier()
     return Path(path)
+
+
+def gathered_state(
+    model: nn.Module, is_main: bool, *, state: Mapping[str, Tensor] | None = None, bucket_bytes: int = 1 << 28
+) -> dict[str, Tensor]:
+    """``model``'s state dict (or ``state``: tensors of it, or computed from it, such as a LoRA
+    actor's merged weights) as full tensors on the host of rank 0 (``is_main``), tied aliases
+    included; ``{}`` on the other ranks. Under FSDP every rank calls it (the gathers are collectives)."""
+    out: dict[str, Tensor] = {}
+    for bucket in iter_weight_buckets(model, bucket_bytes, include_tied=True, keep=is_main, state=state):
+        out.update(bucket)
+    return out

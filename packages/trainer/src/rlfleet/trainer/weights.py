@@ -307,8 +307,9 @@ def iter_weight_buckets(
         on_device: keep each bucket in one flat buffer on the model's GPU instead of the host
             (the tensors are views of it at 64-byte aligned offsets): what CUDA IPC shares with a
             colocated engine. The buffers are new for every call; each stays as long as its views.
-        state: walk these tensors instead of ``model``'s state dict (one process: a LoRA actor's
-            weights with the adapters merged, :func:`rlfleet.trainer.lora.merged_state`).
+        state: walk these tensors instead of ``model``'s state dict (a LoRA actor's weights with
+            the adapters merged, :func:`rlfleet.trainer.lora.merged_state`, or its adapter); under
+            FSDP they are DTensor shards, gathered like the model's.
 
     Yields:
         ``{name: tensor}`` dicts, never empty on a keeping rank.
