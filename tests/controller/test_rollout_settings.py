@@ -22,11 +22,25 @@ def test_vllm_settings_reach_the_worker_as_they_are() -> None:
     (worker,) = rollout_worker_configs(cfg, Path("/m"), "c")
     assert isinstance(worker, RolloutWorkerConfig)
     # what the engine makes of these: engine_kwargs, tests/rollout/test_vllm_registry.py
-    assert worker.rollout == cfg.rollout.settings() and worker.rollout.model_dump()["engine"] == VLLM
+    assert worker.rollout == cfg.rollout.settings()
+    assert worker.rollout.model_dump()["engine"] == {**VLLM, "max_lora_rank": 0}
     engine = worker.rollout
     assert (engine.dtype, engine.max_batch_size, worker.placement.seed, worker.model_path) == (
         "bfloat16", 64, 0, "/m",
     )  # fmt: skip
+
+
+@pytest.mark.parametrize(("adapter", "asked", "served"), [(True, 0, 16), (True, 32, 32), (False, 0, 0)])
+def test_a_lora_run_that_publishes_its_adapter_starts_vllm_for_its_rank(
+    adapter: bool, asked: int, served: int
+) -> None:
+    cfg = TrainerConfig(rollout={"engine": {**VLLM, "max_lora_rank": asked}}, model={"lora": {"rank": 16}},
+                        weight_sync={"adapter": adapter})  # fmt: skip
+    (worker,) = rollout_worker_configs(cfg, Path("/m"), "c")
+    engine = worker.rollout.vllm()
+    assert engine is not None and engine.max_lora_rank == served
+    (plain,) = rollout_worker_configs(TrainerConfig(model={"lora": {"rank": 16}}), Path("/m"), "c")
+    assert plain.rollout.vllm() is None  # the HF engine applies adapters without a setting
 
 
 def test_the_previous_flat_form_of_the_rollout_section_loads_with_a_warning() -> None:

@@ -17,12 +17,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from rlfleet.common.control.embedded_nats import EmbeddedNats
 from rlfleet.common.control.nats_transport import NatsTransport
-from rlfleet.common.schema.rollout import HFEngineSettings, RolloutSettings, RolloutWorkerConfig
-from rlfleet.common.schema.worker import FleetAddress, Placement
 from rlfleet.common.tensors.server import TensorStoreServer
 from rlfleet.rollout.service import RolloutWorker
 
 sys.path.insert(0, str(Path(__file__).parent))  # this folder's helper modules (weight_buckets.py)
+from real_worker import running_worker  # noqa: E402
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 CHARS = list(string.ascii_lowercase + string.ascii_uppercase + string.digits + " .,!?")
@@ -119,8 +118,6 @@ def make_vllm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint
 
 # --- a real rollout worker on a real nats-server, and a trainer's TensorStore -------------------------
 
-WORKER_CLUSTER = "atomic-loads"
-
 
 @pytest.fixture
 async def nats() -> AsyncIterator[EmbeddedNats]:
@@ -130,18 +127,8 @@ async def nats() -> AsyncIterator[EmbeddedNats]:
 
 @pytest.fixture
 async def worker(nats: EmbeddedNats, make_checkpoint) -> AsyncIterator[RolloutWorker]:  # noqa: ANN001
-    config = RolloutWorkerConfig(fleet=FleetAddress(cluster=WORKER_CLUSTER), worker_id="rollout-0",
-                                 model_path=str(make_checkpoint(seed=0)), placement=Placement(device="cpu"),
-                                 rollout=RolloutSettings(engine=HFEngineSettings(type="hf")),
-                                 catch_up_timeout_s=0.5)  # fmt: skip
-    transport = await NatsTransport.connect(nats.url, name="rollout-0", tier="rollout")
-    worker = RolloutWorker(config, transport)
-    await worker.start()
-    try:
-        yield worker
-    finally:
-        await worker.stop("test over")
-        await transport.close()
+    async with running_worker(nats.url, make_checkpoint(seed=0)) as started:
+        yield started
 
 
 @pytest.fixture

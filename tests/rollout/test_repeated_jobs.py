@@ -10,6 +10,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
+from real_worker import running_worker  # (this folder's helper)
 
 from rlfleet.common.control.embedded_nats import EmbeddedNats
 from rlfleet.common.control.messages import (
@@ -21,8 +22,6 @@ from rlfleet.common.control.messages import (
 )
 from rlfleet.common.control.nats_transport import NatsTransport
 from rlfleet.common.errors import RemoteUserError
-from rlfleet.common.schema.rollout import HFEngineSettings, RolloutSettings, RolloutWorkerConfig
-from rlfleet.common.schema.worker import FleetAddress, Placement
 from rlfleet.rollout.service import RolloutWorker
 
 CLUSTER = "repeats"
@@ -38,18 +37,8 @@ def server() -> Iterator[EmbeddedNats]:
 
 @pytest.fixture
 async def worker(server: EmbeddedNats, make_checkpoint) -> AsyncIterator[RolloutWorker]:  # noqa: ANN001
-    config = RolloutWorkerConfig(fleet=FleetAddress(cluster=CLUSTER), worker_id="rollout-0",
-                                 model_path=str(make_checkpoint()), placement=Placement(device="cpu"),
-                                 rollout=RolloutSettings(engine=HFEngineSettings(type="hf")),
-                                 catch_up_timeout_s=0.5)  # fmt: skip
-    transport = await NatsTransport.connect(server.url, name="rollout-0", tier="rollout", **FAST)  # type: ignore[arg-type]
-    worker = RolloutWorker(config, transport)
-    await worker.start()
-    try:
-        yield worker
-    finally:
-        await worker.stop("test over")
-        await transport.close()
+    async with running_worker(server.url, make_checkpoint(), cluster=CLUSTER, **FAST) as started:
+        yield started
 
 
 async def _until(check: Callable[[], object], timeout: float, what: str) -> None:

@@ -53,6 +53,7 @@ def test_worker_settings_map_to_engine_arguments() -> None:
     assert engine_kwargs(_worker(vllm), "cuda") == {
         **common, "tensor_parallel_size": 2, "gpu_memory_utilization": "auto", "enforce_eager": False,
         "enable_prefix_caching": False, "max_model_len": 512, "colocate": True, "sleep_level": 2,
+        "max_lora_rank": 0,
     }  # fmt: skip
     on_cpu = engine_kwargs(_worker({"type": "vllm"}), "cpu")
     assert on_cpu["enable_prefix_caching"] and on_cpu["enforce_eager"] and on_cpu["max_model_len"] == 2048

@@ -259,7 +259,8 @@ class Fleet:
     async def _load_one(self, worker: WorkerInfo, published: WeightsPublished) -> None:
         message = LoadWeights(weight_version=published.weight_version, buckets=published.buckets,
                               ipc_buckets=published.ipc_buckets, job_id=self._job_id("load"),
-                              hold=self._hold)  # fmt: skip
+                              hold=self._hold and published.adapter is None,
+                              adapter=published.adapter)  # fmt: skip
         try:
             reply = await self._load_request(worker, message)
             assert isinstance(reply, WeightsLoaded), reply
@@ -464,15 +465,18 @@ class Fleet:
         The workers keep their batches generated at ``keep_from_version`` or later (-1: at the
         version loaded; a pipelined run trains older ones after this load).
 
-        Delta sync: a worker that holds ``published.delta_from`` pulls only the delta (one that
-        turns out to hold no copy of it is sent the whole version); ``hold`` has every worker keep a
-        host copy of what it loads, for the next delta. Every load is verified: a worker whose
-        fingerprint differs from the published one raises :class:`WeightSyncMismatch`."""
+        A LoRA adapter (``published.adapter``) goes to every worker whole; the engines apply it to
+        the base they hold. Delta sync: a worker that holds ``published.delta_from`` pulls only the
+        delta (one that turns out to hold no copy of it is sent the whole version); ``hold`` has
+        every worker keep a host copy of what it loads, for the next delta. Every load is verified:
+        a worker whose fingerprint differs from the published one raises :class:`WeightSyncMismatch`."""
         self.published = published
         self._admitting = {k: t for k, t in self._admitting.items() if k[1] == published.weight_version}
+        hold = hold and published.adapter is None  # an adapter travels whole: no copy kept for a delta
         message = LoadWeights(weight_version=published.weight_version, buckets=published.buckets,
                               ipc_buckets=published.ipc_buckets, job_id=self._job_id("load"),
-                              keep_from_version=keep_from_version, hold=hold)  # fmt: skip
+                              keep_from_version=keep_from_version, hold=hold,
+                              adapter=published.adapter)  # fmt: skip
         self._hold = hold
         loaded, waits = await self._load_all(message), 0
         while not loaded:  # every worker went meanwhile: the first back loads it
@@ -621,14 +625,15 @@ class Fleet:
 
     async def publish_weights(
         self, bucket_mb: float, weight_version: int = -1, *, carrier: CarrierSetting = "grpc",
-        dtype: str = "", delta: bool = False,
+        dtype: str = "", delta: bool = False, adapter: bool = False,
     ) -> WeightsPublished:  # fmt: skip
         """Stage the trainer's weights as ``weight_version`` (-1: the next one), for the carriers the
         rollout workers need under ``carrier`` (``auto``: CUDA IPC to workers on the trainer's GPU);
-        ``delta``: also their change from the version before (delta sync)."""
+        ``delta``: also their change from the version before (delta sync); ``adapter``: a LoRA
+        trainer's adapter alone (over gRPC)."""
         message = PublishWeights(bucket_mb=bucket_mb, weight_version=weight_version,
                                  carriers=self.weight_carriers(carrier), dtype=dtype,
-                                 job_id=self._job_id("publish"), delta=delta)  # fmt: skip
+                                 job_id=self._job_id("publish"), delta=delta, adapter=adapter)  # fmt: skip
         reply = await self._trainer_request("publish", "weight publish", message, self.deadlines.publish())
         assert isinstance(reply, WeightsPublished), reply
         self.deadlines.published(reply.nbytes)
@@ -667,9 +672,11 @@ async def publish(
     cfg = state.config
     sync = cfg.weight_sync
     anchor = (state.weight_version + 1) % sync.anchor_every == 0  # every anchor_every-th version: whole
+    adapter = sync.adapter and cfg.model.lora is not None  # LoRA: the adapter alone
     published = await fleet.publish_weights(
         cfg.weight_bucket_mb, weight_version, carrier=cfg.weight_carrier, dtype=state.publish_dtype,
-        **({"delta": True} if sync.delta and not anchor else {}),
+        **({"delta": True} if sync.delta and not anchor and not adapter else {}),
+        **({"adapter": True} if adapter else {}),
     )  # fmt: skip
     keep = max(published.weight_version - cfg.max_staleness, 0) if cfg.max_staleness else -1
     loaded = await fleet.load_weights(published, keep, **({"hold": True} if sync.delta else {}))

@@ -316,6 +316,7 @@ def publish_metrics(published: WeightsPublished, loaded: list[WeightsLoaded]) ->
         "publish/delta_mb": published.delta_nbytes / 2**20,  # 0: no delta staged (delta sync off, an anchor)
         "publish/delta_workers": float(sum(r.delta for r in loaded)),
         "publish/verified_workers": float(sum(bool(r.fingerprint and published.fingerprint) for r in loaded)),
+        "publish/adapter": float(published.adapter is not None),  # 1: a LoRA run's adapter alone
     }
 
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from rlfleet.common.control.membership import WorkerRegistry
 from rlfleet.common.schema.reward import RewardWorkerConfig, Spec
-from rlfleet.common.schema.rollout import RolloutWorkerConfig
+from rlfleet.common.schema.rollout import RolloutSettings, RolloutWorkerConfig
 from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig
 from rlfleet.common.schema.worker import FleetAddress, ModelLoading
 from rlfleet.controller.config import TrainerConfig
@@ -64,6 +64,15 @@ def trainer_worker_config(
     )  # fmt: skip
 
 
+def lora_ready(config: TrainerConfig, settings: RolloutSettings) -> RolloutSettings:
+    """``settings`` able to serve the run's LoRA adapter: a run that publishes its adapter
+    (``model.lora`` with ``weight_sync.adapter``) raises vLLM's ``max_lora_rank`` to its rank."""
+    engine, lora = settings.vllm(), config.model.lora
+    if engine is None or lora is None or not config.weight_sync.adapter or engine.max_lora_rank >= lora.rank:
+        return settings
+    return settings.model_copy(update={"engine": engine.model_copy(update={"max_lora_rank": lora.rank})})
+
+
 def rollout_worker_configs(
     config: TrainerConfig, model_path: Path, cluster: str
 ) -> list[RolloutWorkerConfig]:
@@ -78,7 +87,8 @@ def rollout_worker_configs(
             worker = RolloutWorkerConfig(
                 fleet=FleetAddress(cluster=cluster), placement=placement,
                 tensor_plane=_copy(config.tensor_plane), worker_id=name, pool=pool,
-                model_path=str(model_path), loading=loading.model_copy(), rollout=settings,
+                model_path=str(model_path), loading=loading.model_copy(),
+                rollout=lora_ready(config, settings),
             )  # fmt: skip
             workers.append(worker)
     return workers

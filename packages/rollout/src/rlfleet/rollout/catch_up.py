@@ -2,7 +2,8 @@
 
 The trainer answers ``rlfleet.<cluster>.trainer.latest`` with the :class:`WeightsPublished` of
 its current version; the worker pulls those buckets from the trainer's TensorStore exactly as for
-a regular publish. Before the first publish (or with no trainer running yet, as when the embedded
+a regular publish (a LoRA run's adapter, applied to the base the worker loaded from disk: base
+plus the current adapter). Before the first publish (or with no trainer running yet, as when the embedded
 launcher starts the tiers together) the model on disk is the current version and nothing is loaded.
 A publish may delete the buckets while the worker fetches them: it then asks again. A version
 shared only by CUDA IPC with another GPU cannot be loaded here: the worker joins at the version it
@@ -60,7 +61,7 @@ async def catch_up(
         if latest is None or latest.weight_version == current or not (latest.buckets or latest.ipc_buckets):
             return current
         message = LoadWeights(weight_version=latest.weight_version, buckets=latest.buckets,
-                              ipc_buckets=latest.ipc_buckets)  # fmt: skip
+                              ipc_buckets=latest.ipc_buckets, adapter=latest.adapter)  # fmt: skip
         try:
             loaded = await load(message)
         except NoUsableCarrier as exc:  # shared by CUDA IPC with another GPU: wait for the next publish

@@ -136,6 +136,17 @@ class DeltaBaseMissing(Failure, ValueError):
         super().__init__(f"rollout worker {worker_id} {holds}; the delta applies to version {base}")
 
 
+class BadAdapter(UserError, ValueError):
+    """A published LoRA adapter the engine cannot apply (``tensor``: the adapter tensor at fault, by
+    its PEFT name; ``reason`` says why). Checked whole before anything changes: the engine keeps the
+    version it serves."""
+
+    def __init__(self, tensor: str, reason: str) -> None:
+        self.tensor = tensor
+        self.reason = reason
+        super().__init__(f"LoRA adapter refused: {tensor + ': ' if tensor else ''}{reason}")
+
+
 class IncompleteWeights(Failure, ValueError):
     """A weight version was set while a fused block still missed some of its tensors.
 

@@ -337,13 +337,21 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         (only the delta crosses the network). A delta on any other version raises
         :class:`DeltaBaseMissing` (the controller then sends the whole version). Every gRPC load
         answers the fingerprint of the weights loaded (:mod:`rlfleet.common.tensors.weight_sync`).
+
+        A LoRA adapter (``adapter``, over gRPC) replaces the adapter the engine serves on its base
+        (``Engine.load_adapter``); its fingerprint is the adapter's.
         """
         t0 = time.perf_counter()
         carrier = self.carrier(message)
         version = message.weight_version
         fingerprint = ""
         async with self._gpu:
-            if carrier == "cuda_ipc":
+            if message.adapter is not None:  # a LoRA adapter, applied to the base the engine holds
+                items = await self._fetch_version(message)
+                self._held = None
+                await asyncio.to_thread(self.engine.load_adapter, items, message.adapter, version)
+                fingerprint = await asyncio.to_thread(weights_fingerprint, items)
+            elif carrier == "cuda_ipc":
                 await asyncio.to_thread(self.engine.load_ipc, message.ipc_buckets, version)
             else:
                 items = await self._fetch_version(message)

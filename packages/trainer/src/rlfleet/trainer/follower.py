@@ -89,8 +89,9 @@ class Follower:
         elif op == "publish":
             await self._agreed("publish", lambda: asyncio.sleep(0))
             await asyncio.to_thread(
-                self._drain, int(command["bucket_bytes"]), str(command.get("dtype") or "")
-            )
+                self._drain, int(command["bucket_bytes"]), str(command.get("dtype") or ""),
+                bool(command.get("adapter")),
+            )  # fmt: skip
         elif op == "save":
             path, mode = command["path"], command.get("mode", "hf")
             await self._agreed(f"save checkpoint {path!r}",
@@ -120,9 +121,11 @@ class Follower:
             raise  # the agreement itself failed (rank 0 is gone): this rank ends
         return value  # type: ignore[return-value]
 
-    def _drain(self, bucket_bytes: int, dtype: str) -> None:
-        """Take part in every gather of a publish (in rank 0's publish dtype); rank 0 keeps the buckets."""
-        for _ in self.actor.iter_weight_buckets(bucket_bytes, dtype=getattr(torch, dtype) if dtype else None):
+    def _drain(self, bucket_bytes: int, dtype: str, adapter: bool) -> None:
+        """Take part in every gather of a publish (in rank 0's publish dtype; ``adapter``: a LoRA
+        actor's adapter alone); rank 0 keeps the buckets."""
+        publish_dtype = getattr(torch, dtype) if dtype else None
+        for _ in self.actor.iter_weight_buckets(bucket_bytes, dtype=publish_dtype, adapter=adapter):
             pass
 
 

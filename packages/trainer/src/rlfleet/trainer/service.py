@@ -73,7 +73,7 @@ from rlfleet.common.schema.batch import (
 )
 from rlfleet.common.schema.carriers import IpcBucket
 from rlfleet.common.schema.refs import TensorRef
-from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig, model_fingerprint
+from rlfleet.common.schema.trainer import LoraSettings, StepSettings, TrainerWorkerConfig, model_fingerprint
 from rlfleet.common.tensors.store import ClientPool, TensorStoreServer, worker_store
 from rlfleet.common.tensors.weight_sync import fingerprint as weights_fingerprint
 from rlfleet.common.tensors.weight_sync import weight_delta
@@ -293,6 +293,7 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
         self.data_address = self.store.address
         self.stores = ClientPool(plane)  # the rollout workers' stores this rank fetches from
         self._published: list[TensorRef] = []
+        self._published_adapter: LoraSettings | None = None  # the version published is a LoRA adapter
         self._deltas: list[TensorRef] = []  # the current version's delta from the one before (delta sync)
         self.version_fingerprint = ""  # of the current version's host buckets (weight_sync.fingerprint)
         self._shared: list[IpcBucket] = []  # the current version by CUDA IPC, when it was asked for
@@ -421,7 +422,8 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
         return WeightsPublished(weight_version=self.weight_version, buckets=refs, ipc_buckets=shared,
                                 nbytes=sum(r.nbytes for r in refs) or sum(b.nbytes for b in shared),
                                 seconds=0.0, incarnation=self.incarnation,
-                                fingerprint=self.version_fingerprint)  # fmt: skip
+                                fingerprint=self.version_fingerprint,
+                                adapter=self._published_adapter)  # fmt: skip
 
     async def publish(self, request: PublishWeights) -> WeightsPublished:
         """Stage the current weights as a new version, bucket by bucket, for the carriers asked for.
@@ -433,7 +435,9 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
         return await self.replies.once(request, request.job_id, lambda: self._publish(request))
 
     async def _publish(self, request: PublishWeights) -> WeightsPublished:
-        if "cuda_ipc" in request.carriers and self.actor.device.type != "cuda":
+        lora = self.actor.settings.lora if request.adapter and self.actor.peft is not None else None
+        carriers = {"grpc"} if lora is not None else set(request.carriers)  # an adapter is small: gRPC
+        if "cuda_ipc" in carriers and self.actor.device.type != "cuda":
             raise CarrierUnavailable("cuda_ipc", "needs the trainer on a GPU; this trainer runs on CPU")
         async with self._lock:
             t0 = time.perf_counter()
@@ -448,46 +452,53 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
                 self.store.delete(old.key)
             self._deltas = []
             self._shared, self._shared_buffers = [], []  # the previous version's GPU buffers go
-            command = {"op": "publish", "bucket_bytes": bucket_bytes, "dtype": request.dtype}
+            command = {"op": "publish", "bucket_bytes": bucket_bytes, "dtype": request.dtype,
+                       "adapter": lora is not None}  # fmt: skip
             await self._agreed(command, f"publish weight version {version}", lambda: None)
             refs, shared = await self._ranks(asyncio.to_thread(
-                self._stage, version, bucket_bytes, set(request.carriers), request.dtype))  # fmt: skip
-            base = before if request.delta and refs and before else []
+                self._stage, version, bucket_bytes, carriers, request.dtype, lora is not None))  # fmt: skip
+            delta = request.delta and lora is None and self._published_adapter is None  # an adapter: whole
+            base = before if delta and refs and before else []
             fingerprint, deltas = await asyncio.to_thread(sync_parts, self.store, version, refs, base)
             for old in before:  # only now: a publish that failed leaves the current version servable
                 self.store.delete(old.key)
             self._published, self._shared, self._deltas = refs, shared, deltas
+            self._published_adapter = lora
             self.weight_version = version
             self.version_fingerprint = fingerprint
             seconds = time.perf_counter() - t0
         nbytes = sum(ref.nbytes for ref in refs) or sum(b.nbytes for b in shared)
         delta_nbytes = sum(ref.nbytes for ref in deltas)
-        logger.info("staged weight version %d for %s: %d buckets, %.1f MB%s in %.3fs", version,
-                    "+".join(sorted(request.carriers)), max(len(refs), len(shared)), nbytes / 2**20,
+        logger.info("staged weight version %d for %s: %d buckets, %.1f MB%s%s in %.3fs", version,
+                    "+".join(sorted(carriers)), max(len(refs), len(shared)), nbytes / 2**20,
+                    " (the LoRA adapter)" if lora is not None else "",
                     f" (a delta of {delta_nbytes / 2**20:.2f} MB)" if deltas else "", seconds)  # fmt: skip
         return WeightsPublished(weight_version=version, buckets=refs, ipc_buckets=shared, nbytes=nbytes,
                                 seconds=seconds, incarnation=self.incarnation, fingerprint=fingerprint,
                                 delta_buckets=deltas, delta_from=before_version if deltas else -1,
-                                delta_nbytes=delta_nbytes)  # fmt: skip
+                                delta_nbytes=delta_nbytes, adapter=lora)  # fmt: skip
 
     def _stage(
-        self, version: int, bucket_bytes: int, carriers: set[str], dtype: str
+        self, version: int, bucket_bytes: int, carriers: set[str], dtype: str, adapter: bool = False
     ) -> tuple[list[TensorRef], list[IpcBucket]]:
-        """The new version's buckets (:meth:`_stage_buckets`); on a GPU their staging's peak memory
-        is kept for the next step's metrics."""
+        """The new version's buckets (:meth:`_stage_buckets`; ``adapter``: a LoRA actor's adapter
+        alone); on a GPU their staging's peak memory is kept for the next step's metrics."""
         self._publish_peaks = {}
         peaks = memory_peaks(self.actor.device)
         with _phase(peaks, "publish"):
-            staged = self._stage_buckets(version, bucket_bytes, carriers, dtype)
+            staged = self._stage_buckets(version, bucket_bytes, carriers, dtype, adapter)
         self._publish_peaks = {} if peaks is None else peaks.metrics
         return staged
 
     def _stage_buckets(
-        self, version: int, bucket_bytes: int, carriers: set[str], dtype: str
+        self, version: int, bucket_bytes: int, carriers: set[str], dtype: str, adapter: bool
     ) -> tuple[list[TensorRef], list[IpcBucket]]:
         refs: list[TensorRef] = []
         shared: list[IpcBucket] = []
         publish_dtype = getattr(torch, dtype) if dtype else None
+        if adapter:
+            buckets = self.actor.iter_weight_buckets(bucket_bytes, dtype=publish_dtype, adapter=True)
+            return [self.store.put_local(f"weights/v{version}/{i}", b) for i, b in enumerate(buckets)], []
         if "cuda_ipc" in carriers:
             buckets = self.actor.iter_weight_buckets(bucket_bytes, dtype=publish_dtype, on_device=True)
             for i, bucket in enumerate(buckets):

@@ -72,6 +72,11 @@ class VLLMEngineSettings(ConfigModel):
     max_model_len: int = Field(
         default=2048, ge=2, description="longest context (prompt + response) a request may use"
     )
+    max_lora_rank: int = Field(
+        default=0, ge=0, le=512,
+        description="serve LoRA adapters up to this rank (vLLM's enable_lora); 0: none. A run with "
+        "model.lora and weight_sync.adapter raises it to the adapter's rank",
+    )  # fmt: skip
 
 
 EngineSettings = Annotated[HFEngineSettings | VLLMEngineSettings, Field(discriminator="type")]

@@ -21,6 +21,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 
 from rlfleet.common.control.messages import SamplingParams
+from rlfleet.common.schema.trainer import LoraSettings
 
 FinishReason = Literal["stop", "length"]
 
@@ -75,6 +76,11 @@ class Engine(Protocol):
 
     def load_weights(self, weights: WeightsInput, version: int | None = None) -> None:
         """Copy tensors into the live model by HF parameter name; set the version if given."""
+        ...
+
+    def load_adapter(self, weights: WeightsInput, settings: LoraSettings, version: int | None = None) -> None:
+        """Serve a published LoRA adapter (PEFT's tensor names) on the base weights, in place of the
+        adapter served; set the version if given. All or nothing."""
         ...
 
     @property

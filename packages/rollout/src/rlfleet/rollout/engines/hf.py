@@ -33,7 +33,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -52,9 +52,11 @@ from rlfleet.common.control.messages import SamplingParams
 from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.batch import pad_left
 from rlfleet.common.schema.carriers import IpcBucket
+from rlfleet.common.schema.trainer import LoraSettings
 from rlfleet.rollout.engines.base import Completion, WeightsInput
 from rlfleet.rollout.engines.checkpoint import load_tokenizer
 from rlfleet.rollout.engines.cuda_ipc import device_uuid, load_and_release, meta_items
+from rlfleet.rollout.engines.lora_adapter import merged, parse_adapter, scale
 from rlfleet.rollout.engines.weights import TiedPair, copy_weights, load_targets, validate
 from rlfleet.rollout.errors import DeadlinePassed, EngineClosed, InvalidPrompt, IpcUnavailable
 
@@ -113,6 +115,7 @@ class HFEngine:
         )
         self._rng = torch.Generator().manual_seed(seed)
         self._weight_version = 0
+        self._adapter_base: dict[str, torch.Tensor] = {}  # LoRA: the base weights of the adapted layers
         self._lock = threading.Lock()
         logger.info("HF engine %s on %s (%s), eos %s", self.model_id, self._device, dtype, self._eos_ids)
 
@@ -198,9 +201,33 @@ class HFEngine:
         self._check_open()
         with self._lock:
             names = copy_weights(self._targets, weights, self._tied)
+            self._adapter_base = {}  # whole weights: the base of any adapter to come, none applied now
         if version is not None:
             self.set_weight_version(version)
         logger.debug("loaded %d weights into %s", len(names), self.model_id)
+
+    def load_adapter(self, weights: WeightsInput, settings: LoraSettings, version: int | None = None) -> None:
+        """Apply a published LoRA adapter (PEFT's names; see :mod:`.lora_adapter`) in place of the one
+        served: each adapted layer becomes its base weight plus ``(alpha / rank) B A``, a layer the
+        new adapter leaves out goes back to its base. The adapter is checked whole first and the
+        copy is all or nothing (the engine keeps the version it reports on any error)."""
+        self._check_open()
+        items = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
+        with self._lock:
+            shapes = {name: tuple(t.shape) for name, t in self._targets.items()}
+            layers = parse_adapter(items, settings, shapes)
+            base = dict(self._adapter_base)
+            for layer in layers:
+                if layer.name not in base:
+                    base[layer.name] = self._targets[layer.name].detach().clone()
+            factor = scale(settings)
+            new = {layer.name: merged(base[layer.name], layer, factor) for layer in layers}
+            new.update({n: t for n, t in base.items() if n not in new})  # no longer adapted: the base
+            copy_weights(self._targets, list(new.items()), self._tied)
+            self._adapter_base = base
+        if version is not None:
+            self.set_weight_version(version)
+        logger.debug("applied a LoRA adapter on %d layers to %s", len(layers), self.model_id)
 
     def load_ipc(self, buckets: Sequence[IpcBucket], version: int | None = None) -> None:
         """Load a publish shared by CUDA IPC from this engine's GPU: map, validate, copy on the device."""

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rlfleet.common.control.messages.base import Message
 from rlfleet.common.schema.carriers import IpcBucket, WeightCarrier
 from rlfleet.common.schema.refs import TensorRef
+from rlfleet.common.schema.trainer import LoraSettings
 
 TokenId = Annotated[int, Field(ge=0)]
 """A token id as it arrives: never negative (the engine checks it against its vocabulary too)."""
@@ -110,6 +111,11 @@ class LoadWeights(Message):
     delta_from: int = Field(default=-1, ge=-1, description="the version delta_buckets apply to; -1: no delta")
     hold: bool = Field(
         default=False, description="keep a host copy of the weights loaded over gRPC, for the next delta"
+    )
+    adapter: LoraSettings | None = Field(
+        default=None,
+        description="the buckets hold a LoRA adapter of these settings (wire 2.8): the engine applies it to "
+        "the base model it loaded from disk, replacing the adapter it served; None: the whole weights",
     )
 
 

@@ -15,7 +15,7 @@ from pydantic import ConfigDict, Field
 from rlfleet.common.control.messages.base import SETTINGS_SET, Message
 from rlfleet.common.schema.carriers import IpcBucket, WeightCarrier
 from rlfleet.common.schema.refs import TensorRef
-from rlfleet.common.schema.trainer import ModelSettings, StepSettings
+from rlfleet.common.schema.trainer import LoraSettings, ModelSettings, StepSettings
 from rlfleet.common.schema.worker import Device
 
 
@@ -105,6 +105,11 @@ class PublishWeights(Message):
         description="also stage the change from the version before, for workers that hold it (wire 2.7; "
         "over gRPC; the trainer stages the whole version anyway)",
     )
+    adapter: bool = Field(
+        default=False,
+        description="a LoRA trainer publishes its adapter alone (wire 2.8; over gRPC, no delta), which the "
+        "engines apply to the base they hold; false, or a trainer without LoRA: the whole weights",
+    )
 
 
 class WeightsPublished(Message):
@@ -130,6 +135,11 @@ class WeightsPublished(Message):
     )
     delta_from: int = Field(default=-1, ge=-1, description="the version delta_buckets apply to; -1: none")
     delta_nbytes: int = Field(default=0, ge=0, description="bytes of delta_buckets")
+    adapter: LoraSettings | None = Field(
+        default=None,
+        description="the buckets hold a LoRA adapter of these settings under PEFT's names (wire 2.8), which "
+        "the engines apply to the base model they hold; None: the whole weights",
+    )
 
 
 class LatestWeights(Message):

@@ -56,6 +56,8 @@ from __future__ import annotations
 import gc
 import inspect
 import logging
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -66,10 +68,13 @@ from typing import Any, Literal
 import torch
 
 from rlfleet.common.control.messages import SamplingParams
+from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.carriers import IpcBucket
+from rlfleet.common.schema.trainer import LoraSettings
 from rlfleet.rollout.engines.base import Completion, WeightsInput
 from rlfleet.rollout.engines.checkpoint import HEAD_NAME, CheckpointInfo, read_checkpoint
 from rlfleet.rollout.engines.cuda_ipc import device_uuid, meta_items
+from rlfleet.rollout.engines.lora_adapter import parse_adapter, write_peft_dir
 from rlfleet.rollout.engines.vllm.memory_budget import MemoryBudget, engine_memory_fraction
 from rlfleet.rollout.engines.vllm.outputs import to_completions, vllm_sampling
 from rlfleet.rollout.engines.vllm.runtime import (
@@ -83,6 +88,7 @@ from rlfleet.rollout.engines.vllm.runtime import (
 from rlfleet.rollout.engines.vllm.weights import WeightStager, encode_bucket, group_of, resolve_tied
 from rlfleet.rollout.engines.weights import validate
 from rlfleet.rollout.errors import (
+    BadAdapter,
     DeadlinePassed,
     EngineClosed,
     IncompleteWeights,
@@ -121,6 +127,7 @@ class VLLMEngine:
         cpu_kv_cache_gib: float = 1.0,
         model_id: str | None = None,
         trust_remote_code: bool = False,
+        max_lora_rank: int = 0,
     ) -> None:
         check_settings(
             dtype, device, max_batch_size, tensor_parallel_size, gpu_memory_utilization, sleep_level
@@ -144,6 +151,10 @@ class VLLMEngine:
         self._torn_reason = ""
         self._weight_version = 0
         self._lock = threading.Lock()
+        self.max_lora_rank = max_lora_rank
+        self._lora: Any = None  # the LoRARequest of the adapter served (None: the weights alone)
+        self._lora_ids = 0
+        self._lora_root: Path | None = None  # where the adapters' PEFT directories are written
         llm_kwargs: dict[str, Any] = {
             "model": str(model_path),
             "dtype": DTYPES[dtype],
@@ -162,6 +173,8 @@ class VLLMEngine:
             llm_kwargs.update(
                 gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self._can_sleep
             )
+        if max_lora_rank > 0:  # LoRA adapters applied at run time (a LoRA run's adapter publishes)
+            llm_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank_slot(max_lora_rank))
         self._llm: Any = None
         self._in_process = False
         self._start(device, cpu_kv_cache_gib, llm_kwargs)
@@ -279,7 +292,7 @@ class VLLMEngine:
                 raise WeightsTorn(self.model_id, len(self._torn), self._torn_reason)
             try:
                 with cancel_at(self._llm.llm_engine, deadline, f"generation on {self.model_id}"):
-                    outputs = self._llm.generate(prompts, sampling, use_tqdm=False)
+                    outputs = self._llm.generate(prompts, sampling, use_tqdm=False, lora_request=self._lora)
             finally:  # a cancelled call frees the GPU for a colocated trainer too
                 if self.colocate:
                     self._sleep()
@@ -311,6 +324,43 @@ class VLLMEngine:
         self._discarded -= groups
         self._torn -= groups
         logger.debug("staged %d tensors, loaded %d into %s", len(items), len(ready), self.model_id)
+        if version is not None:
+            self.set_weight_version(version)
+
+    def load_adapter(self, weights: WeightsInput, settings: LoraSettings, version: int | None = None) -> None:
+        """Serve a published LoRA adapter (PEFT's names; see :mod:`~rlfleet.rollout.engines.lora_adapter`)
+        in place of the one served, without a restart: checked whole against the model's weights,
+        written as a PEFT directory and added to vLLM as a new adapter (vLLM loads it now, so a bad
+        one fails here); generation then uses it and the previous adapter is removed. On any error
+        the engine keeps serving what it served. Needs the engine started with ``max_lora_rank``
+        at least the adapter's rank (``rollout.engine.max_lora_rank``; a LoRA run sets it)."""
+        from vllm.lora.request import LoRARequest
+
+        self._check_open()
+        if settings.rank > self.max_lora_rank:
+            why = ("was started without LoRA" if self.max_lora_rank == 0
+                   else f"takes adapters up to rank {self.max_lora_rank}")  # fmt: skip
+            raise BadAdapter("", f"this vLLM engine {why} (rollout.engine.max_lora_rank); the adapter has "
+                             f"rank {settings.rank}")  # fmt: skip
+        items = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
+        layers = parse_adapter(items, settings, {n: tuple(t.shape) for n, t in self._targets.items()})
+        with self._lock:
+            self._wake_up()
+            if self._lora_root is None:
+                self._lora_root = Path(tempfile.mkdtemp(prefix="rlfleet-lora-"))
+            self._lora_ids += 1
+            path = write_peft_dir(self._lora_root / f"adapter-{self._lora_ids}", layers, settings)
+            request = LoRARequest(f"rlfleet-{self._lora_ids}", self._lora_ids, str(path))
+            try:
+                self._llm.llm_engine.add_lora(request)
+            except Exception:
+                shutil.rmtree(path, ignore_errors=True)
+                raise
+            previous, self._lora = self._lora, request
+            if previous is not None:
+                self._llm.llm_engine.remove_lora(previous.lora_int_id)
+                shutil.rmtree(previous.lora_path, ignore_errors=True)
+            self._llm.reset_prefix_cache()  # cached keys/values were computed under the old adapter
         if version is not None:
             self.set_weight_version(version)
 
@@ -389,6 +439,8 @@ class VLLMEngine:
             llm, self._llm = self._llm, None
         if llm is None:
             return
+        if self._lora_root is not None:
+            shutil.rmtree(self._lora_root, ignore_errors=True)
         engine_core = getattr(llm.llm_engine, "engine_core", None)
         try:
             if engine_core is not None:
@@ -513,6 +565,20 @@ def _rename_tied(buckets: list[IpcBucket], embed_name: str) -> list[IpcBucket]:
         if tensors:
             out.append(bucket.model_copy(update={"tensors": tensors}))
     return out
+
+
+LORA_RANK_SLOTS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM takes."""
+
+
+def lora_rank_slot(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM takes that holds adapters of ``rank``."""
+    for slot in LORA_RANK_SLOTS:
+        if slot >= rank:
+            return slot
+    raise ConfigError(
+        "rollout.engine.max_lora_rank", rank, f"vLLM takes LoRA ranks up to {LORA_RANK_SLOTS[-1]}"
+    )
 
 
 def _weight_plan(info: CheckpointInfo) -> tuple[dict[str, torch.Tensor], WeightStager]:
