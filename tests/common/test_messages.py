@@ -59,6 +59,10 @@ EXAMPLES: list[m.Message] = [
     m.SaveCheckpoint(path="/tmp/ckpt", mode="full"),
     m.LoadCheckpoint(path="/tmp/ckpt", weight_version=3),
     m.CheckpointLoaded(path="/tmp/ckpt", steps=3, weight_version=3),
+    m.EnvReset(env="calc", episode_id="run-1:0:3", item={"prompt": "2+2?", "answer": "4"}, seed=3),
+    m.EnvStep(env="calc", episode_id="run-1:0:3", action='<tool_call>{"name": "calculator"}</tool_call>'),
+    m.EnvObservation(episode_id="run-1:0:3", worker_id="reward-0", observation="4", info={"tool_calls": 1.0}),
+    m.EnvClose(env="calc", episode_id="run-1:0:3"),
     m.Ack(detail="ok"),
     m.Shutdown(reason="done"),
     m.ErrorReply(tier="reward", code="bad_message", message="no", retryable=True),
@@ -75,7 +79,7 @@ def test_examples_cover_every_message_kind() -> None:
 
 def test_every_message_of_every_family_is_in_the_union() -> None:
     """A message a family module defines but the union misses could be sent and never decoded."""
-    families = [m.base, m.membership, m.rollout, m.reward, m.trainer]
+    families = [m.base, m.membership, m.rollout, m.reward, m.trainer, m.environment]
     defined = {c for f in families for c in vars(f).values()
                if isinstance(c, type) and issubclass(c, m.Message) and c is not m.Message}  # fmt: skip
     assert defined == _union()

@@ -2,10 +2,11 @@
 
 Each message is a pydantic model tagged by ``kind``, one module per family: ``base`` (the
 :class:`Message` base, the wire schema version :data:`PROTOCOL`, the generic replies),
-``membership``, ``rollout``, ``reward`` and ``trainer``. ``codec`` holds :data:`AnyMessage`, their
-one discriminated union, and :func:`decode`, the one way to read bytes off the wire; another MAJOR
-version is refused with :class:`ProtocolMismatch`, a MINOR skew is accepted and unknown fields are
-ignored. Bulk data never rides here: messages carry :class:`TensorRef` s to the gRPC tensor plane.
+``membership``, ``rollout``, ``reward``, ``trainer`` and ``environment``. ``codec`` holds
+:data:`AnyMessage`, their one discriminated union, and :func:`decode`, the one way to read bytes
+off the wire; another MAJOR version is refused with :class:`ProtocolMismatch`, a MINOR skew is
+accepted and unknown fields are ignored. Bulk data never rides here: messages carry
+:class:`TensorRef` s to the gRPC tensor plane.
 
 Import messages from here (``from rlfleet.common.control.messages import GenerateRequest``).
 """
@@ -20,6 +21,7 @@ from rlfleet.common.control.messages.base import (
     Tier,
 )
 from rlfleet.common.control.messages.codec import MESSAGES, AnyMessage, check_protocol, decode, encode
+from rlfleet.common.control.messages.environment import EnvClose, EnvObservation, EnvReset, EnvStep
 from rlfleet.common.control.messages.membership import Heartbeat, Ping, WorkerAnnounce, WorkerLeave
 from rlfleet.common.control.messages.reward import (
     EndpointStats,
@@ -52,11 +54,11 @@ from rlfleet.common.control.messages.trainer import (
 )
 
 __all__ = [
-    "MAX_MESSAGE_BYTES", "MESSAGES", "PROTOCOL", "Ack", "AnyMessage", "CheckpointLoaded", "EndpointStats",
-    "ErrorReply", "GenerateRequest", "GenerateResult", "Heartbeat", "LatestWeights", "LoadCheckpoint",
-    "LoadWeights", "Message", "Ping", "PublishWeights", "RewardSpecSet", "RewardStats",
-    "RewardStatsRequest", "SamplingParams", "SaveCheckpoint", "Saved", "ScoreRequest", "ScoreResult",
-    "SetRewardSpec", "Shutdown", "Tier", "TrainStepRequest", "TrainStepResult",
-    "TrainerConfigure", "TrainerConfigured", "WeightsLoaded", "WeightsPublished", "WorkerAnnounce",
-    "WorkerLeave", "check_protocol", "decode", "encode",
+    "Ack", "AnyMessage", "CheckpointLoaded", "EndpointStats", "EnvClose", "EnvObservation", "EnvReset",
+    "EnvStep", "ErrorReply", "GenerateRequest", "GenerateResult", "Heartbeat", "LatestWeights",
+    "LoadCheckpoint", "LoadWeights", "MAX_MESSAGE_BYTES", "MESSAGES", "Message", "PROTOCOL", "Ping",
+    "PublishWeights", "RewardSpecSet", "RewardStats", "RewardStatsRequest", "SamplingParams",
+    "SaveCheckpoint", "Saved", "ScoreRequest", "ScoreResult", "SetRewardSpec", "Shutdown", "Tier",
+    "TrainStepRequest", "TrainStepResult", "TrainerConfigure", "TrainerConfigured", "WeightsLoaded",
+    "WeightsPublished", "WorkerAnnounce", "WorkerLeave", "check_protocol", "decode", "encode",
 ]  # fmt: skip

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Union
 
 from pydantic import Field, TypeAdapter, ValidationError
 
-from rlfleet.common.control.messages import membership, reward, rollout, trainer
+from rlfleet.common.control.messages import environment, membership, reward, rollout, trainer
 from rlfleet.common.control.messages.base import (
     MAX_MESSAGE_BYTES,
     PROTOCOL,
@@ -43,6 +43,7 @@ AnyMessage = Annotated[
         trainer.TrainerConfigure, trainer.TrainerConfigured, trainer.TrainStepRequest,
         trainer.TrainStepResult, trainer.PublishWeights, trainer.WeightsPublished, trainer.LatestWeights,
         trainer.SaveCheckpoint, trainer.Saved, trainer.LoadCheckpoint, trainer.CheckpointLoaded,
+        environment.EnvReset, environment.EnvStep, environment.EnvClose, environment.EnvObservation,
         Ack, Shutdown, ErrorReply,
     ],
     Field(discriminator="kind"),
