@@ -3,8 +3,8 @@
 Each error subclasses a builtin and one of :class:`~rlfleet.common.errors.UserError` (a bad prompt,
 an unknown engine or weight name, a missing or unsupported vLLM, a request over the worker's
 limits) or :class:`~rlfleet.common.errors.Failure` (an engine used after ``close()``, stale or
-discarded weights, a publish cut short, a job past its deadline). Each keeps its fields and builds
-its own message.
+discarded weights, a publish cut short, a job past its deadline, an episode's environment request).
+Each keeps its fields and builds its own message.
 """
 
 from __future__ import annotations
@@ -271,3 +271,16 @@ class DeadlinePassed(Failure, TimeoutError):
         outcome = ("refused before it started" if ran_s is None
                    else f"cancelled after {ran_s:.1f} s of generation")  # fmt: skip
         super().__init__(f"{what}: its deadline passed {late_s:.1f} s ago; {outcome}")
+
+
+class EnvFailed(Failure, RuntimeError):
+    """An environment request of an episode failed (``step``: reset, step or close; ``reason``: a
+    timeout, an error reply, a worker gone, a reply that does not fit). It ends that episode with
+    reward 0, counted in the batch's ``episode_end``; the job goes on."""
+
+    def __init__(self, env: str, episode_id: str, step: str, reason: str) -> None:
+        self.env = env
+        self.episode_id = episode_id
+        self.step = step
+        self.reason = reason
+        super().__init__(f"environment {env!r}, episode {episode_id}: {step} failed: {reason}")

@@ -23,6 +23,10 @@ returns them):
 - ``group_index`` (N,) int64: the prompt each sample answers
 - ``prompt_text`` / ``response_text`` uint8 (total utf-8 bytes,) with ``*_offsets`` (N+1,) int64
 
+A request with an ``episode`` runs each sample as a multi-turn episode against an environment
+(:mod:`~rlfleet.rollout.episodes`); its batch adds ``loss_mask`` and the ``episode_*`` fields of the
+contract (:mod:`rlfleet.common.schema.batch`), and its ``num_tokens`` counts the sampled tokens only.
+
 Texts are packed with :func:`rlfleet.common.schema.batch.pack_texts` (read back with ``unpack_texts``).
 """
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,8 +60,10 @@ from rlfleet.common.tensors.store import ClientPool, TensorStoreServer, worker_s
 from rlfleet.common.tensors.weight_sync import apply_delta
 from rlfleet.common.tensors.weight_sync import fingerprint as weights_fingerprint
 from rlfleet.rollout.catch_up import catch_up
+from rlfleet.rollout.chat_turns import ChatTurns
 from rlfleet.rollout.engines.base import Completion
 from rlfleet.rollout.engines.registry import make_engine, resolve_engine_name
+from rlfleet.rollout.episodes import EnvClient, EpisodeDriver, Episodes
 from rlfleet.rollout.errors import (
     DeadlinePassed,
     DeltaBaseMissing,
@@ -128,13 +135,17 @@ def check_products(request: GenerateRequest, limits: GenerateLimits, context: in
 
     Raises :class:`GenerateTooLarge` for samples (prompts x n), new tokens (samples x max_tokens) or
     prompt tokens (the prompts' total length x n) over ``limits``, and :class:`InvalidPrompt` for a
-    prompt that with ``max_tokens`` does not fit ``context`` (the served model's; None: unknown).
+    prompt that with ``max_tokens`` does not fit ``context`` (the served model's; None: unknown). An
+    episode's response is bounded by ``max_episode_tokens`` instead of ``max_tokens``.
     """
     prompts, n, max_tokens = request.prompt_token_ids, request.sampling.n, request.sampling.max_tokens
+    budget = "max_tokens"
+    if request.episode is not None:
+        budget, max_tokens = "episode.max_episode_tokens", request.episode.max_episode_tokens
     samples, length = len(prompts) * n, sum(map(len, prompts))
     over = [
         ("samples", f"{len(prompts)} prompts x n={n}", samples, limits.max_samples, "max_samples"),
-        ("new tokens", f"{samples} samples x max_tokens={max_tokens}", samples * max_tokens,
+        ("new tokens", f"{samples} samples x {budget}={max_tokens}", samples * max_tokens,
          limits.max_new_tokens, "max_new_tokens"),
         ("prompt tokens", f"{len(prompts)} prompts of {length} tokens in all x n={n}", length * n,
          limits.max_prompt_tokens, "max_prompt_tokens"),
@@ -145,8 +156,13 @@ def check_products(request: GenerateRequest, limits: GenerateLimits, context: in
     if context is None:
         return
     for i, prompt in enumerate(prompts):
-        if len(prompt) + max_tokens > context:
+        if len(prompt) + max_tokens <= context:
+            continue
+        if request.episode is None:
             raise InvalidPrompt(i, prompt_len=len(prompt), max_tokens=max_tokens, cap=context)
+        raise InvalidPrompt(i, f"has {len(prompt)} tokens; with {budget}={max_tokens} its episode needs "
+                            f"{len(prompt) + max_tokens} > the context cap of {context} tokens; shorten "
+                            "prompts or lower max_episode_tokens")  # fmt: skip
 
 
 def _identity(request: GenerateRequest) -> GenerateRequest:
@@ -203,6 +219,7 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         self._stores = ClientPool(cfg.tensor_plane)  # one client per trainer store the weights come from
         self._gpu = asyncio.Lock()  # one engine call at a time: generation and weight loads never overlap
         self.replies = ReplyCache()  # a repeated generate or load (same job_id) gets its first reply
+        self._turns: ChatTurns | None = None  # renders episodes' observations (made at the first episode)
         # late join: hold the trainer's current version before the first announce (never serve stale)
         cluster = cfg.fleet.cluster
         self.weight_version = await catch_up(self.transport, cluster, self.worker_id, self.weight_version,
@@ -243,7 +260,14 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         self.busy += 1
         try:
             t0 = time.perf_counter()
-            if segment and request.sampling.max_tokens > segment:  # loads may come between segments
+            extra: dict[str, torch.Tensor] = {}
+            sampled: int | None = None  # an episode's observation tokens were not generated
+            if request.episode is not None:  # loads may come between turns
+                episodes = await self._run_episodes(request)
+                completions, versions = episodes.completions(self._decode), episodes.versions()
+                version = episodes.versions_used[0] if episodes.versions_used else self.weight_version
+                extra, sampled = episodes.tensors(), episodes.sampled_tokens
+            elif segment and request.sampling.max_tokens > segment:  # loads may come between segments
                 job = await self._generate_segments(request, segment)
                 completions, versions, version = job.completions, job.versions, job.versions_used[0]
             else:
@@ -257,6 +281,7 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
             tensors = to_rollout_tensors(
                 completions, self.engine.pad_token_id, self.engine.tokenizer, versions
             )
+            tensors.update(extra)
         except DeadlinePassed as exc:  # the engine stopped: name the job, the worker is free
             logger.warning("generate job %s cancelled: %s", request.job_id, exc)
             raise DeadlinePassed(self._job_name(request), exc.late_s, exc.ran_s) from None
@@ -264,13 +289,43 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
             self.busy -= 1
         ref = self.store.put_local(f"rollout/{request.job_id}", tensors)
         self._batches.append((version, ref.key))
-        generated = sum(len(c.token_ids) for c in completions)
+        generated = sampled if sampled is not None else sum(len(c.token_ids) for c in completions)
         self.metrics.tokens.inc(generated)  # rlfleet_tokens_total: its rate is the worker's tokens/s
         return GenerateResult(
             job_id=request.job_id, worker_id=self.worker_id, weight_version=version, ref=ref,
             num_prompts=len(request.prompt_token_ids), num_samples=len(completions),
             num_tokens=generated, seconds=seconds,
         )  # fmt: skip
+
+    async def _run_episodes(self, request: GenerateRequest) -> Episodes:
+        """The job's episodes (:mod:`~rlfleet.rollout.episodes`): each engine call under the engine gate
+        with the job's deadline, the environment over this worker's transport."""
+        assert request.episode is not None
+
+        async def one_call(contexts: list[list[int]], params: SamplingParams) -> tuple[list[Completion], int]:
+            async with self._gpu:
+                stop_at = self._stop_at(request)
+                version = self.weight_version
+                completions = await asyncio.to_thread(
+                    self.engine.generate, contexts, params, deadline=stop_at
+                )
+            return completions, version
+
+        def time_left() -> float | None:
+            stop_at = self._stop_at(request)
+            return None if stop_at is None else stop_at - time.monotonic()
+
+        if self._turns is None:
+            self._turns = ChatTurns(self.engine.tokenizer)
+        env = EnvClient(self.transport, self.config.fleet.cluster, request.episode, time_left)
+        episodes = await EpisodeDriver(request, one_call, env, self._turns).run()
+        ends = Counter(ep.end for ep in episodes.episodes)
+        logger.info("episode job %s: %d episodes, %s", request.job_id, len(episodes.episodes),
+                    ", ".join(f"{n} {end}" for end, n in sorted(ends.items())))  # fmt: skip
+        return episodes
+
+    def _decode(self, token_ids: list[list[int]]) -> list[str]:
+        return self.engine.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
 
     async def _generate_segments(self, request: GenerateRequest, segment: int) -> Segmented:
         """The job in segments of ``segment`` new tokens, the engine let go between them
@@ -280,11 +335,8 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
             stop_at = self._stop_at(request)
             return await asyncio.to_thread(self.engine.generate, prompts, params, deadline=stop_at)
 
-        def decode(token_ids: list[list[int]]) -> list[str]:
-            return self.engine.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
-
         job = await generate_in_segments(request.prompt_token_ids, request.sampling, segment, self._gpu,
-                                         lambda: self.weight_version, one_call, decode)  # fmt: skip
+                                         lambda: self.weight_version, one_call, self._decode)  # fmt: skip
         if job.loads_between:
             logger.info("generate job %s went on across %d weight load(s): versions %s", request.job_id,
                         job.loads_between, job.versions_used)  # fmt: skip

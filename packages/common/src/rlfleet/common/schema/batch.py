@@ -14,6 +14,24 @@ prompt-major (sample j of prompt i is row i*n + j):
 - ``prompt_text`` / ``response_text`` uint8 (total utf-8 bytes,) with ``*_offsets`` (N+1,) int64:
   text ``i`` is ``data[offsets[i]:offsets[i+1]]`` (:func:`pack_texts` / :func:`unpack_texts`)
 
+A multi-turn batch (episodes against an environment, issue 33: each response is the model's turns
+with the environment's observations between them, token for token as the model was conditioned on
+them) adds the optional fields of :data:`OPTIONAL_FIELDS`; ``response_mask`` stays 1 on every
+response token (attention reads them all) and ``rollout_logprobs`` is NaN on the observations':
+
+- ``loss_mask`` (N, R) int64: 1 on the tokens the model sampled, 0 on observation tokens and
+  padding: the tokens the trainer's losses count
+- ``episode_reward`` (N,) float32: the environment's reward for the episode (0 unless it ended done)
+- ``episode_turns`` (N,) int64: the model's turns; ``episode_tool_calls`` (N,) int64 and
+  ``episode_tool_errors`` (N,) int64 (tool errors plus malformed calls): the environment's counts
+- ``episode_env_s`` (N,) float32: seconds the episode waited on the environment
+- ``episode_end`` (N,) int64: why it ended, an index into :data:`EPISODE_ENDS` (``done``,
+  ``max_turns``, ``max_tokens``: cut at the token cap, ``env_error``: the environment failed)
+- ``episode_obs_cut`` (N,) int64: observation tokens cut off at the per-observation cap
+
+Merged with chunks that lack them, a chunk's missing ``loss_mask`` is its ``response_mask`` (every
+response token sampled), its missing ``response_versions`` -1, its missing episode fields 0.
+
 **Preference batch** (DPO pairs, from the controller's dataset): ``prompt_ids``/``prompt_mask``
 (N, P) left-padded, ``chosen_ids``/``chosen_mask`` (N, C) and ``rejected_ids``/``rejected_mask``
 (N, J) right-padded, all int64; optionally ``ref_chosen_logps``/``ref_rejected_logps`` (N,).
@@ -55,6 +73,36 @@ DTYPES: dict[str, str] = {
 """Rollout-batch field -> torch dtype name."""
 VERSIONS = "response_versions"
 """The optional per-token weight versions of a rollout batch (int64, (N, R), -1 = unknown)."""
+LOSS_MASK = "loss_mask"
+"""The optional (N, R) int64 mask of the response tokens the losses count (a multi-turn batch: the
+model's own tokens, not the observations between its turns)."""
+EPISODE_ENDS = ("done", "max_turns", "max_tokens", "env_error")
+"""Why an episode ended: ``episode_end`` holds an index into this tuple."""
+
+
+@dataclass(frozen=True)
+class OptionalField:
+    """An optional rollout-batch field: its dtype, its shape ((N, R) per token, else (N,)) and its
+    value at padding and in a merged chunk that lacks it (a chunk's own ``response_mask`` for
+    ``loss_mask``)."""
+
+    dtype: str
+    per_token: bool
+    absent: float
+
+
+OPTIONAL_FIELDS: dict[str, OptionalField] = {
+    VERSIONS: OptionalField("int64", True, -1),
+    LOSS_MASK: OptionalField("int64", True, 0),
+    "episode_reward": OptionalField("float32", False, 0.0),
+    "episode_turns": OptionalField("int64", False, 0),
+    "episode_tool_calls": OptionalField("int64", False, 0),
+    "episode_tool_errors": OptionalField("int64", False, 0),
+    "episode_env_s": OptionalField("float32", False, 0.0),
+    "episode_end": OptionalField("int64", False, 0),
+    "episode_obs_cut": OptionalField("int64", False, 0),
+}
+"""The optional fields of a rollout batch (module docstring), checked, merged and selected with it."""
 PAIR_FIELDS = ("prompt_ids", "prompt_mask", "chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")
 REF_FIELDS = ("ref_chosen_logps", "ref_rejected_logps")
 """Optional precomputed reference sequence log-probs of a preference batch."""
@@ -278,13 +326,17 @@ def check_rollout_tensors(tensors: Mapping[str, Tensor]) -> int:
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
             raise BatchContractError(name, f"shape {list(tensors[name].shape)}, expected {list(shape)}")
-    versions = tensors.get(VERSIONS)
-    if versions is not None:
-        if not isinstance(versions, torch.Tensor) or versions.dtype != torch.int64:
-            got = versions.dtype if isinstance(versions, torch.Tensor) else type(versions).__name__
-            raise BatchContractError(VERSIONS, f"expected an int64 tensor, got {got}")
-        if tuple(versions.shape) != (n, r):
-            raise BatchContractError(VERSIONS, f"shape {list(versions.shape)}, expected {[n, r]}")
+    for name, spec in OPTIONAL_FIELDS.items():
+        tensor = tensors.get(name)
+        if tensor is None:
+            continue
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != getattr(torch, spec.dtype):
+            got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            article = "an" if spec.dtype.startswith("int") else "a"
+            raise BatchContractError(name, f"expected {article} {spec.dtype} tensor, got {got}")
+        shape = [n, r] if spec.per_token else [n]
+        if list(tensor.shape) != shape:
+            raise BatchContractError(name, f"shape {list(tensor.shape)}, expected {shape}")
     return int(n)
 
 
@@ -308,7 +360,8 @@ def check_token_ids(batch: Mapping[str, Tensor], vocab_size: int) -> None:
 def merge_rollouts(chunks: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
     """Concatenate rollout chunks into one batch: (N_total, P_max) and (N_total, R_max) token fields.
 
-    Group indices are offset chunk by chunk, so every prompt keeps its own group.
+    Group indices are offset chunk by chunk, so every prompt keeps its own group. An optional field
+    (:data:`OPTIONAL_FIELDS`) any chunk has is in the batch, padded with its absent value.
     """
     import torch
 
@@ -329,17 +382,32 @@ def merge_rollouts(chunks: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
         merged["group_index"].append(groups + offset)
         offset += int(groups.max().item()) + 1 if groups.numel() else 0
     out = {name: torch.cat(parts) for name, parts in merged.items()}
-    if any(VERSIONS in c for c in chunks):  # a chunk without them (a rollout fn's) is unknown: -1
-        parts = [c[VERSIONS] if VERSIONS in c else torch.full_like(c["response_ids"], -1) for c in chunks]
-        out[VERSIONS] = torch.cat([widen(part, r_width, left=False, value=-1) for part in parts])
+    for name, spec in OPTIONAL_FIELDS.items():
+        if any(name in c for c in chunks):  # a chunk without it (a rollout fn's) gets its absent value
+            parts = [c[name] if name in c else _absent(c, name) for c in chunks]
+            if spec.per_token:
+                parts = [widen(part, r_width, left=False, value=spec.absent) for part in parts]
+            out[name] = torch.cat(parts)
     return out
+
+
+def _absent(chunk: Mapping[str, Tensor], name: str) -> Tensor:
+    """The optional field ``name`` of a chunk that lacks it: (N, R) or (N,) of its absent value, or
+    the chunk's ``response_mask`` for ``loss_mask`` (a single-turn chunk's tokens are all sampled)."""
+    import torch
+
+    spec = OPTIONAL_FIELDS[name]
+    if name == LOSS_MASK:
+        return chunk["response_mask"]
+    like = chunk["response_ids"] if spec.per_token else chunk["group_index"]
+    return torch.full(like.shape, spec.absent, dtype=getattr(torch, spec.dtype))
 
 
 def select_groups(chunk: Mapping[str, Tensor], groups: Sequence[int]) -> dict[str, Tensor]:
     """The rows of the rollout chunk ``chunk`` that answer the prompts ``groups`` (its group indices,
     ascending, each one in the chunk), with ``group_index`` renumbered ``0..len(groups)-1``: what a
     step trains of a chunk whose other groups dynamic sampling dropped. Like :func:`merge_rollouts`
-    it keeps the token fields and ``response_versions``, not the texts."""
+    it keeps the token fields and the optional fields (:data:`OPTIONAL_FIELDS`), not the texts."""
     import torch
 
     check_rollout_tensors(chunk)
@@ -358,8 +426,9 @@ def select_groups(chunk: Mapping[str, Tensor], groups: Sequence[int]) -> dict[st
     rows = torch.isin(index, wanted)
     out = {name: chunk[name][rows] for name in TOKEN_FIELDS}
     out["group_index"] = torch.searchsorted(wanted, index[rows])
-    if VERSIONS in chunk:
-        out[VERSIONS] = chunk[VERSIONS][rows]
+    for name in OPTIONAL_FIELDS:
+        if name in chunk:
+            out[name] = chunk[name][rows]
     return out
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlfleet.common.control.messages.base import Message
 from rlfleet.common.schema.carriers import IpcBucket, WeightCarrier
@@ -43,15 +43,49 @@ class SamplingParams(BaseModel):
         return value
 
 
+class EpisodeSpec(BaseModel):
+    """Run each sample as a multi-turn episode against environment ``env`` (wire 2.8; issue 33).
+
+    The model's turns (each at most ``sampling.max_tokens`` tokens) alternate with the environment's
+    observations (:mod:`~rlfleet.common.control.messages.environment`) until the environment says
+    done, ``max_turns`` turns have run, or the episode's response (the model's tokens and the
+    observations') would pass ``max_episode_tokens`` (cut: reward 0). Every field is bounded; the
+    worker bounds the products (prompts x n x ``max_episode_tokens``) with its ``limits``.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    env: str = Field(min_length=1, max_length=128, description="the environment endpoint")
+    items: list[dict[str, Any]] = Field(
+        max_length=1 << 16,
+        description="the dataset row of each prompt, as EnvReset carries it (one per prompt)",
+    )
+    max_turns: int = Field(default=4, ge=1, le=64, description="the model's turns at most")
+    max_episode_tokens: int = Field(
+        ge=1, le=65536, description="cap on an episode's response tokens, the model's and the observations'"
+    )
+    max_observation_tokens: int = Field(
+        default=256, ge=1, le=65536, description="an observation's tokens beyond it are cut (and counted)"
+    )
+    env_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="how long one environment request may take",
+    )
+
+
 class GenerateRequest(Message):
     """Generate ``n`` samples for each prompt with weights of ``weight_version`` or newer (a
     pipelined run's worker may have loaded the next version since the job was sent; the reply names
     the version used); a repeated ``job_id`` (a resend after an outage) gets the first job's reply.
 
     Each field is bounded here; their products (samples, new tokens, prompt tokens, prompt plus
-    ``max_tokens`` against the model's context) are bounded by the worker that takes the job
-    (its ``limits``), before any work. ``deadline`` is when the requester stops waiting: the
-    worker refuses the job once it has passed and cancels a generation still running then.
+    ``max_tokens`` against the model's context; with ``episode``, ``max_episode_tokens`` in place of
+    ``max_tokens``) are bounded by the worker that takes the job (its ``limits``), before any work.
+    ``deadline`` is when the requester stops waiting: the worker refuses the job once it has passed
+    and cancels a generation still running then.
     """
 
     kind: Literal["rollout.generate"] = "rollout.generate"
@@ -68,6 +102,20 @@ class GenerateRequest(Message):
         description="wall-clock time (Unix seconds) after which the requester no longer waits: the "
         "worker refuses or cancels the job then (wire 2.5; None: no deadline, as older peers send)",
     )  # fmt: skip
+    episode: EpisodeSpec | None = Field(
+        default=None,
+        description="run each sample as a multi-turn episode against an environment (wire 2.8); "
+        "None: one completion per sample",
+    )
+
+    @model_validator(mode="after")
+    def _one_item_per_prompt(self) -> GenerateRequest:
+        if self.episode is not None and len(self.episode.items) != len(self.prompt_token_ids):
+            raise ValueError(
+                f"episode.items holds {len(self.episode.items)} items for {len(self.prompt_token_ids)} "
+                "prompts; give one dataset item per prompt"
+            )
+        return self
 
 
 class GenerateResult(Message):
