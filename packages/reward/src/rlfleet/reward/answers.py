@@ -12,6 +12,7 @@ import logging
 import math
 import re
 import string
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import Field
@@ -52,20 +53,23 @@ def extract_number(text: str, *, marker: str = GSM8K_MARKER, strict: bool = Fals
     return _to_float(*matches[-1])
 
 
-def reference_number(metadata: dict[str, Any], key: str) -> float:
-    """The reference answer under ``metadata[key]`` as a number (int, float or a text holding one)."""
+def reference_number(
+    metadata: Mapping[str, Any], key: str, *, who: str = "the numeric reward", where: str = "metadata"
+) -> float:
+    """The reference answer under ``metadata[key]`` as a number (int, float or a text holding one);
+    :class:`RewardInputError` naming ``who`` needs it and ``where`` it was looked for otherwise."""
     if key not in metadata:
-        raise RewardInputError(f"the numeric reward needs metadata[{key!r}] (have: {sorted(metadata)})")
+        raise RewardInputError(f"{who} needs {where}[{key!r}] (have: {sorted(metadata)})")
     value = metadata[key]
     if isinstance(value, bool):
-        raise RewardInputError(f"metadata[{key!r}] = {value!r} is a bool, not a number")
+        raise RewardInputError(f"{where}[{key!r}] = {value!r} is a bool, not a number")
     if isinstance(value, int | float):
         return float(value)
     if isinstance(value, str):
         number = extract_number(value)
         if number is not None:
             return number
-    raise RewardInputError(f"metadata[{key!r}] = {value!r} holds no number")
+    raise RewardInputError(f"{where}[{key!r}] = {value!r} holds no number")
 
 
 class Numeric(Rule):

@@ -195,16 +195,17 @@ class InvalidToken(RewardError, PermissionError):
 
 
 class ForbiddenEndpoint(RewardError, PermissionError):
-    """A tenant asked for an endpoint it may not use (whether or not the endpoint exists)."""
+    """A tenant asked for an endpoint (or an environment: ``what``) it may not use, existing or not."""
 
     code = "forbidden_endpoint"
 
-    def __init__(self, tenant: str, endpoint: str, allowed: Iterable[str]) -> None:
+    def __init__(self, tenant: str, endpoint: str, allowed: Iterable[str], what: str = "endpoint") -> None:
         self.tenant = tenant
         self.endpoint = endpoint
         self.allowed = sorted(allowed)
+        self.what = what
         super().__init__(
-            f"tenant {tenant!r} may not use endpoint {endpoint!r}; its endpoints are {self.allowed}"
+            f"tenant {tenant!r} may not use {what} {endpoint!r}; its endpoints are {self.allowed}"
         )
 
 
@@ -236,7 +237,8 @@ class ForbiddenOperation(RewardError, PermissionError):
 class QuotaExceeded(RewardError, RuntimeError):
     """A tenant is over one of its quotas for now: its ``requests_per_s`` rate (``limit`` requests a
     second; retry after ``retry_after_s``), its ``concurrency`` (``limit`` requests in progress;
-    retry when one finishes) or its ``bytes_in_flight`` (``limit`` bytes of texts held at once)."""
+    retry when one finishes), its ``bytes_in_flight`` (``limit`` bytes of texts held at once) or its
+    ``episodes`` (``limit`` live environment episodes in one replica)."""
 
     code = "quota_exceeded"
     retryable = True
@@ -244,7 +246,7 @@ class QuotaExceeded(RewardError, RuntimeError):
     def __init__(
         self,
         tenant: str,
-        quota: Literal["requests_per_s", "concurrency", "bytes_in_flight"],
+        quota: Literal["requests_per_s", "concurrency", "bytes_in_flight", "episodes"],
         limit: float,
         retry_after_s: float = 0.0,
     ) -> None:
@@ -254,6 +256,9 @@ class QuotaExceeded(RewardError, RuntimeError):
         self.retry_after_s = retry_after_s
         if quota == "concurrency":
             detail = f"already has {limit:g} requests in progress (its concurrency); retry when one finishes"
+        elif quota == "episodes":
+            detail = (f"holds {limit:g} live episodes in this replica (its share of max_episodes); close "
+                      "finished ones (EnvClose) or retry when one ends")  # fmt: skip
         elif quota == "bytes_in_flight":
             detail = (f"would hold more than {limit:g} bytes of texts at once (its bytes_in_flight); retry "
                       "when one of its requests finishes")  # fmt: skip
@@ -351,3 +356,117 @@ class DeadlinePassed(RewardError, TimeoutError):
         super().__init__(
             f"score job {job_id!r}: its deadline passed {late_s:.2f}s ago {when}; the work was stopped"
         )
+
+
+# --- environments ---------------------------------------------------------------------------
+
+
+class EnvironmentSpecError(RewardError, ValueError):
+    """The operator's environment spec cannot be built: bad syntax, an unknown environment or tool, a
+    bad option. Raised when the reward worker starts, before it serves anything."""
+
+    def __init__(self, endpoint: str, spec: object, reason: str) -> None:
+        self.endpoint = endpoint
+        self.spec = spec
+        self.reason = reason
+        super().__init__(f"environment {endpoint!r} (spec {spec!r}): {reason}")
+
+
+class UnknownEnvironment(RewardError, KeyError):
+    """A request names an environment this reward server does not run (only its operator adds them)."""
+
+    code = "unknown_endpoint"
+
+    def __init__(self, environment: str, known: Iterable[str]) -> None:
+        self.environment = environment
+        self.known = sorted(known)
+        super().__init__(
+            f"environment {environment!r} is not run here (a reward server runs only the environments its "
+            f"operator configured); environments: {self.known}"
+        )
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class BadEnvironmentItem(RewardError, ValueError):
+    """An episode's dataset item lacks what its environment needs (``bad_request``)."""
+
+    def __init__(self, environment: str, reason: str) -> None:
+        self.environment = environment
+        self.reason = reason
+        super().__init__(f"environment {environment!r} cannot start an episode: {reason}")
+
+
+class UnknownEpisode(RewardError, KeyError):
+    """A step names an episode this worker does not hold for the caller (``bad_request``)."""
+
+    def __init__(self, episode_id: str, environment: str, worker_id: str) -> None:
+        self.episode_id = episode_id
+        self.environment = environment
+        self.worker_id = worker_id
+        super().__init__(
+            f"reward worker {worker_id} holds no episode {episode_id!r} of environment {environment!r} for "
+            "you: never reset here, done, closed, or dropped (idle past episode_idle_s, or past its step "
+            "deadline); reset a new one"
+        )
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class EpisodeBusy(RewardError, RuntimeError):
+    """A step reached an episode while its previous step was still running (``bad_request``)."""
+
+    def __init__(self, episode_id: str) -> None:
+        self.episode_id = episode_id
+        super().__init__(f"episode {episode_id!r} is still taking a step: send its steps one at a time")
+
+
+class EpisodesFull(Failure, RuntimeError):
+    """The worker holds ``max_episodes`` live episodes; another replica may have room (retryable)."""
+
+    code = "unavailable"
+    retryable = True
+
+    def __init__(self, worker_id: str, limit: int) -> None:
+        self.worker_id = worker_id
+        self.limit = limit
+        super().__init__(
+            f"reward worker {worker_id} holds {limit} live episodes (its max_episodes); retry (another "
+            "replica may take it) or close finished episodes"
+        )
+
+
+class StepDeadlinePassed(RewardError, TimeoutError):
+    """An episode's reset or step ran past its deadline (the environment's ``step_s``, the request's own
+    ``deadline``, a tenant's ``request_s``): the episode is dropped, so a retry cannot succeed."""
+
+    code = "timeout"
+    retryable = False
+
+    def __init__(self, episode_id: str, seconds: float) -> None:
+        self.episode_id = episode_id
+        self.seconds = seconds
+        super().__init__(
+            f"episode {episode_id!r}: its step did not finish within its deadline ({seconds:.1f}s); the "
+            "episode is dropped"
+        )
+
+
+class SandboxUnavailable(RewardError, RuntimeError):
+    """The sandbox an environment's settings ask for cannot run on this host (at the worker's start)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"the python tool's sandbox cannot run here: {reason}")
+
+
+class ToolFailed(RewardError, RuntimeError):
+    """A tool the model called failed (bad arithmetic, code that raised or hit a sandbox limit): never
+    a reply's error, its text becomes the episode's ``tool error: ...`` observation."""
+
+    def __init__(self, tool: str, reason: str) -> None:
+        self.tool = tool
+        self.reason = reason
+        super().__init__(f"{tool}: {reason}")

@@ -1,10 +1,12 @@
 """The reward tier's worker: scores rollout batches pulled straight from the rollout workers' stores.
 
-Subjects (``rlfleet.<cluster>.reward.*``)::
+Subjects (``rlfleet.<cluster>.*``)::
 
     reward.score            queue group "reward": ScoreRequest -> ScoreResult (N workers share the load)
+    env.reset               queue group "env", only with environments: EnvReset -> EnvObservation
     reward.worker.<id>      this worker alone: SetRewardSpec -> RewardSpecSet (hot swap),
-                            RewardStatsRequest -> RewardStats, ScoreRequest, Shutdown
+                            RewardStatsRequest -> RewardStats, ScoreRequest, Shutdown; the episodes it
+                            holds: EnvStep -> EnvObservation, EnvClose -> Ack (and EnvReset)
 
 Every request names an endpoint and carries a token in its ``Rlfleet-Token`` header
 (:data:`rlfleet.common.control.transport.TOKEN_HEADER`; a message's own ``token`` field, which clients of
@@ -27,6 +29,17 @@ the fetch is cancelled, scoring stops between slices of :data:`SCORE_SLICE` samp
 tenant's slot and bytes are freed only once no work of the request is left running.
 Hot swaps and versions are :mod:`rlfleet.reward.endpoints`' business: a request finishes on the
 version it started with, and its :class:`ScoreResult` names that version.
+
+Environments (issue 33) are served to rollout workers' episodes: a reset goes to any replica (the
+``env`` queue group) and the one that takes it names itself in its :class:`EnvObservation`
+(``worker_id``); the episode's steps and close go to that worker's own subject. They are named
+endpoints of the server with the same tokens and tenants (a tenant's ``endpoints`` list them by
+name), checked as a score is; each reset and step counts against the tenant's ``requests_per_s``
+(not its ``concurrency``: a rollout worker steps many episodes at once; the worker runs
+``max_concurrency`` resets and steps at a time, the rest wait in arrival order), and a tenant holds
+at most its even share of ``max_episodes`` live episodes. A server runs only
+the environments in its config: no message carries code, and the ``python`` tool runs only what the
+model wrote, in the sandbox. The episodes themselves: :mod:`rlfleet.reward.environments.host`.
 """
 
 from __future__ import annotations
@@ -40,7 +53,12 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from rlfleet.common.control.messages import (
+    Ack,
     AnyMessage,
+    EnvClose,
+    EnvObservation,
+    EnvReset,
+    EnvStep,
     RewardSpecSet,
     RewardStats,
     RewardStatsRequest,
@@ -57,6 +75,7 @@ from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.reward import RewardWorkerConfig
 from rlfleet.reward.composite import ScoreBatch
 from rlfleet.reward.endpoints import Endpoints, EndpointVersion
+from rlfleet.reward.environments.host import EnvironmentHost
 from rlfleet.reward.errors import DeadlinePassed, ForbiddenOperation, RewardFunctionError
 from rlfleet.reward.loading import allow_remote_code
 from rlfleet.reward.quota_store import open_quotas
@@ -108,6 +127,14 @@ class RewardWorker(Worker[RewardWorkerConfig]):
             self._saver = asyncio.create_task(self._save_periodically(), name="reward-state-saver")
         verb = subject(cfg.fleet.cluster, "reward", "score")
         await self.subscribe(verb, self._on_score, queue="reward", max_concurrency=cfg.max_concurrency)
+        self.environments = EnvironmentHost(
+            cfg.environments, worker_id=self.worker_id, max_episodes=cfg.max_episodes,
+            idle_s=cfg.episode_idle_s, max_concurrency=cfg.max_concurrency,
+        )  # fmt: skip
+        if cfg.environments:
+            resets = subject(cfg.fleet.cluster, "env", "reset")
+            await self.subscribe(resets, self._on_env_reset, queue="env", max_concurrency=cfg.max_concurrency)
+            logger.info("environments: %s", ", ".join(self.environments.names()))
         if self.tenants.open:
             logger.warning("no tenants configured: every request is accepted (open server)")
         else:
@@ -137,7 +164,45 @@ class RewardWorker(Worker[RewardWorkerConfig]):
             return await self.score(message)
         if isinstance(message, RewardStatsRequest):
             return await self.stats(message)
+        if isinstance(message, EnvStep):
+            return await self.env_step(message)
+        if isinstance(message, EnvReset):
+            return await self.env_reset(message)
+        if isinstance(message, EnvClose):
+            return await self.env_close(message)
         return await super().handle_own(message)
+
+    async def _on_env_reset(self, message: AnyMessage) -> AnyMessage | None:
+        if not isinstance(message, EnvReset):
+            raise WrongMessageKind("env.reset", message.kind)
+        return await self.env_reset(message)
+
+    async def env_reset(self, message: EnvReset) -> EnvObservation:
+        """Start an episode of ``message.env`` here; its observation names this worker."""
+        tenant, owner = await self._env_caller(message, f"start an episode of {message.env!r}")
+        self.tenants.check_episodes(tenant, self.environments.held_by(owner), self.config.max_episodes)
+        return await self.environments.reset(message, owner, self.tenants.deadline(tenant, message.deadline))
+
+    async def env_step(self, message: EnvStep) -> EnvObservation:
+        """The environment's answer to the model's turn in an episode this worker holds."""
+        tenant, owner = await self._env_caller(message, f"step an episode of {message.env!r}")
+        return await self.environments.step(message, owner, self.tenants.deadline(tenant, message.deadline))
+
+    async def env_close(self, message: EnvClose) -> Ack:
+        """Drop an episode (not counted against the tenant's rate: closing frees what it holds)."""
+        tenant = self.tenants.identify(credential(message), f"close an episode of {message.env!r}")
+        held = self.environments.close(_owner(tenant), message.env, message.episode_id)
+        return Ack(detail=f"episode {message.episode_id} {'closed' if held else 'was not held'}")
+
+    async def _env_caller(self, message: EnvReset | EnvStep, operation: str) -> tuple[Tenant | None, str]:
+        """Who asks (None: the admin or an open server) and the owner its episodes are kept under, once
+        it may use the environment the message names (which must be configured here) and is within its
+        rate: the checks a score gets."""
+        tenant = self.tenants.identify(credential(message), operation)
+        self.tenants.check_endpoint(tenant, message.env, what="environment")
+        self.environments.get(message.env, self.tenants.visible(tenant, self.environments.names()))
+        await self.tenants.take_request(tenant)
+        return tenant, _owner(tenant)
 
     async def _on_score(self, message: AnyMessage) -> AnyMessage | None:
         if not isinstance(message, ScoreRequest):
@@ -353,6 +418,11 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         self.endpoints.save()
         if self._stores is not None:
             await self._stores.close()
+
+
+def _owner(tenant: Tenant | None) -> str:
+    """Whom an episode belongs to: its tenant, or ``""`` for the admin token and an open server."""
+    return tenant.name if tenant is not None else ""
 
 
 def _in_time(job_id: str, deadline: float | None, when: str) -> None:

@@ -193,11 +193,21 @@ class TenantTable:
         logger.warning("refused tenant %s: %s", tenant.name, error)
         return error
 
-    def check_endpoint(self, tenant: Tenant | None, endpoint: str) -> None:
-        """Raise :class:`ForbiddenEndpoint` unless ``tenant`` (None: admin/open) may use ``endpoint``."""
+    def check_endpoint(self, tenant: Tenant | None, endpoint: str, what: str = "endpoint") -> None:
+        """Raise :class:`ForbiddenEndpoint` unless ``tenant`` (None: admin/open) may use ``endpoint``
+        (``what``: an ``endpoint`` or an ``environment``; a tenant's ``endpoints`` list both by name)."""
         if tenant is not None and endpoint not in tenant.config.endpoints:
-            error = ForbiddenEndpoint(tenant.name, endpoint, tenant.config.endpoints)
+            error = ForbiddenEndpoint(tenant.name, endpoint, tenant.config.endpoints, what)
             raise self._refuse(tenant, error, error.code)
+
+    def check_episodes(self, tenant: Tenant | None, held: int, max_episodes: int) -> None:
+        """Raise :class:`QuotaExceeded` (``episodes``, retryable) when ``tenant`` already holds ``held``
+        live episodes, its even share of the replica's ``max_episodes``."""
+        if tenant is None:
+            return
+        share = max(1, max_episodes // len(self.tenants))
+        if held >= share:
+            raise self._refuse(tenant, QuotaExceeded(tenant.name, "episodes", share), "episodes")
 
     def check_update(self, tenant: Tenant | None, endpoint: str) -> None:
         """Raise unless ``tenant`` may hot-swap ``endpoint`` (its own, with ``can_update``)."""

@@ -2,7 +2,9 @@
 
 :class:`RewardWorkerConfig` is what ``rlfleet-reward serve --config`` reads (``deploy/reward.yaml``
 is one); :class:`EndpointConfig` (a reward spec and an optional :class:`ScalerConfig`) is also
-what a run sends when it creates or swaps an endpoint. Torch-free.
+what a run sends when it creates or swaps an endpoint. :class:`EnvironmentConfig` (an environment
+spec, its step deadline and its :class:`SandboxLimits`) is the operator's alone: no message creates
+an environment. Torch-free.
 """
 
 from __future__ import annotations
@@ -61,6 +63,62 @@ class EndpointConfig(BaseModel):
 
     spec: Spec = Field(description="reward spec (text or dict form), e.g. '0.7*rm:path=/m + 0.3*concise'")
     scaler: ScalerConfig | None = Field(default=None, description="RewardScaler options applied to totals")
+
+
+class SandboxLimits(BaseModel):
+    """What one run of model-written code (the ``python`` tool) may use; each limit hit ends the run
+    and becomes the tool's error observation (:mod:`rlfleet.reward.sandbox`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cpu_s: int = Field(default=5, ge=1, le=600, description="CPU seconds (RLIMIT_CPU)")
+    wall_s: float = Field(
+        default=10.0, gt=0, le=600, allow_inf_nan=False,
+        description="wall-clock seconds; past them the run's processes are killed",
+    )  # fmt: skip
+    memory_mb: int = Field(default=512, ge=64, description="address space in MiB (RLIMIT_AS)")
+    output_bytes: int = Field(
+        default=16384, ge=256, le=1 << 16, description="output (stdout and stderr) kept; the rest is cut"
+    )
+    file_bytes: int = Field(
+        default=16 * MIB, ge=0, description="largest file the code may write (RLIMIT_FSIZE)"
+    )
+    namespaces: Literal["auto", "required", "off"] = Field(
+        default="auto",
+        description="user, network, mount and pid namespaces (unshare): 'auto' uses them where the host "
+        "allows (else sockets are still refused, by a seccomp filter and blocked imports, but the code can "
+        "read what the worker's user can, /proc of its processes included); 'required' refuses to start "
+        "without them (a shared server should say so); 'off' never uses them",
+    )
+
+
+class EnvironmentConfig(BaseModel):
+    """One environment a reward server runs: a built-in environment and its options, set by the operator."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    environment: Spec = Field(
+        description="the built-in environment and its options: 'calculator:max_turns=6,tools=calculator|"
+        "python', or {name: calculator, args: {max_turns: 6}}"
+    )
+    step_s: float = Field(
+        default=30.0, gt=0, le=3600, allow_inf_nan=False,
+        description="wall-clock seconds one reset or step may take (its tools included); past them the "
+        "request fails with 'timeout' and the episode is dropped",
+    )  # fmt: skip
+    sandbox: SandboxLimits = Field(
+        default_factory=SandboxLimits, description="limits of the code its python tool runs"
+    )
+
+
+def _bare_specs(value: Any, key: str) -> Any:
+    """``name: spec`` (text, or a dict without ``key``) as ``name: {key: spec}``."""
+    if not isinstance(value, dict):
+        return value
+    return {
+        name: {key: cfg} if isinstance(cfg, str) or (isinstance(cfg, dict) and key not in cfg) else cfg
+        for name, cfg in value.items()
+    }
 
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -187,7 +245,9 @@ class TenantConfig(TokenSource):
     """One tenant of the reward server."""
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="tenant name (logs, stats)")
-    endpoints: list[str] = Field(default_factory=list, description="endpoints this tenant may use")
+    endpoints: list[str] = Field(
+        default_factory=list, description="endpoints and environments (by name) this tenant may use"
+    )
     requests_per_s: float | None = Field(
         default=None, gt=0, allow_inf_nan=False,
         description="requests per second, of every kind (score, set spec, stats); None: no cap",
@@ -270,18 +330,30 @@ class RewardWorkerConfig(ServiceConfig):
     )
     state_dir: str | None = Field(default=None, description="keep endpoint specs and scaler statistics here")
     state_save_s: float = Field(default=30.0, gt=0, description="seconds between saves of the state")
+    environments: dict[str, EnvironmentConfig] = Field(
+        default_factory=dict,
+        description="environment name -> {environment, step_s, sandbox} (a bare spec means {environment: "
+        "...}); served "
+        "on env.reset to rollout workers' episodes; none: the worker serves no environment",
+    )
+    max_episodes: int = Field(
+        default=4096, ge=1,
+        description="live episodes this worker holds at once; with tenants, each holds at most an even share",
+    )  # fmt: skip
+    episode_idle_s: float = Field(
+        default=600.0, gt=0, allow_inf_nan=False,
+        description="an episode not stepped for this long is dropped (a later step is refused)",
+    )  # fmt: skip
 
     @field_validator("endpoints", mode="before")
     @classmethod
-    def _bare_specs(cls, value: Any) -> Any:
-        if not isinstance(value, dict):
-            return value
-        return {
-            name: {"spec": cfg}
-            if isinstance(cfg, str) or (isinstance(cfg, dict) and "spec" not in cfg)
-            else cfg
-            for name, cfg in value.items()
-        }
+    def _bare_endpoint_specs(cls, value: Any) -> Any:
+        return _bare_specs(value, "spec")
+
+    @field_validator("environments", mode="before")
+    @classmethod
+    def _bare_environment_specs(cls, value: Any) -> Any:
+        return _bare_specs(value, "environment")
 
     @model_validator(mode="after")
     def _tenants_fit(self) -> RewardWorkerConfig:
@@ -289,10 +361,11 @@ class RewardWorkerConfig(ServiceConfig):
         if len(set(names)) != len(names):
             raise ValueError(f"tenant names must be unique, got {names}")
         for tenant in self.tenants:
-            unknown = [e for e in tenant.endpoints if e not in self.endpoints]
+            unknown = [e for e in tenant.endpoints if e not in self.endpoints and e not in self.environments]
             if unknown:
                 raise ValueError(
-                    f"tenant {tenant.name!r} names endpoints {unknown} that are not in endpoints "
-                    f"({sorted(self.endpoints)}); add them there"
+                    f"tenant {tenant.name!r} names endpoints {unknown} that are neither in endpoints "
+                    f"({sorted(self.endpoints)}) nor in environments ({sorted(self.environments)}); add them "
+                    "there"
                 )
         return self
