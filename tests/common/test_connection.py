@@ -97,7 +97,12 @@ def test_every_role_has_its_own_password_and_the_config_names_them() -> None:
 
 def test_worker_roles_publish_only_their_membership_and_answers() -> None:
     rollout = role_permissions("c", "rollout")
-    assert rollout["publish"] == {"allow": ["rlfleet.c.rollout.membership", "rlfleet.c.trainer.latest"]}
+    assert rollout["publish"] == {"allow": ["rlfleet.c.rollout.membership", "rlfleet.c.trainer.latest",
+                                            "rlfleet.c.env.reset", "rlfleet.c.env.episode.*"]}  # fmt: skip
+    # environments (issue 33): a rollout worker reaches a reward worker's episodes, never its own subject
+    assert not any(s.startswith("rlfleet.c.reward.") for s in rollout["publish"]["allow"])  # type: ignore[index]
+    reward = role_permissions("c", "reward")
+    assert "rlfleet.c.env.>" in reward["subscribe"]["allow"]  # type: ignore[index]
     assert rollout["allow_responses"] == {"max": 1, "expires": "21600s"}  # not nats-server's 2 min default
     controller = role_permissions("c", "controller")
     assert "rlfleet.c.trainer.membership" in controller["publish"]["deny"]  # type: ignore[index]

@@ -118,3 +118,39 @@ def test_gsm8k_numeric_example_scores_its_answers(
                 row["overlong/masked_frac"] == row["overlong/truncated_frac"]
                 and "overlong/penalty_mean" in row
             )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize(("job", "steps"), [("calculator_tiny", 36), ("guess_number_tiny", 24)])
+def test_multi_turn_examples_raise_the_reward(
+    job: str, steps: int, tmp_path: Path, venv_script, cli_env, tiny_model_dir, procs
+) -> None:
+    """Issue 33: the tiny episode jobs (the run's reward worker serves the environment, the rollout
+    worker drives the episodes, reward: episode) raise the environment's reward."""
+    rows = _train(job, tmp_path / job, steps, venv_script, cli_env, procs)
+    rewards = [row["reward/mean"] for row in rows]
+    assert statistics.fmean(rewards[-6:]) > statistics.fmean(rewards[:6]) + 0.04, f"no rise: {rewards}"
+    assert rows[-1]["reward/episode"] == pytest.approx(rows[-1]["reward/mean"])
+    assert {"episode/turns_mean", "episode/tool_calls_mean", "episode/env_s_mean"} <= rows[-1].keys()
+    if job == "guess_number_tiny":  # several turns, the feedback in the context and out of the loss
+        assert rows[-1]["episode/turns_mean"] > 1.5 and rows[-1]["episode/masked_token_frac"] > 0.3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_trainer_trains_on_exactly_the_tokens_of_the_episodes(
+    tmp_path: Path, venv_script, cli_env, tiny_model_dir, procs
+) -> None:
+    """Token in, token out through real processes: in float32 the trainer's logprobs of the sampled
+    tokens, each conditioned on the episode's context as the trainer rebuilds it from the batch
+    (prompt, earlier turns, observations), equal the engine's to float rounding; a re-tokenised or
+    misplaced observation would move them by far more."""
+    overrides = ["model.mixed_precision=none", "max_steps=3", f"output_dir={tmp_path}", "sample_table_size=0"]
+    command = [venv_script("rlfleet"), "train", str(REPO / "examples" / "guess_number_tiny.yaml"), *overrides]
+    run = subprocess.run(command, cwd=REPO, env=cli_env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["episode/turns_mean"] > 1.5 and row["episode/masked_token_frac"] > 0.3 for row in rows)
+    assert all(row["rollout_logprob_diff"] < 1e-5 for row in rows), [r["rollout_logprob_diff"] for r in rows]
+    assert procs.survivors(procs.launched(tmp_path)) == []

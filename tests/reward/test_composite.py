@@ -23,7 +23,15 @@ def test_every_registered_rule_builds_and_scores() -> None:
     for name, factory in RULES.items():
         rule = build_rule(name, required.get(name, {}))
         assert isinstance(rule, factory)
-        assert isinstance(rule("What is x?", "x is 1", answer=1), float)
+        assert isinstance(rule("What is x?", "x is 1", answer=1, episode_reward=0.5), float)
+
+
+def test_the_episode_rule_scores_the_environment_s_reward_and_refuses_a_single_turn_sample() -> None:
+    reward = build_reward("episode + 0.5*charset:allowed=0123456789")
+    batch = reward.score(["p", "p"], ["12", "ab"], [{"episode_reward": 1.0}, {"episode_reward": 0.0}])
+    assert batch.components["episode"] == [1.0, 0.0] and batch.total == pytest.approx([1.5, 0.0])
+    with pytest.raises(RewardFunctionError, match="not an episode"):
+        reward.score(["p"], ["12"], [{}])
 
 
 def test_weighted_total_and_unweighted_components() -> None:

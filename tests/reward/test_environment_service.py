@@ -19,7 +19,7 @@ import pytest
 from rlfleet.common.control.embedded_nats import EmbeddedNats
 from rlfleet.common.control.messages import Ack, EnvClose, EnvObservation, EnvReset, EnvStep, Message
 from rlfleet.common.control.nats_transport import NatsTransport
-from rlfleet.common.control.transport import TOKEN_HEADER, subject, worker_subject
+from rlfleet.common.control.transport import TOKEN_HEADER, episode_subject, subject, worker_subject
 from rlfleet.common.errors import NoResponders, RemoteError, RequestTimeout
 from rlfleet.common.schema.config import load_config
 from rlfleet.reward.service import RewardWorker, RewardWorkerConfig
@@ -79,7 +79,7 @@ class Fleet:
     async def step(
         self, env: str, at: EnvObservation, action: str, token: str | None = TOKEN_A
     ) -> EnvObservation:
-        own = worker_subject(self.cluster, "reward", at.worker_id)
+        own = episode_subject(self.cluster, at.worker_id)  # where a rollout worker sends its steps
         reply = await self.send(own, EnvStep(env=env, episode_id=at.episode_id, action=action), token)
         assert isinstance(reply, EnvObservation) and reply.worker_id == at.worker_id
         return reply
@@ -121,7 +121,7 @@ async def test_a_calculator_episode_over_nats_ends_with_the_right_reward(fleet: 
     final = await fleet.step("calc", first, "The answer is 395.")
     assert final.done and final.reward == 1.0
     # done: the worker no longer holds it
-    own = worker_subject(fleet.cluster, "reward", first.worker_id)
+    own = episode_subject(fleet.cluster, first.worker_id)
     again = EnvStep(env="calc", episode_id=first.episode_id, action="395")
     text = await fleet.refused(own, again, TOKEN_A, "bad_request")
     assert f"holds no episode {first.episode_id!r} of environment 'calc'" in text
@@ -207,23 +207,3 @@ async def test_a_worker_without_environments_does_not_take_resets(fleet: Fleet) 
     message = EnvReset(env="calc", episode_id="e", item={"answer": 1})
     with pytest.raises((NoResponders, RequestTimeout)):
         await fleet.client.request(subject(fleet.cluster, "env", "reset"), message, timeout=2, tier="reward")
-
-
-async def test_the_rollout_workers_env_client_plays_against_a_reward_worker(fleet: Fleet) -> None:
-    """The two sides of issue 33 together: the rollout worker's own client (rlfleet.rollout.episodes)
-    resets, steps and closes an episode on a reward worker serving the calculator."""
-    from rlfleet.common.control.messages.rollout import EpisodeSpec
-    from rlfleet.rollout.episodes import EnvClient, Episode
-
-    worker = await fleet.worker("reward-env-0", {"environments": {"calc": "calculator"}})
-    spec = EpisodeSpec(env="calc", items=[{"answer": 12}], max_episode_tokens=64, env_timeout_s=10)
-    client = EnvClient(fleet.client, fleet.cluster, spec, lambda: None)
-    episode = Episode(prompt=0, sample=0, episode_id="job-1-0-0", prompt_ids=[1, 2])
-    first = await client.reset(episode, {"answer": 12}, seed=3)
-    assert first.worker_id == "reward-env-0" and episode.env_subject == worker.own_subject
-    tool = await client.step(episode, "calculator: 3 * 4")
-    assert (tool.observation, tool.role) == ("12", "tool")
-    final = await client.step(episode, "#### 12")
-    assert final.done and final.reward == 1.0
-    await client.close(episode)  # done already: the worker says it was not held, the client goes on
-    assert len(worker.environments) == 0

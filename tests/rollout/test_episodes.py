@@ -38,7 +38,7 @@ from rlfleet.common.control.messages import (
 )
 from rlfleet.common.control.messages.rollout import EpisodeSpec
 from rlfleet.common.control.nats_transport import NatsTransport
-from rlfleet.common.control.transport import subject, worker_subject
+from rlfleet.common.control.transport import episode_subject, subject
 from rlfleet.common.errors import RemoteError, RemoteUserError
 from rlfleet.common.schema.batch import EPISODE_ENDS, LOSS_MASK, VERSIONS, check_rollout_tensors
 from rlfleet.common.schema.rollout import GenerateLimits
@@ -103,7 +103,7 @@ async def env(nats: EmbeddedNats) -> AsyncIterator[CountingEnv]:
     transport = await NatsTransport.connect(nats.url, name="env", tier="reward")
     served = CountingEnv()
     await transport.subscribe(subject(WORKER_CLUSTER, "env", "reset"), served.reset, queue="reward")
-    await transport.subscribe(worker_subject(WORKER_CLUSTER, "reward", ENV_WORKER), served.own)
+    await transport.subscribe(episode_subject(WORKER_CLUSTER, ENV_WORKER), served.own)
     try:
         yield served
     finally:

@@ -46,6 +46,7 @@ from rlfleet.common.schema.rollout import RolloutSettings
 from rlfleet.common.schema.trainer import AlgorithmSettings, BatchSettings, ModelSettings, UpdateSettings
 from rlfleet.common.schema.worker import FleetAddress, Placement, TensorPlaneSettings
 from rlfleet.controller.dynamic_sampling_settings import DynamicSamplingSettings
+from rlfleet.controller.environment_settings import EnvironmentSettings
 from rlfleet.controller.eval_settings import EvalSettings
 from rlfleet.controller.fault_settings import FaultSettings
 from rlfleet.controller.launcher_settings import (
@@ -379,6 +380,11 @@ class TrainerConfig(ConfigModel):
     )
     reward: RewardSettings = Field(default_factory=RewardSettings, description="the reward tier")
     eval: EvalSettings = Field(default_factory=EvalSettings, description="held-out evaluation")
+    environment: EnvironmentSettings = Field(
+        default_factory=EnvironmentSettings,
+        description="multi-turn episodes against an environment of the reward tier ({env, serve, max_turns, "
+        "max_observation_tokens, timeout_s}); no env: single-turn rollouts",
+    )  # fmt: skip
     dynamic_sampling: DynamicSamplingSettings = Field(
         default_factory=DynamicSamplingSettings,
         description="drop groups whose rewards are all equal and sample more prompts in their place (DAPO)",

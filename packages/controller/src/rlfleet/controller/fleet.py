@@ -60,6 +60,7 @@ from rlfleet.common.control.messages import (
     WeightsLoaded,
     WeightsPublished,
 )
+from rlfleet.common.control.messages.rollout import EpisodeSpec
 from rlfleet.common.control.transport import Transport, subject
 from rlfleet.common.errors import NoResponders, RemoteError, RemoteUserError, RequestTimeout
 from rlfleet.common.schema.carriers import CarrierSetting, WeightCarrier, carrier_for
@@ -337,6 +338,7 @@ class Fleet:
         *,
         pool: str | None = None,
         on_chunk: ChunkDone | None = None,
+        episode: EpisodeSpec | None = None,
     ) -> list[GenerateResult]:
         """Split prompts over the admitted rollout workers (those at ``weight_version``, of ``pool``)
         in proportion to their capacity; a chunk whose worker fails, leaves or dies goes to another.
@@ -345,6 +347,8 @@ class Fleet:
         prompt is answered exactly once. ``on_chunk(first, result)`` is told of each chunk as soon
         as it is generated (``first``: the index of its first prompt in ``prompts``), while the
         others still are: the step scores it then (:mod:`rlfleet.controller.lost_chunks`).
+        ``episode``: each prompt is a multi-turn episode (its ``items``, one per prompt, split with
+        the prompts).
         """  # fmt: skip
         workers = await self._admitted(pool, weight_version)
         if not workers:
@@ -353,7 +357,11 @@ class Fleet:
         sizes = split_by_capacity(len(prompts), [w.announce.capacity for w in workers])
 
         async def one(first: int, chunk: list[list[int]], preferred: str) -> GenerateResult:
-            result = await self._generate_chunk(chunk, sampling, weight_version, preferred, pool)
+            episodes = None
+            if episode is not None:  # the chunk's own items
+                episodes = episode.model_copy(update={"items": episode.items[first : first + len(chunk)]})
+            result = await self._generate_chunk(chunk, sampling, weight_version, preferred, pool,
+                                                episode=episodes)  # fmt: skip
             if on_chunk is not None:
                 on_chunk(first, result)
             return result
@@ -373,6 +381,7 @@ class Fleet:
         preferred: str,
         pool: str | None = None,
         avoid: frozenset[tuple[str, str]] = frozenset(),
+        episode: EpisodeSpec | None = None,
     ) -> GenerateResult:
         """One chunk's generate job on a live worker of ``pool`` (``preferred`` first), never on a
         process in ``avoid`` (worker id, incarnation); an empty pool is waited for."""
@@ -381,6 +390,7 @@ class Fleet:
             prompt_token_ids=chunk,
             sampling=sampling,
             weight_version=weight_version,
+            **({"episode": episode} if episode is not None else {}),
         )
         tried: set[tuple[str, str]] = set(avoid)
         rounds = Rounds()
@@ -411,7 +421,7 @@ class Fleet:
                 continue
             assert isinstance(reply, GenerateResult), reply
             incarnation = worker.announce.incarnation
-            order = ChunkOrder(chunk, sampling, weight_version, pool, worker.worker_id, incarnation)
+            order = ChunkOrder(chunk, sampling, weight_version, pool, worker.worker_id, incarnation, episode)
             self.orders.record(reply, order)  # so that a chunk lost with its worker can be made again
             return reply
 
@@ -455,7 +465,7 @@ class Fleet:
                            "%d: it generates it again", order.worker_id, order.weight_version)  # fmt: skip
         avoid = frozenset() if lone else frozenset({producer})  # that process, not a new one under its id
         return await self._generate_chunk(order.prompts, order.sampling, order.weight_version, "", order.pool,
-                                          avoid)  # fmt: skip
+                                          avoid, order.episode)  # fmt: skip
 
     async def load_weights(
         self, published: WeightsPublished, keep_from_version: int = -1, *, hold: bool = False

@@ -511,6 +511,8 @@ class OnlineTrainer(TrainerBase):
         )  # fmt: skip
         router = RolloutRouter(fleet_run.tokenizer, config.max_response_length, fleet_run.store.get,
                                list(config.rollout.pools))  # fmt: skip
+        router.episode = config.environment if config.environment.enabled else None
+        router.max_turn_tokens = config.max_response_length
         self.online_step = OnlineStep(fleet_run.state, fleet_run.store, fleet_run.kl_controller, router)
         super().__init__(fleet_run, self.online_step)
 

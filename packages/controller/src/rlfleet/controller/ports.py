@@ -39,6 +39,7 @@ from rlfleet.common.control.messages import (
     WeightsLoaded,
     WeightsPublished,
 )
+from rlfleet.common.control.messages.rollout import EpisodeSpec
 from rlfleet.common.control.transport import Transport
 from rlfleet.common.schema.carriers import CarrierSetting
 from rlfleet.common.schema.connection import NatsConnection
@@ -167,6 +168,8 @@ class ChunkOrder:
     worker_id: str
     incarnation: str
     """The answering process (its announce's incarnation): a worker back under the same id is another."""
+    episode: EpisodeSpec | None = None
+    """A multi-turn chunk's episodes (its prompts' items), as asked for."""
 
 
 ChunkDone = Callable[[int, GenerateResult], None]
@@ -223,9 +226,10 @@ class FleetClient(Protocol):
 
     async def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, weight_version: int, *,
-        pool: str | None = None, on_chunk: ChunkDone | None = None,
+        pool: str | None = None, on_chunk: ChunkDone | None = None, episode: EpisodeSpec | None = None,
     ) -> list[GenerateResult]:  # fmt: skip
-        """One result per chunk, in prompt order; ``on_chunk`` is told of each as it is generated."""
+        """One result per chunk, in prompt order; ``on_chunk`` is told of each as it is generated;
+        ``episode``: multi-turn episodes, its ``items`` one per prompt (each chunk gets its own)."""
         ...
 
     async def regenerate(self, order: ChunkOrder) -> GenerateResult: ...

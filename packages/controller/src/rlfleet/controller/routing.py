@@ -33,9 +33,11 @@ from typing import Any
 import torch
 
 from rlfleet.common.control.messages import GenerateResult, SamplingParams
+from rlfleet.common.control.messages.rollout import EpisodeSpec
 from rlfleet.common.schema.batch import RolloutBatch, pad_left, pad_right
 from rlfleet.common.tensors.server import TensorStoreServer
 from rlfleet.controller.dataset import PromptItem
+from rlfleet.controller.environment_settings import EnvironmentSettings
 from rlfleet.controller.errors import RouteError
 from rlfleet.controller.ports import ChunkDone, FleetClient
 
@@ -173,6 +175,12 @@ def text_batch(
     return batch.to_tensors(), sum(len(ids) for ids in responses)
 
 
+def episode_items(items: Sequence[PromptItem]) -> list[dict[str, Any]]:
+    """What each prompt's episode starts from: its dataset row's columns (its ``answer``...) and its
+    prompt as stored, under ``prompt``."""
+    return [{**item.metadata, "prompt": item.prompt} for item in items]
+
+
 def chunk_metadata(
     items: Sequence[PromptItem], results: Sequence[GenerateResult]
 ) -> list[list[dict[str, Any]]]:
@@ -226,6 +234,9 @@ class RolloutRouter:
         self._store = store
         self._config_pools = list(config_pools)
         self._texts = 0
+        self.episode: EnvironmentSettings | None = None
+        """Multi-turn runs: the environment each prompt's episode plays."""
+        self.max_turn_tokens = max_response_length
 
     def pools(self, fleet: FleetClient) -> list[str]:
         """Known pool names: the configured ones, then those of joined workers."""
@@ -252,7 +263,9 @@ class RolloutRouter:
             else:
                 pool = None if route == ANY else route
                 prompts = [it.token_ids for it in items]
-                jobs.append(fleet.generate(prompts, sampling, weight_version, pool=pool, on_chunk=told))
+                episode = {"episode": self._episodes(items)} if self.episode is not None else {}
+                jobs.append(fleet.generate(prompts, sampling, weight_version, pool=pool, on_chunk=told,
+                                           **episode))  # fmt: skip
         done = await asyncio.gather(*jobs)
         routed = RoutedRollout([], [], {})
         for route, results in zip(order, done, strict=True):
@@ -262,6 +275,11 @@ class RolloutRouter:
             workers = sorted({r.worker_id for r in results})
             routed.routes[route] = RouteSummary([it.index for it in items], workers)
         return routed
+
+    def _episodes(self, items: Sequence[PromptItem]) -> EpisodeSpec:
+        """The episodes of ``items`` (see :func:`episode_items`)."""
+        assert self.episode is not None
+        return self.episode.episodes(self.max_turn_tokens, episode_items(items))
 
     async def _answer(
         self, items: list[PromptItem], texts: list[list[str]], weight_version: int, told: ChunkDone | None

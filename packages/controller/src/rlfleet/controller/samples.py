@@ -16,7 +16,7 @@ from rlfleet.common.schema.refs import TensorRef
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptItem
 from rlfleet.controller.ports import FleetClient
-from rlfleet.controller.routing import chunk_metadata
+from rlfleet.controller.routing import chunk_metadata, episode_items
 
 
 class RunStore(Protocol):
@@ -61,7 +61,11 @@ class SampleTable:
         """
         cfg = self.config
         sampling = SamplingParams(n=1, temperature=0.0, max_tokens=self.max_tokens, seed=cfg.placement.seed)
-        results = await fleet.generate([it.token_ids for it in self.items], sampling, weight_version)
+        env = cfg.environment  # a multi-turn run's answers are whole episodes
+        episode = {"episode": env.episodes(self.max_tokens, episode_items(self.items))} if env.enabled else {}
+        results = await fleet.generate(
+            [it.token_ids for it in self.items], sampling, weight_version, **episode
+        )
         scored = await fleet.score(results, chunk_metadata(self.items, results), cfg.reward.endpoint)
         texts: list[str] = []
         tokens: list[int] = []

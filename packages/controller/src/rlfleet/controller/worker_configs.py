@@ -95,7 +95,8 @@ def rollout_worker_configs(
 
 
 def reward_worker_config(config: TrainerConfig, cluster: str, reward_spec: Spec) -> RewardWorkerConfig:
-    """The run's own reward worker: one endpoint, ``reward.endpoint``, scoring with ``reward_spec``.
+    """The run's own reward worker: one endpoint, ``reward.endpoint``, scoring with ``reward_spec``,
+    and in a multi-turn run the environment ``environment.serve`` as ``environment.env``.
 
     Its ``state_dir`` (``fleet/reward-state/<launch>``, new for each launch of the fleet, so a run
     never picks up what an earlier run in the same ``output_dir`` swapped in; a resume gets the
@@ -103,10 +104,13 @@ def reward_worker_config(config: TrainerConfig, cluster: str, reward_spec: Spec)
     worker the launcher restarts serves the swapped reward model and its scaler's statistics."""
     launch = f"{REWARD_ID}-{uuid.uuid4().hex[:8]}"
     state = Path(config.output_dir).resolve() / "fleet" / "reward-state" / launch
+    env = config.environment  # a multi-turn run: the environment its episodes play, served beside the reward
+    environments = {env.env: env.serve} if env.enabled and env.serve else {}
     return RewardWorkerConfig(
         fleet=FleetAddress(cluster=cluster), tensor_plane=_copy(config.tensor_plane), worker_id=REWARD_ID,
         loading=ModelLoading(trust_remote_code=config.model.trust_remote_code),
         endpoints={config.reward.endpoint: reward_spec}, state_dir=str(state),
+        **({"environments": environments} if environments else {}),
     )  # fmt: skip
 
 

@@ -26,7 +26,7 @@ from rlfleet.reward.errors import (
 )
 from rlfleet.reward.relevance import Relevance
 from rlfleet.reward.reward_model import RewardModel
-from rlfleet.reward.rules import Charset, Concise, Keyword, LengthPenalty, Regex
+from rlfleet.reward.rules import Charset, Concise, Episode, Keyword, LengthPenalty, Regex
 from rlfleet.reward.similarity import Similarity
 from rlfleet.reward.spec import ComponentSpec, RewardSpec, parse_spec_text
 from rlfleet.reward.user import UserFunction
@@ -45,6 +45,7 @@ RULES: dict[str, RuleFactory] = {
     "numeric": Numeric,
     "exact_match": ExactMatch,
     "relevance": Relevance,
+    "episode": Episode,
 }
 
 MODELS: dict[str, type[ModelComponent]] = {

@@ -196,3 +196,21 @@ class Charset(Rule):
         if not self.case_sensitive:
             chars = [c.casefold() for c in chars]
         return sum(1 for c in chars if c in self._set) / len(chars)
+
+
+EPISODE_REWARD = "episode_reward"
+"""The per-sample field of a multi-turn batch that :class:`Episode` scores (the reward worker puts it
+into each sample's metadata from the batch)."""
+
+
+class Episode(Rule):
+    """The reward the environment gave the sample's episode (multi-turn runs, issue 33: a job with
+    ``environment.env``): the batch's ``episode_reward``, 0 for an episode cut at its limits. A
+    batch without episodes has none, and is refused by name."""
+
+    def __call__(self, prompt: str, response: str, /, **metadata: Any) -> float:
+        value = metadata.get(EPISODE_REWARD)
+        if value is None:
+            raise ValueError("the sample is not an episode (no episode_reward): the episode rule scores the "
+                             "batches of multi-turn runs (a job with environment.env)")  # fmt: skip
+        return float(value)

@@ -4,6 +4,8 @@ Subjects (``rlfleet.<cluster>.*``)::
 
     reward.score            queue group "reward": ScoreRequest -> ScoreResult (N workers share the load)
     env.reset               queue group "env", only with environments: EnvReset -> EnvObservation
+    env.episode.<id>        this worker's episodes: EnvStep -> EnvObservation, EnvClose -> Ack (what a
+                            rollout worker may send it; NATS roles keep it off reward.worker.<id>)
     reward.worker.<id>      this worker alone: SetRewardSpec -> RewardSpecSet (hot swap),
                             RewardStatsRequest -> RewardStats, ScoreRequest, Shutdown; the episodes it
                             holds: EnvStep -> EnvObservation, EnvClose -> Ack (and EnvReset)
@@ -47,8 +49,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -68,18 +71,19 @@ from rlfleet.common.control.messages import (
     Shutdown,
 )
 from rlfleet.common.control.reply_cache import ReplyCache
-from rlfleet.common.control.transport import TOKEN_HEADER, request_headers, subject
+from rlfleet.common.control.transport import TOKEN_HEADER, episode_subject, request_headers, subject
 from rlfleet.common.control.worker import Worker
-from rlfleet.common.errors import MessageTooLarge, WrongMessageKind
+from rlfleet.common.errors import MessageTooLarge, UnknownTensor, WrongMessageKind
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.reward import RewardWorkerConfig
 from rlfleet.reward.composite import ScoreBatch
 from rlfleet.reward.endpoints import Endpoints, EndpointVersion
 from rlfleet.reward.environments.host import EnvironmentHost
-from rlfleet.reward.errors import DeadlinePassed, ForbiddenOperation, RewardFunctionError
+from rlfleet.reward.errors import DeadlinePassed, ForbiddenOperation, RewardFunctionError, RewardInputError
 from rlfleet.reward.loading import allow_remote_code
 from rlfleet.reward.quota_store import open_quotas
 from rlfleet.reward.registry import parse_reward_spec
+from rlfleet.reward.rules import EPISODE_REWARD, Episode
 from rlfleet.reward.tenants import StoreTarget, Tenant, TenantTable
 
 if TYPE_CHECKING:
@@ -98,7 +102,7 @@ MAX_STORE_CLIENTS = 64
 SCORE_SLICE = 64
 """Samples scored per step of a request that has a deadline: past it, the work stops between steps
 (as many as the largest default model batch, so a slice keeps the models' batches whole)."""
-Texts = tuple[list[str], list[str], list[int]]
+Texts = tuple[list[str], list[str], list[int], list[float] | None]
 """A batch's prompts and responses (N,) and each sample's group index (N,)."""
 
 
@@ -134,6 +138,8 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         if cfg.environments:
             resets = subject(cfg.fleet.cluster, "env", "reset")
             await self.subscribe(resets, self._on_env_reset, queue="env", max_concurrency=cfg.max_concurrency)
+            episodes = episode_subject(cfg.fleet.cluster, self.worker_id)  # its episodes' steps and closes
+            await self.subscribe(episodes, self._on_episode, max_concurrency=cfg.max_concurrency)
             logger.info("environments: %s", ", ".join(self.environments.names()))
         if self.tenants.open:
             logger.warning("no tenants configured: every request is accepted (open server)")
@@ -171,6 +177,13 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         if isinstance(message, EnvClose):
             return await self.env_close(message)
         return await super().handle_own(message)
+
+    async def _on_episode(self, message: AnyMessage) -> AnyMessage | None:
+        if isinstance(message, EnvStep):
+            return await self.env_step(message)
+        if isinstance(message, EnvClose):
+            return await self.env_close(message)
+        raise WrongMessageKind("env.step or env.close", message.kind)
 
     async def _on_env_reset(self, message: AnyMessage) -> AnyMessage | None:
         if not isinstance(message, EnvReset):
@@ -267,9 +280,13 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         done = False
         try:
             _in_time(request.job_id, deadline, "before any work")
-            async with self._texts(request, target, tenant, deadline) as (prompts, responses, groups):
+            episodes = any(isinstance(c.fn, Episode) for c in live.reward.components)
+            texts = self._texts(request, target, tenant, deadline, episodes)
+            async with texts as (prompts, responses, groups, rewards):
                 self.tenants.check_batch(tenant, len(responses))
                 metadata = [dict(request.metadata[g]) if g < len(request.metadata) else {} for g in groups]
+                for meta, reward in zip(metadata, rewards or [], strict=False):  # multi-turn: each episode's
+                    meta[EPISODE_REWARD] = reward
                 batch = await self._score_slices(live, prompts, responses, metadata, request.job_id, deadline)
             done = True
         finally:
@@ -330,9 +347,11 @@ class RewardWorker(Worker[RewardWorkerConfig]):
 
     @asynccontextmanager
     async def _texts(
-        self, request: ScoreRequest, target: StoreTarget, tenant: Tenant | None, deadline: float | None
-    ) -> AsyncIterator[Texts]:
-        """The request's texts, held (for a tenant: counted in its ``bytes_in_flight``) while the block runs.
+        self, request: ScoreRequest, target: StoreTarget, tenant: Tenant | None, deadline: float | None,
+        episodes: bool = False,
+    ) -> AsyncIterator[Texts]:  # fmt: skip
+        """The request's texts, held (for a tenant: counted in its ``bytes_in_flight``) while the block runs;
+        with ``episodes`` (the reward scores episodes), each sample's ``episode_reward`` too.
 
         For a tenant, every size is checked before the bytes it sizes are fetched: the sample count
         (``max_batch``) and the texts' total (``request_bytes``, ``bytes_in_flight``) from what the
@@ -342,10 +361,16 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         from rlfleet.common.schema.batch import unpack_texts
 
         ref, job = request.rollout, request.job_id
+        extra = [EPISODE_REWARD] if episodes else []
         if tenant is None:
-            got, held = await _by(job, deadline, self._fetch(target, ref, TEXT_TENSORS)), 0
+            try:
+                got, held = await _by(job, deadline, self._fetch(target, ref, TEXT_TENSORS + extra)), 0
+            except UnknownTensor as exc:
+                if episodes and EPISODE_REWARD in str(exc):  # a single-turn batch scored by the episode rule
+                    _episode_rewards({}, 0)
+                raise
         else:
-            declared, samples = await _by(job, deadline, self._declared(target, ref))
+            declared, samples = await _by(job, deadline, self._declared(target, ref, extra))
             self.tenants.check_batch(tenant, samples)
             held = sum(declared.values())
             self.tenants.check_bytes(tenant, "request_bytes", held)
@@ -353,17 +378,22 @@ class RewardWorker(Worker[RewardWorkerConfig]):
             if tenant is not None:
                 got = await _by(job, deadline, self._fetch_within(tenant, target, ref, BOUNDS, declared))
                 self.tenants.check_bytes(tenant, "sample_bytes", _largest_sample(got))
-                got.update(await _by(job, deadline, self._fetch_within(tenant, target, ref, TEXTS, declared)))
+                got.update(await _by(job, deadline, self._fetch_within(tenant, target, ref, TEXTS + extra,
+                                                                      declared)))  # fmt: skip
             prompts = unpack_texts(got["prompt_text"], got["prompt_text_offsets"])
             responses = unpack_texts(got["response_text"], got["response_text_offsets"])
             groups = [int(g) for g in got["group_index"].tolist()]
+            rewards = _episode_rewards(got, len(responses)) if episodes else None
             del got
-            yield prompts, responses, groups
+            yield prompts, responses, groups, rewards
 
-    async def _declared(self, target: StoreTarget, ref: TensorRef) -> tuple[dict[str, int], int]:
-        """The bytes the store says each text tensor of ``ref`` holds, and its sample count."""
+    async def _declared(
+        self, target: StoreTarget, ref: TensorRef, extra: Sequence[str] = ()
+    ) -> tuple[dict[str, int], int]:
+        """The bytes the store says each text tensor (and each of ``extra``) of ``ref`` holds, and its
+        sample count."""
         stat = await self._store(target).stat(ref)
-        sizes = {t.name: t.nbytes for t in stat.tensors if t.name in TEXT_TENSORS}
+        sizes = {t.name: t.nbytes for t in stat.tensors if t.name in TEXT_TENSORS or t.name in extra}
         samples = next((t.shape[0] for t in stat.tensors if t.name == "group_index" and t.shape), 0)
         return sizes, samples
 
@@ -448,6 +478,20 @@ async def _by(job_id: str, deadline: float | None, step: Awaitable[T]) -> T:
         if not scope.expired():
             raise  # the step's own timeout (a stalled store), not the deadline
         raise _passed(job_id, deadline, "while its texts were fetched") from None
+
+
+def _episode_rewards(got: Mapping[str, Any], samples: int) -> list[float]:
+    """Each sample's ``episode_reward`` from a fetched batch; a batch without episodes, or with a
+    count or value that does not fit, is refused by name (the episode rule scores multi-turn batches)."""
+    rewards = got.get(EPISODE_REWARD)
+    if rewards is None:
+        raise RewardInputError("the batch holds no episode_reward: the episode rule scores the batches of "
+                               "multi-turn runs (a job with environment.env)")  # fmt: skip
+    values = [float(v) for v in rewards.reshape(-1).tolist()]
+    if len(values) != samples or not all(math.isfinite(v) for v in values):
+        raise RewardInputError(f"episode_reward holds {len(values)} values for {samples} samples, or a "
+                               "non-finite one")  # fmt: skip
+    return values
 
 
 def _largest_sample(bounds: Mapping[str, Any]) -> int:

@@ -8,10 +8,10 @@ in lockstep turns::
     per turn, over the episodes still running:
       engine.generate(contexts, n=1, max_tokens=min(sampling.max_tokens, tokens left))  [engine gate]
         -> sampled tokens appended: loss_mask 1, their logprobs, the weight version
-      EnvStep(text of the turn) ---> reward.worker.<worker_id> ---> observation
+      EnvStep(text of the turn) ---> env.episode.<worker_id> ---> observation
         done -> the episode's reward; else the observation's tokens appended
         (chat_turns: its role's turn and the next assistant prompt): loss_mask 0, logprob NaN
-    EnvClose ---> reward.worker.<worker_id>, once each episode ends
+    EnvClose ---> env.episode.<worker_id>, once each episode ends
 
 Token in, token out: a context is the prompt plus every token appended since, never re-tokenised;
 the trained tokens are exactly those sampled and the observation tokens exactly those the model
@@ -55,7 +55,7 @@ from rlfleet.common.control.messages import (
     SamplingParams,
 )
 from rlfleet.common.control.messages.rollout import EpisodeSpec
-from rlfleet.common.control.transport import Transport, subject, worker_subject
+from rlfleet.common.control.transport import Transport, episode_subject, subject
 from rlfleet.common.errors import NoResponders, RemoteError, RequestTimeout
 from rlfleet.common.schema.batch import EPISODE_ENDS, LOSS_MASK, OPTIONAL_FIELDS, pad_right
 from rlfleet.rollout.chat_turns import ChatTurns
@@ -89,7 +89,7 @@ class Episode:
     loss_mask: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     env_subject: str = ""
-    """The own subject of the reward worker holding the episode (empty until its reset is answered)."""
+    """The episode subject of the reward worker holding it (empty until its reset is answered)."""
     last_turn: Completion | None = None
     turns: int = 0
     reward: float = 0.0
@@ -190,7 +190,7 @@ class EnvClient:
                            deadline=time.time() + timeout)  # fmt: skip
         reply = await self._observation(ep, "reset", subject(self.cluster, "env", "reset"), message, timeout)
         try:
-            ep.env_subject = worker_subject(self.cluster, "reward", reply.worker_id)
+            ep.env_subject = episode_subject(self.cluster, reply.worker_id)
         except ValueError:
             why = f"the reply names no usable reward worker ({reply.worker_id!r})"
             raise EnvFailed(self.spec.env, ep.episode_id, "reset", why) from None

@@ -173,6 +173,30 @@ def token_version_metrics(batch: Mapping[str, Tensor], trained_at: int) -> dict[
     }
 
 
+def episode_metrics(batch: Mapping[str, Tensor]) -> dict[str, float]:
+    """A multi-turn batch's episodes (:mod:`~rlfleet.common.schema.batch`): turns, tool calls and
+    their failures per episode, seconds waiting on the environment, and the share of response tokens
+    the losses leave out (observations); nothing for a single-turn batch."""
+    turns = batch.get("episode_turns")
+    if turns is None or not turns.numel():
+        return {}
+    out = {"episode/turns_mean": float(turns.float().mean().item())}
+    calls, errors = batch.get("episode_tool_calls"), batch.get("episode_tool_errors")
+    if calls is not None:
+        out["episode/tool_calls_mean"] = float(calls.float().mean().item())
+        out["episode/tool_use_frac"] = float((calls > 0).float().mean().item())
+    if errors is not None:  # failed tool calls and malformed ones (a guess that is no number...)
+        out["episode/tool_errors_mean"] = float(errors.float().mean().item())
+    env_s = batch.get("episode_env_s")
+    if env_s is not None:
+        out["episode/env_s_mean"] = float(env_s.float().mean().item())
+    loss_mask = batch.get("loss_mask")
+    if loss_mask is not None:
+        tokens = float(batch["response_mask"].sum().item())
+        out["episode/masked_token_frac"] = 1.0 - float(loss_mask.sum().item()) / max(tokens, 1.0)
+    return out
+
+
 def check_step(actor: Actor, critic: Critic | None, batch: Mapping[str, Tensor], settings: StepSettings,
                ) -> None:  # fmt: skip
     """What a step refuses before its first collective (see :func:`run_step`'s ``Raises``)."""
@@ -349,6 +373,7 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
                 metrics = await self._ranks(asyncio.to_thread(self._update, batch, request))
                 metrics["time/fetch_s"] = fetched
                 metrics.update(token_version_metrics(batch, self.weight_version))
+                metrics.update(episode_metrics(batch))
                 metrics.update(self._publish_peaks)  # a publish answers no metrics: see memory_phases
                 self._publish_peaks = {}
                 self.trained_step = request.step  # heartbeats carry it: `rlfleet status` shows the run's step

@@ -8,8 +8,9 @@ needs (cluster ``C``, ``P = rlfleet.C``)::
     controller  P.> except every tier's membership          P.<tier>.membership, its inbox
     trainer     P.trainer.membership, replies               P.trainer.>, P.controller.ping, its inbox
     rollout     P.rollout.membership, P.trainer.latest,     P.rollout.>, P.controller.ping, its inbox
-                replies
-    reward      P.reward.membership, replies                P.reward.>, P.controller.ping, its inbox
+                P.env.reset, P.env.episode.*, replies
+    reward      P.reward.membership, replies                P.reward.>, P.env.>, P.controller.ping,
+                                                            its inbox
     observer    P.controller.ping                           P.<tier>.membership, its inbox
 
 "Replies" is nats-server's ``allow_responses``: a worker may answer the requests it received, on
@@ -40,9 +41,16 @@ ROLES = ("controller", *WORKER_TIERS, "observer")
 """Every role of an embedded run: the controller, one per worker tier, and an observer
 (``rlfleet status``: it reads the membership subjects and asks workers to announce, nothing else)."""
 
-WORKER_PUBLISHES: dict[str, tuple[str, ...]] = {"trainer": (), "rollout": ("trainer.latest",), "reward": ()}
+WORKER_PUBLISHES: dict[str, tuple[str, ...]] = {
+    "trainer": (),
+    "rollout": ("trainer.latest", "env.reset", "env.episode.*"),
+    "reward": (),
+}
 """Requests a worker role sends besides its membership (verbs of another tier, ``tier.verb``)."""
 
+
+WORKER_SUBSCRIBES: dict[str, list[str]] = {"reward": ["env.>"]}
+"""Subjects a worker role serves beyond its own tier's (the environments' resets and episodes)."""
 
 REPLY_WINDOW_S = 6 * 3600
 """How long after a request its worker may still answer it (nats-server ``allow_responses.expires``);
@@ -82,9 +90,10 @@ def role_permissions(cluster: str, role: str, reply_window_s: float = REPLY_WIND
     if role not in WORKER_TIERS:
         raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
     requests = [on(*verb.split(".", 1)) for verb in WORKER_PUBLISHES[role]]
+    served = [on(*verb.split(".", 1)) for verb in WORKER_SUBSCRIBES.get(role, [])]
     return {
         "publish": {"allow": [on(role, "membership"), *requests]},
-        "subscribe": {"allow": [on(role, ">"), on("controller", "ping"), f"{inbox(role)}.>"]},
+        "subscribe": {"allow": [on(role, ">"), *served, on("controller", "ping"), f"{inbox(role)}.>"]},
         "allow_responses": reply_permission(reply_window_s),
     }
 

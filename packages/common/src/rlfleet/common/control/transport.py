@@ -356,6 +356,13 @@ def worker_subject(cluster: str, tier: str, worker_id: str) -> str:
     return subject(cluster, tier, f"worker.{worker_id}")
 
 
+def episode_subject(cluster: str, worker_id: str) -> str:
+    """Where the reward worker ``worker_id`` takes the steps and closes of the episodes it holds (issue
+    33): a subject of their own, so that a rollout worker may send them without being able to send a
+    reward worker anything else (its own subject takes spec swaps and shutdowns)."""
+    return subject(cluster, "env", f"episode.{worker_id}")
+
+
 WORKER_TIERS = ("rollout", "reward", "trainer")
 """The tiers whose workers announce themselves."""
 

@@ -61,6 +61,7 @@ def shape(
         scores = scores + penalty.to(scores.device, scores.dtype)
         metrics["overlong/penalty_mean"] = float(penalty.mean().item())
     if update.mask_truncated:
-        out[LOSS_MASK] = mask * (~cut).to(mask.dtype)[:, None]  # attention still reads them whole
+        kept = batch.get(LOSS_MASK, mask)  # a multi-turn batch's own mask (its observations) stays
+        out[LOSS_MASK] = kept * (~cut).to(kept.dtype)[:, None]  # attention still reads them whole
         metrics["overlong/masked_frac"] = metrics["overlong/truncated_frac"]
     return out, scores, metrics
