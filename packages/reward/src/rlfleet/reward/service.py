@@ -79,7 +79,13 @@ from rlfleet.common.schema.reward import RewardWorkerConfig
 from rlfleet.reward.composite import ScoreBatch
 from rlfleet.reward.endpoints import Endpoints, EndpointVersion
 from rlfleet.reward.environments.host import EnvironmentHost
-from rlfleet.reward.errors import DeadlinePassed, ForbiddenOperation, RewardFunctionError, RewardInputError
+from rlfleet.reward.errors import (
+    DeadlinePassed,
+    ForbiddenOperation,
+    RewardFunctionError,
+    RewardInputError,
+    UnknownEpisode,
+)
 from rlfleet.reward.loading import allow_remote_code
 from rlfleet.reward.quota_store import open_quotas
 from rlfleet.reward.registry import parse_reward_spec
@@ -202,10 +208,13 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         return await self.environments.step(message, owner, self.tenants.deadline(tenant, message.deadline))
 
     async def env_close(self, message: EnvClose) -> Ack:
-        """Drop an episode (not counted against the tenant's rate: closing frees what it holds)."""
+        """Drop an episode (not counted against the tenant's rate: closing frees what it holds); one
+        this worker does not hold for the caller (done, closed, dropped, never reset) is refused like a
+        step for it (:class:`UnknownEpisode`): a close changes nothing it was not given."""
         tenant = self.tenants.identify(credential(message), f"close an episode of {message.env!r}")
-        held = self.environments.close(_owner(tenant), message.env, message.episode_id)
-        return Ack(detail=f"episode {message.episode_id} {'closed' if held else 'was not held'}")
+        if not self.environments.close(_owner(tenant), message.env, message.episode_id):
+            raise UnknownEpisode(message.episode_id, message.env, self.worker_id)
+        return Ack(detail=f"episode {message.episode_id} closed")
 
     async def _env_caller(self, message: EnvReset | EnvStep, operation: str) -> tuple[Tenant | None, str]:
         """Who asks (None: the admin or an open server) and the owner its episodes are kept under, once

@@ -365,7 +365,7 @@ class EpisodeDriver:
 
     def _end(self, ep: Episode, end: str, reward: float = 0.0) -> None:
         ep.end, ep.reward = end, reward if end == "done" else 0.0
-        if ep.env_subject:
+        if ep.env_subject and end != "done":  # a done episode the environment has dropped already
             self._closing.append(asyncio.create_task(self.env.close(ep)))
 
     def _fail(self, ep: Episode, exc: EnvFailed) -> None:
