@@ -89,6 +89,7 @@ class FakeFleet:
         *,
         pool: str | None = None,
         on_chunk: Callable[[int, GenerateResult], None] | None = None,
+        episode: Any = None,
     ) -> list[Any]:
         assert weight_version == self.version, "generation must be pinned to the latest weights"
         ref = TensorRef(address="fake:1", key=f"rollout/{self.version}")

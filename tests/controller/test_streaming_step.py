@@ -85,10 +85,11 @@ class StepFleet(Fleet):
 
     async def generate(
         self, prompts: Any, sampling: SamplingParams, weight_version: int, *, pool: str | None = None,
-        on_chunk: ChunkDone | None = None,
+        on_chunk: ChunkDone | None = None, episode: Any = None,
     ) -> list[GenerateResult]:  # fmt: skip
         told = on_chunk if self.streaming else None
-        return await super().generate(prompts, sampling, weight_version, pool=pool, on_chunk=told)
+        return await super().generate(prompts, sampling, weight_version, pool=pool, on_chunk=told,
+                                      episode=episode)  # fmt: skip
 
     async def score(self, results: Any, metadata: Any, endpoint: str) -> list[ScoreResult]:
         self.score_started += [(time.perf_counter(), r.worker_id) for r in results]

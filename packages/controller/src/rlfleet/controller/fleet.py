@@ -390,7 +390,7 @@ class Fleet:
             prompt_token_ids=chunk,
             sampling=sampling,
             weight_version=weight_version,
-            **({"episode": episode} if episode is not None else {}),
+            episode=episode,
         )
         tried: set[tuple[str, str]] = set(avoid)
         rounds = Rounds()

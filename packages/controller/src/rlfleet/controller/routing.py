@@ -263,9 +263,9 @@ class RolloutRouter:
             else:
                 pool = None if route == ANY else route
                 prompts = [it.token_ids for it in items]
-                episode = {"episode": self._episodes(items)} if self.episode is not None else {}
+                episode = self._episodes(items) if self.episode is not None else None
                 jobs.append(fleet.generate(prompts, sampling, weight_version, pool=pool, on_chunk=told,
-                                           **episode))  # fmt: skip
+                                           episode=episode))  # fmt: skip
         done = await asyncio.gather(*jobs)
         routed = RoutedRollout([], [], {})
         for route, results in zip(order, done, strict=True):

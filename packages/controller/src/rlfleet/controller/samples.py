@@ -62,9 +62,9 @@ class SampleTable:
         cfg = self.config
         sampling = SamplingParams(n=1, temperature=0.0, max_tokens=self.max_tokens, seed=cfg.placement.seed)
         env = cfg.environment  # a multi-turn run's answers are whole episodes
-        episode = {"episode": env.episodes(self.max_tokens, episode_items(self.items))} if env.enabled else {}
+        episode = env.episodes(self.max_tokens, episode_items(self.items)) if env.enabled else None
         results = await fleet.generate(
-            [it.token_ids for it in self.items], sampling, weight_version, **episode
+            [it.token_ids for it in self.items], sampling, weight_version, episode=episode
         )
         scored = await fleet.score(results, chunk_metadata(self.items, results), cfg.reward.endpoint)
         texts: list[str] = []
