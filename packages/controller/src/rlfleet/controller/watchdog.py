@@ -1,9 +1,17 @@
 """The stall watchdog (issue 12): a worker that owes the controller a result for too long is named.
 
 Every request the controller makes is tracked while it waits (:meth:`Watchdog.track`, or all of a
-transport's requests through :meth:`Watchdog.watch`). A request that has waited
-``stall_report_s`` (and again each ``stall_report_s`` after) is reported, with what the
-membership registry knows of its worker::
+transport's requests through :meth:`Watchdog.watch`, which knows each request's deadline, scaled
+from its work by :class:`~rlfleet.controller.request_policy.Deadlines`). A request is reported,
+with what the membership registry knows of its worker, when it has waited
+
+- ``stall_report_s`` while no worker it may be on is heard from and busy (a silent or dead worker,
+  or one that reports no work: it is not working on it);
+- its deadline (at least ``stall_report_s``) while one is heard from and busy: a request within a
+  deadline that matches its work is not a stall (a held-out evaluation of many prompts is long
+  work, not a stuck worker);
+
+and again each ``stall_report_s`` after::
 
     rollout worker rollout-1 alive and heartbeating (last beat 1 s ago) but no result for 75 s on
     generate job 3f2a-gen-7 (it reports: generate 3f2a-gen-7 for 74 s)
@@ -75,6 +83,7 @@ class Waiting:
     reported: int = 0  # how many times it was reported
     subject: str = ""
     idle_since: float | None = None  # when its worker(s) were first seen idle after it was sent
+    deadline_s: float | None = None  # the request's deadline from its work; None: not known
     lost: asyncio.Future[RequestLost] | None = None  # set when it is given up
 
 
@@ -144,10 +153,21 @@ class Watchdog:
         return sorted(self._waiting.values(), key=lambda w: w.since)
 
     @contextlib.contextmanager
-    def track(self, tier: str, worker_id: str | None, what: str, job_id: str = "") -> Iterator[Waiting]:
-        """Track one request to ``worker_id`` of ``tier`` (None: the tier's) while the block runs."""
+    def track(
+        self,
+        tier: str,
+        worker_id: str | None,
+        what: str,
+        job_id: str = "",
+        *,
+        deadline_s: float | None = None,
+    ) -> Iterator[Waiting]:
+        """Track one request to ``worker_id`` of ``tier`` (None: the tier's) while the block runs;
+        ``deadline_s`` (its deadline from its work) is how long a busy worker may take unreported."""
         key = next(self._ids)
-        entry = self._waiting[key] = Waiting(tier, worker_id, what, job_id, self.clock())
+        entry = self._waiting[key] = Waiting(
+            tier, worker_id, what, job_id, self.clock(), deadline_s=deadline_s
+        )
         self._ensure_checker()
         try:
             yield entry
@@ -174,14 +194,15 @@ class Watchdog:
                 logger.exception("stall watchdog pass failed")
 
     def check(self, now: float | None = None) -> list[StallReport]:
-        """Report every request due a report now (first at ``stall_report_s``, then each period)."""
+        """Report every request due a report now (first at :meth:`first_report_s`, then each
+        ``stall_report_s``)."""
         now = self.clock() if now is None else now
         made: list[StallReport] = []
         for entry in self.waiting:
             waited = now - entry.since
             self.longest_s = max(self.longest_s, waited)
             self._check_lost(entry, now)
-            if waited < self.stall_report_s * (entry.reported + 1):
+            if waited < self.first_report_s(entry, now) + self.stall_report_s * entry.reported:
                 continue
             entry.reported += 1
             report = self._report(entry, waited, now)
@@ -191,6 +212,13 @@ class Watchdog:
             if self.on_report is not None:
                 self.on_report(report)
         return made
+
+    def first_report_s(self, entry: Waiting, now: float | None = None) -> float:
+        """When ``entry`` is first a stall: at its deadline while a worker it may be on is heard from
+        and busy (never before ``stall_report_s``), else at ``stall_report_s``."""
+        if entry.deadline_s is not None and self.working(entry, now):
+            return max(self.stall_report_s, entry.deadline_s)
+        return self.stall_report_s
 
     def working(self, entry: Waiting, now: float | None = None) -> bool:
         """Whether a worker ``entry`` may be on is heard from and busy: its deadline is extended."""
@@ -306,7 +334,9 @@ class WatchedTransport:
     ) -> AnyMessage:
         target_tier, worker_id = _target(subject)
         job_id = str(getattr(message, "job_id", ""))
-        with self.watchdog.track(target_tier or tier, worker_id, message.kind, job_id) as entry:
+        with self.watchdog.track(
+            target_tier or tier, worker_id, message.kind, job_id, deadline_s=timeout
+        ) as entry:
             entry.subject = subject
             entry.lost = asyncio.get_running_loop().create_future()
             cap = timeout * (1 + self.watchdog.max_extensions)
