@@ -63,6 +63,10 @@ EXAMPLES: list[m.Message] = [
     m.EnvStep(env="calc", episode_id="run-1:0:3", action='<tool_call>{"name": "calculator"}</tool_call>'),
     m.EnvObservation(episode_id="run-1:0:3", worker_id="reward-0", observation="4", info={"tool_calls": 1.0}),
     m.EnvClose(env="calc", episode_id="run-1:0:3"),
+    m.AgentOpen(token="t" * 32, sampling=m.SamplingParams(max_tokens=16), max_sessions=8),
+    m.AgentOpened(worker_id="rollout-0", url="http://127.0.0.1:4000/v1"),
+    m.AgentCollect(job_id="agent-1", prompt_token_ids=[[1, 2]], sessions=["s:0:0", "s:0:1"],
+                   rewards=[1.0, 0.0], failed=[False, True]),
     m.Ack(detail="ok"),
     m.Shutdown(reason="done"),
     m.ErrorReply(tier="reward", code="bad_message", message="no", retryable=True),
@@ -79,7 +83,7 @@ def test_examples_cover_every_message_kind() -> None:
 
 def test_every_message_of_every_family_is_in_the_union() -> None:
     """A message a family module defines but the union misses could be sent and never decoded."""
-    families = [m.base, m.membership, m.rollout, m.reward, m.trainer, m.environment]
+    families = [m.base, m.membership, m.rollout, m.reward, m.trainer, m.environment, m.agent]
     defined = {c for f in families for c in vars(f).values()
                if isinstance(c, type) and issubclass(c, m.Message) and c is not m.Message}  # fmt: skip
     assert defined == _union()

@@ -2,7 +2,7 @@
 
 Each message is a pydantic model tagged by ``kind``, one module per family: ``base`` (the
 :class:`Message` base, the wire schema version :data:`PROTOCOL`, the generic replies),
-``membership``, ``rollout``, ``reward``, ``trainer`` and ``environment``. ``codec`` holds
+``membership``, ``rollout``, ``reward``, ``trainer``, ``environment`` and ``agent``. ``codec`` holds
 :data:`AnyMessage`, their one discriminated union, and :func:`decode`, the one way to read bytes
 off the wire; another MAJOR version is refused with :class:`ProtocolMismatch`, a MINOR skew is
 accepted and unknown fields are ignored. Bulk data never rides here: messages carry
@@ -11,6 +11,7 @@ accepted and unknown fields are ignored. Bulk data never rides here: messages ca
 Import messages from here (``from rlfleet.common.control.messages import GenerateRequest``).
 """
 
+from rlfleet.common.control.messages.agent import AgentCollect, AgentOpen, AgentOpened
 from rlfleet.common.control.messages.base import (
     MAX_MESSAGE_BYTES,
     PROTOCOL,
@@ -54,7 +55,8 @@ from rlfleet.common.control.messages.trainer import (
 )
 
 __all__ = [
-    "Ack", "AnyMessage", "CheckpointLoaded", "EndpointStats", "EnvClose", "EnvObservation", "EnvReset",
+    "Ack", "AgentCollect", "AgentOpen", "AgentOpened", "AnyMessage", "CheckpointLoaded", "EndpointStats",
+    "EnvClose", "EnvObservation", "EnvReset",
     "EnvStep", "ErrorReply", "GenerateRequest", "GenerateResult", "Heartbeat", "LatestWeights",
     "LoadCheckpoint", "LoadWeights", "MAX_MESSAGE_BYTES", "MESSAGES", "Message", "PROTOCOL", "Ping",
     "PublishWeights", "RewardSpecSet", "RewardStats", "RewardStatsRequest", "SamplingParams",

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 
 from rlfleet.common.schema.config import legacy_dump
 
-PROTOCOL = "2.8"
+PROTOCOL = "2.9"
 """The wire schema version this code speaks: bump MINOR for additive changes, MAJOR otherwise."""
 
 

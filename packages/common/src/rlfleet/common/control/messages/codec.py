@@ -23,7 +23,7 @@ from typing import Annotated, Any, Union
 
 from pydantic import Field, TypeAdapter, ValidationError
 
-from rlfleet.common.control.messages import environment, membership, reward, rollout, trainer
+from rlfleet.common.control.messages import agent, environment, membership, reward, rollout, trainer
 from rlfleet.common.control.messages.base import (
     MAX_MESSAGE_BYTES,
     PROTOCOL,
@@ -44,6 +44,7 @@ AnyMessage = Annotated[
         trainer.TrainStepResult, trainer.PublishWeights, trainer.WeightsPublished, trainer.LatestWeights,
         trainer.SaveCheckpoint, trainer.Saved, trainer.LoadCheckpoint, trainer.CheckpointLoaded,
         environment.EnvReset, environment.EnvStep, environment.EnvClose, environment.EnvObservation,
+        agent.AgentOpen, agent.AgentOpened, agent.AgentCollect,
         Ack, Shutdown, ErrorReply,
     ],
     Field(discriminator="kind"),
