@@ -10,6 +10,10 @@ TensorBoard and W&B get the float, the ``[PROGRESS]`` line prints ``nan``/``inf`
 says which metrics were not finite and whether the update was skipped (:func:`nonfinite_line`).
 A metric a step did not produce reads ``n/a``.
 
+A run resumed from a checkpoint (``resume_from``) continues the history in the same folder: each
+sink keeps the steps up to the checkpoint's and drops the stopped run's later ones, which are run
+again (:meth:`RunMetrics.begin`'s ``from_step``); W&B starts a new run.
+
 A run that goes back (a crashed trainer restored from a checkpoint runs the steps after it again,
 :mod:`rlfleet.controller.supervision`) logs a step it logged before. Every sink ends with each step
 once, the replay's: ``metrics.jsonl`` drops its lines from that step on (rewritten atomically)
@@ -96,12 +100,14 @@ def _step_of(line: str) -> int:
 class TensorBoardSink:
     """Scalars into TensorBoard event files under ``output_dir/tensorboard``. A step logged again
     opens a new event file with ``purge_step``: TensorBoard hides what the earlier files hold from
-    that step on, so each step shows once."""
+    that step on, so each step shows once. A run resumed at step ``from_step`` opens its file with
+    ``purge_step = from_step + 1``: the stopped run's steps up to the checkpoint stay, its later
+    ones (run again) are hidden."""
 
-    def __init__(self, output_dir: Path) -> None:
+    def __init__(self, output_dir: Path, from_step: int = 0) -> None:
         self._log_dir = str(output_dir / "tensorboard")
-        self._writer = self._open()
-        self._last = -1
+        self._writer = self._open(purge_step=from_step + 1 if from_step > 0 else None)
+        self._last = from_step if from_step > 0 else -1
 
     def _open(self, purge_step: int | None = None) -> Any:
         from torch.utils.tensorboard import SummaryWriter
@@ -158,9 +164,12 @@ class WandbSink:
 class ConsoleProgress:
     """A progress bar plus a ``[PROGRESS]`` line every ``log_every`` steps."""
 
-    def __init__(self, total_steps: int, num_epochs: int, log_every: int, enabled: bool = True) -> None:
+    def __init__(
+        self, total_steps: int, num_epochs: int, log_every: int, enabled: bool = True, kl_off: bool = False
+    ) -> None:
         from tqdm import tqdm
 
+        self.kl_off = kl_off
         self.total_steps = total_steps
         self.num_epochs = num_epochs
         self.log_every = log_every
@@ -174,7 +183,9 @@ class ConsoleProgress:
         self._bar.update(1)
         self._bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
         if step % self.log_every == 0 or step == self.total_steps:
-            self.write(progress_line(epoch, self.num_epochs, step, self.total_steps, metrics))
+            self.write(
+                progress_line(epoch, self.num_epochs, step, self.total_steps, metrics, kl_off=self.kl_off)
+            )
 
     def write(self, text: str) -> None:
         if self.enabled:
@@ -188,14 +199,18 @@ class ConsoleProgress:
         self._bar.close()
 
 
-def progress_line(epoch: int, num_epochs: int, step: int, total: int, metrics: dict[str, float]) -> str:
+def progress_line(
+    epoch: int, num_epochs: int, step: int, total: int, metrics: dict[str, float], *, kl_off: bool = False
+) -> str:
     """``[PROGRESS] Epoch 1/3 | Step 100/1200 | Loss: 2.14 | Reward: 4.21 | KL: 0.087 | Len: 11.5``.
 
-    A value the step did not produce reads ``n/a`` (``KL`` when there is no reference model).
+    A value the step did not produce reads ``n/a``; ``KL`` reads ``off`` in a run without a KL term
+    (``kl_off``: no reference model).
     """
+    kl = "off" if kl_off and "kl" not in metrics else _num(metrics, "kl")
     return (
         f"[PROGRESS] Epoch {epoch}/{num_epochs} | Step {step}/{total} | Loss: {_num(metrics, 'loss')} | "
-        f"Reward: {_num(metrics, 'reward/mean')} | KL: {_num(metrics, 'kl')} | "
+        f"Reward: {_num(metrics, 'reward/mean')} | KL: {kl} | "
         f"Len: {_num(metrics, 'response_length', '.1f')}"
     )
 
@@ -262,7 +277,7 @@ def make_sinks(
         if name == "jsonl":
             sinks.append(JsonlSink(output_dir, from_step))
         elif name == "tensorboard":
-            sinks.append(TensorBoardSink(output_dir))
+            sinks.append(TensorBoardSink(output_dir, from_step))
         elif name == "wandb":
             sinks.append(WandbSink(output_dir, config))
     return sinks
@@ -271,8 +286,17 @@ def make_sinks(
 class RunMetrics:
     """A run's metric sinks and console progress, opened at the first step, closed with the run."""
 
-    def __init__(self, loggers: list[str], output_dir: Path, config: dict[str, Any], log_every: int) -> None:
+    def __init__(
+        self,
+        loggers: list[str],
+        output_dir: Path,
+        config: dict[str, Any],
+        log_every: int,
+        *,
+        kl_off: bool = False,
+    ) -> None:
         check_loggers(loggers)  # before anything starts: a missing package fails in a second
+        self.kl_off = kl_off  # the run has no KL term: the progress line says KL: off
         self.loggers = list(loggers)
         self.output_dir = output_dir
         self.config = config
@@ -285,7 +309,9 @@ class RunMetrics:
         step ``from_step`` (a resumed run: ``metrics.jsonl`` keeps the steps up to it)."""
         if self._progress is None:
             enabled = "console" in self.loggers
-            self._progress = ConsoleProgress(total_steps, num_epochs, self.log_every, enabled=enabled)
+            self._progress = ConsoleProgress(
+                total_steps, num_epochs, self.log_every, enabled=enabled, kl_off=self.kl_off
+            )
             self._sinks = make_sinks(self.loggers, self.output_dir, self.config, from_step)
 
     def log(self, step: int, epoch: int, metrics: dict[str, float]) -> None:

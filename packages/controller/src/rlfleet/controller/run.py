@@ -110,6 +110,13 @@ def build_launcher(config: TrainerConfig, run_dir: Path, specs: Sequence[WorkerS
     return EmbeddedFleet(run_dir, restart_budget=budget, gpus=assignment_for(config), python_path=code)
 
 
+def resumed_line(checkpoint: Path, step: int) -> str:
+    """The console's line for a run that continues from ``resume_from``: ``resumed from checkpoint-10
+    (step 10; metrics.jsonl and TensorBoard keep steps 1-10)``."""
+    kept = f"metrics keep steps 1-{step}" if step > 0 else "no earlier metrics"
+    return f"resumed from {checkpoint.name} (step {step}; {kept}; {checkpoint.resolve()})"
+
+
 class FleetRun:
     """A run: its model, data, fleet, event loop, own TensorStore, KL controller, metrics and checkpoints."""
 
@@ -123,10 +130,11 @@ class FleetRun:
         """Where the run stands: what every helper reads, and the step loop moves on."""
         self.resume_path = resolve_resume(config.resume_from, self.state.output_dir)
         """The checkpoint the run continues from (a bad ``resume_from`` fails here, before anything runs)."""
-        self.metrics = RunMetrics(
-            config.loggers, self.state.output_dir, config.masked_dump(), config.log_every
-        )
         spec = ALGORITHMS[config.algorithm.name]
+        kl_off = not spec.online or not spec.uses_reference(config.update.kl_coef)  # no KL term measured
+        self.metrics = RunMetrics(
+            config.loggers, self.state.output_dir, config.masked_dump(), config.log_every, kl_off=kl_off
+        )
         self.online = spec.online
         self.lookahead: BatchLookahead | None = None  # the batches of steps(), some taken ahead
         """Whether the run generates and scores (rollout and reward tiers); False for DPO."""
@@ -230,6 +238,7 @@ class FleetRun:
             self.loop.run(self._connect(url, auth, env))
             if self.resume_path is not None:
                 self.resume(self.resume_path)
+                self.metrics.say(resumed_line(self.resume_path, self.state.global_step))
             if self.evals is not None:  # the held-out eval (eval.data) and the before/after table
                 self.loop.run(self.evals.capture("before", self.fleet))
         except BaseException:
