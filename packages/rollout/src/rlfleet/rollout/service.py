@@ -42,6 +42,9 @@ from typing import Any
 import torch
 
 from rlfleet.common.control.messages import (
+    AgentCollect,
+    AgentOpen,
+    AgentOpened,
     AnyMessage,
     GenerateRequest,
     GenerateResult,
@@ -72,6 +75,7 @@ from rlfleet.rollout.errors import (
     NoUsableCarrier,
     StaleWeights,
 )
+from rlfleet.rollout.openai_endpoint import OpenAIEndpoint
 from rlfleet.rollout.partial_rollout import Segmented, generate_in_segments
 
 logger = logging.getLogger(__name__)
@@ -220,6 +224,7 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         self._gpu = asyncio.Lock()  # one engine call at a time: generation and weight loads never overlap
         self.replies = ReplyCache()  # a repeated generate or load (same job_id) gets its first reply
         self._turns: ChatTurns | None = None  # renders episodes' observations (made at the first episode)
+        self.agents: OpenAIEndpoint | None = None  # the agents' endpoint (started at the first AgentOpen)
         # late join: hold the trainer's current version before the first announce (never serve stale)
         cluster = cfg.fleet.cluster
         self.weight_version = await catch_up(self.transport, cluster, self.worker_id, self.weight_version,
@@ -236,6 +241,10 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
             return await self.replies.once(_identity(message), message.job_id, lambda: self.generate(message))
         if isinstance(message, LoadWeights):
             return await self.replies.once(message, message.job_id, lambda: self.load_weights(message))
+        if isinstance(message, AgentOpen):
+            return await self.open_agents(message)
+        if isinstance(message, AgentCollect):
+            return await self.replies.once(message, message.job_id, lambda: self.collect_agents(message))
         return await super().handle_own(message)
 
     async def _on_generate(self, message: AnyMessage) -> AnyMessage:
@@ -323,6 +332,54 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         logger.info("episode job %s: %d episodes, %s", request.job_id, len(episodes.episodes),
                     ", ".join(f"{n} {end}" for end, n in sorted(ends.items())))  # fmt: skip
         return episodes
+
+    async def open_agents(self, message: AgentOpen) -> AgentOpened:
+        """Serve the OpenAI-compatible endpoint for the run's agents
+        (:mod:`~rlfleet.rollout.openai_endpoint`), on the tensor plane's bind host; its requests
+        generate under the engine gate."""
+        if self.agents is None:
+            max_len = getattr(self.engine, "max_model_len", None)
+            self.agents = OpenAIEndpoint(self.worker_id, self.config.model_path, self.engine.tokenizer,
+                                         self._agent_generate, max_len)  # fmt: skip
+        plane = self.config.tensor_plane
+        url = await self.agents.open(message, plane.bind_host, plane.advertise_host)
+        return AgentOpened(worker_id=self.worker_id, url=url)
+
+    async def _agent_generate(
+        self, context: list[int], params: SamplingParams, timeout_s: float
+    ) -> tuple[Completion, int]:
+        """One agent request's completion, and the weight version that sampled it."""
+        self.busy += 1
+        try:
+            async with self._gpu:
+                version = self.weight_version
+                [completion] = await asyncio.to_thread(self.engine.generate, [context], params,
+                                                       deadline=time.monotonic() + timeout_s)  # fmt: skip
+        finally:
+            self.busy -= 1
+        self.metrics.tokens.inc(len(completion.token_ids))
+        return completion, version
+
+    async def collect_agents(self, message: AgentCollect) -> GenerateResult:
+        """The batch of a chunk's agent sessions (loss_mask and ``episode_*`` fields as episodes have),
+        in this worker's store; the sessions are dropped."""
+        t0 = time.perf_counter()
+        if self.agents is None:
+            raise WrongMessageKind("an opened agent endpoint (rollout.agent_open first)", message.kind)
+        pad = self.engine.pad_token_id
+        episodes, counts = self.agents.collect(message, pad)
+        completions, versions = episodes.completions(self._decode), episodes.versions()
+        tensors = to_rollout_tensors(completions, pad, self.engine.tokenizer, versions)
+        tensors.update(episodes.tensors())
+        version = episodes.versions_used[0] if episodes.versions_used else self.weight_version
+        ref = self.store.put_local(f"rollout/{message.job_id}", tensors)
+        self._batches.append((version, ref.key))
+        logger.info("agent job %s: %s", message.job_id, ", ".join(f"{v} {k}" for k, v in counts.items()))
+        return GenerateResult(
+            job_id=message.job_id, worker_id=self.worker_id, weight_version=version, ref=ref,
+            num_prompts=len(message.prompt_token_ids), num_samples=len(completions),
+            num_tokens=episodes.sampled_tokens, seconds=time.perf_counter() - t0,
+        )  # fmt: skip
 
     def _decode(self, token_ids: list[list[int]]) -> list[str]:
         return self.engine.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
@@ -458,6 +515,8 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         self._batches = kept
 
     async def teardown(self) -> None:
+        if self.agents is not None:
+            await self.agents.close()
         await self._stores.close()
         await self.store.stop()
         self.engine.close()
