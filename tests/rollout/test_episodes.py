@@ -38,12 +38,13 @@ from rlfleet.common.control.messages import (
 )
 from rlfleet.common.control.messages.rollout import EpisodeSpec
 from rlfleet.common.control.nats_transport import NatsTransport
-from rlfleet.common.control.transport import episode_subject, subject
+from rlfleet.common.control.transport import TOKEN_HEADER, episode_subject, request_headers, subject
 from rlfleet.common.errors import RemoteError, RemoteUserError
 from rlfleet.common.schema.batch import EPISODE_ENDS, LOSS_MASK, VERSIONS, check_rollout_tensors
 from rlfleet.common.schema.rollout import GenerateLimits
 from rlfleet.rollout.chat_turns import ChatTurns
-from rlfleet.rollout.errors import GenerateTooLarge, InvalidPrompt
+from rlfleet.rollout.episodes import EnvClient, Episode
+from rlfleet.rollout.errors import EnvRefused, GenerateTooLarge, InvalidPrompt
 from rlfleet.rollout.service import RolloutWorker, check_products
 
 ENV_WORKER = "env-0"
@@ -56,21 +57,32 @@ CHAT_TEMPLATE = (  # a template the character tokenizer can spell: "<role> <cont
 )
 
 
+class Refused(PermissionError):
+    """What a reward server answers a tenant it refuses (its ErrorReply's code)."""
+
+    code = "forbidden_endpoint"
+
+
 class CountingEnv:
     """A trivial deterministic environment. An episode lasts ``item["turns"]`` steps: every step but the
     last answers ``seen <N> chars, turn <k>.`` (N: the characters of the model's turn) as a ``tool``
     turn, then a ``user`` turn, alternately; the last says done with ``item["reward"]``. ``item["mode"]``:
     ``error`` (a step fails), ``hang`` (a step answers after HANG_S), ``ghost`` (the reset names a
-    worker nobody serves), ``long`` (300-character observations)."""
+    worker nobody serves), ``long`` (300-character observations), ``refuse`` (the reset is refused as
+    a reward server refuses a tenant). Each reset's credential header is kept in ``tokens``."""
 
     def __init__(self) -> None:
         self.resets: dict[str, EnvReset] = {}
         self.actions: dict[str, list[str]] = defaultdict(list)
         self.sent: dict[str, list[EnvObservation]] = defaultdict(list)
         self.closed: list[str] = []
+        self.tokens: list[str | None] = []
 
     async def reset(self, message: AnyMessage) -> EnvObservation:
         assert isinstance(message, EnvReset)
+        self.tokens.append(request_headers().get(TOKEN_HEADER))
+        if message.item.get("mode") == "refuse":
+            raise Refused("tenant 'team-b' may not use environment 'counter'")
         self.resets[message.episode_id] = message
         worker = "ghost" if message.item.get("mode") == "ghost" else ENV_WORKER
         return EnvObservation(episode_id=message.episode_id, worker_id=worker)
@@ -261,6 +273,37 @@ async def test_a_failing_environment_ends_only_its_episode(
     assert set(ids[1:3]) <= set(env.closed)  # not the done one (its environment dropped it), nor the ghost's
     assert ids[0] not in env.closed
     assert reply.num_samples == 4
+
+
+@pytest.mark.timeout(60)
+async def test_a_refused_tenant_fails_the_job_and_a_token_travels_with_each_request(
+    worker: RolloutWorker, env: CountingEnv, control: NatsTransport
+) -> None:
+    """A refusal no other episode would escape (a token the servers do not know, an environment the
+    tenant may not use) fails the job with the servers' reason instead of training on rewards of 0;
+    the run's tenant token goes in the ``Rlfleet-Token`` header of every environment request."""
+    sampling = SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=3)
+    with pytest.raises(
+        RemoteUserError, match=r"refused environment 'counter' \(forbidden_endpoint\): .*tenant 'team-b'"
+    ):
+        await _run(control, worker, ["a", "b"], [{"turns": 2, "reward": 1.0}, {"turns": 2, "mode": "refuse"}],
+                   sampling, max_episode_tokens=50)  # fmt: skip
+    spec = EpisodeSpec(
+        env="counter", items=[{"turns": 1, "reward": 1.0}, {"mode": "refuse"}], max_episode_tokens=9
+    )
+    client = EnvClient(control, WORKER_CLUSTER, spec, lambda: None, token="team-a-token-1234")
+    env.tokens.clear()
+    ok = Episode(prompt=0, sample=0, episode_id="tok:0:0", prompt_ids=[5])
+    assert (await client.reset(ok, spec.items[0], seed=1)).worker_id == ENV_WORKER
+    with pytest.raises(EnvRefused, match="forbidden_endpoint") as refused:
+        await client.reset(
+            Episode(prompt=1, sample=0, episode_id="tok:1:0", prompt_ids=[5]), spec.items[1], 1
+        )
+    assert refused.value.refusal == "forbidden_endpoint"
+    assert env.tokens == ["team-a-token-1234"] * 2
+    no_token = EnvClient(control, WORKER_CLUSTER, spec, lambda: None)
+    await no_token.reset(Episode(prompt=0, sample=0, episode_id="tok:2:0", prompt_ids=[5]), spec.items[0], 1)
+    assert env.tokens[-1] is None
 
 
 @pytest.mark.timeout(90)

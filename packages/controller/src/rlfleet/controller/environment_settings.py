@@ -2,7 +2,9 @@
 is an episode the rollout worker drives against that environment of the reward tier (generate a
 turn, send it, append the observation, go on; :mod:`rlfleet.rollout.episodes`); the dataset row of
 each prompt is the episode's item. ``serve`` has the run's own reward worker serve it (a shared
-reward server serves what its operator configured: give ``env`` alone). The episode's reward is
+reward server serves what its operator configured: give ``env`` alone; the rollout workers then
+reach that server at ``reward.url`` themselves, their requests carrying the run's ``reward.token``,
+and a refusal of the tenant fails the run by name). The episode's reward is
 the environment's: a job scores with the ``episode`` reward rule.
 """
 

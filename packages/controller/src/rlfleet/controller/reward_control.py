@@ -45,7 +45,13 @@ from rlfleet.common.control.messages import (
     ScoreResult,
     SetRewardSpec,
 )
-from rlfleet.common.control.transport import TOKEN_HEADER, Transport, subject
+from rlfleet.common.control.transport import (
+    REWARD_NATS_ENV_PREFIX,
+    TOKEN_ENV,
+    TOKEN_HEADER,
+    Transport,
+    subject,
+)
 from rlfleet.common.schema.connection import mask_url
 from rlfleet.common.schema.reward import Spec
 from rlfleet.controller.config import TrainerConfig
@@ -58,7 +64,6 @@ from rlfleet.controller.request_policy import POOL_POLL_S, Deadlines, give_up_at
 
 logger = logging.getLogger(__name__)
 
-TOKEN_ENV = "RLFLEET_REWARD_TOKEN"
 WIRE_KEYS = frozenset({"spec", "scaler", "scaler_state"})
 SHARED_SERVER_RUNS_NO_CODE = (
     "the run scores on a shared reward server (reward.url), which never runs code sent to it; name a "
@@ -155,7 +160,7 @@ class RewardControl:
         if reward.url != url:
             from rlfleet.common.control.nats_transport import NatsTransport
 
-            auth = reward.nats_auth.resolved(prefix="RLFLEET_REWARD_NATS_")
+            auth = reward.nats_auth.resolved(prefix=REWARD_NATS_ENV_PREFIX)
             transport = await NatsTransport.connect(reward.url, name="rlfleet-controller-reward",
                                                     tier="controller", auth=auth,
                                                     outage_grace_s=config.faults.outage_grace_s)  # fmt: skip

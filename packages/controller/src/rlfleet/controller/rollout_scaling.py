@@ -38,7 +38,7 @@ from rlfleet.controller.errors import TierNotReady
 from rlfleet.controller.launcher import WorkerProcess, WorkerSpec, drain_bound
 from rlfleet.controller.ports import FleetClient, Launcher, RunState, describe_worker
 from rlfleet.controller.supervision import GuardedLoop
-from rlfleet.controller.worker_configs import rollout_worker_configs
+from rlfleet.controller.worker_configs import rollout_env, rollout_worker_configs
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class RolloutScaler:
             if name not in used:
                 placement = template.placement.model_copy(update={"seed": template.placement.seed + i})
                 config = template.model_copy(update={"worker_id": name, "placement": placement})
-                self.launcher.spawn(WorkerSpec("rollout", name, config))
+                self.launcher.spawn(WorkerSpec("rollout", name, config, env=rollout_env(cfg)))
                 added.append(name)
             i += 1
         self.loop.run(self._admitted(added))

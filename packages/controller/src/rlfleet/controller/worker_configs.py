@@ -13,6 +13,7 @@ either release read.
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from pathlib import Path
 from typing import TypeVar
@@ -20,6 +21,7 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from rlfleet.common.control.membership import WorkerRegistry
+from rlfleet.common.control.transport import REWARD_NATS_ENV_PREFIX, TOKEN_ENV
 from rlfleet.common.schema.reward import RewardWorkerConfig, Spec
 from rlfleet.common.schema.rollout import RolloutSettings, RolloutWorkerConfig
 from rlfleet.common.schema.trainer import StepSettings, TrainerWorkerConfig
@@ -73,6 +75,29 @@ def lora_ready(config: TrainerConfig, settings: RolloutSettings) -> RolloutSetti
     return settings.model_copy(update={"engine": engine.model_copy(update={"max_lora_rank": lora.rank})})
 
 
+def shared_environments(config: TrainerConfig) -> dict[str, str]:
+    """Where a multi-turn run's rollout workers find its environment: a run that scores on a shared
+    reward server (``reward.url``) and serves no environment itself plays that server's (its
+    ``env_url`` and ``env_cluster``); else the fleet's own reward workers (no settings)."""
+    env, reward = config.environment, config.reward
+    if not env.enabled or env.serve or reward.url is None:
+        return {}
+    return {"env_url": reward.url, "env_cluster": reward.cluster or "default"}
+
+
+def rollout_env(config: TrainerConfig) -> dict[str, str]:
+    """The variables a multi-turn run's rollout workers get: the tenant token their environment
+    requests carry (``reward.token``, else the controller's ``RLFLEET_REWARD_TOKEN``) and, for a
+    shared server on another NATS, its login (``reward.nats_auth`` as ``RLFLEET_REWARD_NATS_*``).
+    In the environment, never in the config file (``ps`` and the run folder do not show them)."""
+    if not config.environment.enabled:
+        return {}
+    reward = config.reward
+    out = reward.nats_auth.env(prefix=REWARD_NATS_ENV_PREFIX) if shared_environments(config) else {}
+    token = reward.token.get_secret_value() or os.environ.get(TOKEN_ENV, "")
+    return {**out, TOKEN_ENV: token} if token else out
+
+
 def rollout_worker_configs(
     config: TrainerConfig, model_path: Path, cluster: str
 ) -> list[RolloutWorkerConfig]:
@@ -88,7 +113,7 @@ def rollout_worker_configs(
                 fleet=FleetAddress(cluster=cluster), placement=placement,
                 tensor_plane=_copy(config.tensor_plane), worker_id=name, pool=pool,
                 model_path=str(model_path), loading=loading.model_copy(),
-                rollout=lora_ready(config, settings),
+                rollout=lora_ready(config, settings), **shared_environments(config),
             )  # fmt: skip
             workers.append(worker)
     return workers
@@ -129,7 +154,8 @@ def worker_specs(
     if not config.reward.url and reward_spec is not None:
         specs.append(WorkerSpec("reward", REWARD_ID, reward_worker_config(config, cluster, reward_spec)))
     specs += [
-        WorkerSpec("rollout", w.worker_id, w) for w in rollout_worker_configs(config, model_path, cluster)
+        WorkerSpec("rollout", w.worker_id, w, env=rollout_env(config))
+        for w in rollout_worker_configs(config, model_path, cluster)
     ]
     shares = cpu_thread_env([s.tier for s in specs], device=config.placement.device,
                             max_staleness=config.max_staleness)  # fmt: skip

@@ -55,12 +55,12 @@ from rlfleet.common.control.messages import (
     SamplingParams,
 )
 from rlfleet.common.control.messages.rollout import EpisodeSpec
-from rlfleet.common.control.transport import Transport, episode_subject, subject
+from rlfleet.common.control.transport import TOKEN_HEADER, Transport, episode_subject, subject
 from rlfleet.common.errors import NoResponders, RemoteError, RequestTimeout
 from rlfleet.common.schema.batch import EPISODE_ENDS, LOSS_MASK, OPTIONAL_FIELDS, pad_right
 from rlfleet.rollout.chat_turns import ChatTurns
 from rlfleet.rollout.engines.base import Completion
-from rlfleet.rollout.errors import DeadlinePassed, EnvFailed
+from rlfleet.rollout.errors import DeadlinePassed, EnvFailed, EnvRefused
 from rlfleet.rollout.partial_rollout import SEED_CAP, segment_params
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,8 @@ TimeLeft = Callable[[], float | None]
 
 CLOSE_TIMEOUT_S = 5.0
 """The longest an EnvClose is waited for (it only frees the environment's state)."""
+REFUSALS = frozenset({"missing_token", "invalid_token", "forbidden_endpoint", "unknown_endpoint"})
+"""The reward servers' answers that no retry or other episode changes: the job fails with them."""
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
 
 
@@ -170,18 +172,23 @@ class Episodes:
 
 
 class EnvClient:
-    """An episode job's requests to the environment service, over the worker's control transport.
+    """An episode job's requests to the environment service: over the worker's control transport,
+    or the connection to the shared reward servers that serve it (``env_url``), with the run's
+    tenant ``token`` in the ``Rlfleet-Token`` header where one is given.
 
     Reset and step wait at most ``env_timeout_s``, and never past the job's deadline (``time_left``
     raises ``DeadlinePassed`` then: the job fails, not the episode); any other failure is an
     :class:`EnvFailed`. Every wait counts in the episode's ``env_s``.
     """
 
-    def __init__(self, transport: Transport, cluster: str, spec: EpisodeSpec, time_left: TimeLeft) -> None:
+    def __init__(
+        self, transport: Transport, cluster: str, spec: EpisodeSpec, time_left: TimeLeft, *, token: str = ""
+    ) -> None:
         self.transport = transport
         self.cluster = cluster
         self.spec = spec
         self.time_left = time_left
+        self.headers = {TOKEN_HEADER: token} if token else None  # a shared server's tenant token
 
     async def reset(self, ep: Episode, item: dict[str, Any], seed: int) -> EnvObservation:
         """Begin ``ep``; the reply names the reward worker that holds it from now on."""
@@ -234,13 +241,17 @@ class EnvClient:
     async def _request(self, ep: Episode, step: str, to: str, message: Message, timeout: float) -> AnyMessage:
         t0 = time.perf_counter()
         try:
-            return await self.transport.request(to, message, timeout=timeout, tier="reward")
+            return await self.transport.request(
+                to, message, timeout=timeout, tier="reward", headers=self.headers
+            )
         except (RequestTimeout, NoResponders, RemoteError) as exc:
             if isinstance(exc, RequestTimeout) and step != "close" and timeout < self.spec.env_timeout_s:
                 self.time_left()  # the job's deadline cut the wait: the job fails, not this episode
                 raise DeadlinePassed(
                     f"episode {ep.episode_id} ({step})", 0.0, time.perf_counter() - t0
                 ) from None
+            if isinstance(exc, RemoteError) and exc.code in REFUSALS:
+                raise EnvRefused(self.spec.env, exc.code, exc.remote_message) from None
             raise EnvFailed(self.spec.env, ep.episode_id, step, str(exc)) from None
         finally:
             ep.env_s += time.perf_counter() - t0

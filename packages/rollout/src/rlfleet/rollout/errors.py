@@ -273,6 +273,22 @@ class DeadlinePassed(Failure, TimeoutError):
         super().__init__(f"{what}: its deadline passed {late_s:.1f} s ago; {outcome}")
 
 
+class EnvRefused(UserError, PermissionError):
+    """The reward servers refused this run the environment: no token, a token they do not know, an
+    environment its tenant may not use or they do not serve (``code``: their refusal). Every episode
+    would fail the same way, so the job fails with it (a ``bad_request`` reply) instead of training
+    on rewards of 0. ``refusal``: the servers' code (not ``code``, which would make it this reply's)."""
+
+    def __init__(self, env: str, refusal: str, reason: str) -> None:
+        self.env = env
+        self.refusal = refusal
+        self.reason = reason
+        super().__init__(
+            f"the reward servers refused environment {env!r} ({refusal}): {reason}; check environment.env, "
+            "reward.token (or RLFLEET_REWARD_TOKEN) and the tenant's endpoints on the server"
+        )
+
+
 class EnvFailed(Failure, RuntimeError):
     """An environment request of an episode failed (``step``: reset, step or close; ``reason``: a
     timeout, an error reply, a worker gone, a reply that does not fit). It ends that episode with

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -53,11 +54,12 @@ from rlfleet.common.control.messages import (
     WeightsLoaded,
 )
 from rlfleet.common.control.reply_cache import ReplyCache
-from rlfleet.common.control.transport import subject
+from rlfleet.common.control.transport import REWARD_NATS_ENV_PREFIX, TOKEN_ENV, Transport, subject
 from rlfleet.common.control.worker import Worker
 from rlfleet.common.errors import ConfigError, WrongMessageKind
 from rlfleet.common.remote_code import refused_remote_code, remote_code_reason
 from rlfleet.common.schema.batch import pack_texts, pad_left, pad_right
+from rlfleet.common.schema.connection import NatsConnection, mask_url
 from rlfleet.common.schema.rollout import GenerateLimits, RolloutWorkerConfig
 from rlfleet.common.tensors.store import ClientPool, TensorStoreServer, worker_store
 from rlfleet.common.tensors.weight_sync import apply_delta
@@ -225,6 +227,16 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         self.replies = ReplyCache()  # a repeated generate or load (same job_id) gets its first reply
         self._turns: ChatTurns | None = None  # renders episodes' observations (made at the first episode)
         self.agents: OpenAIEndpoint | None = None  # the agents' endpoint (started at the first AgentOpen)
+        self._env_transport: Transport | None = None  # a shared reward server's NATS (env_url), if another
+        self._env_token = os.environ.get(TOKEN_ENV, "")  # the run's tenant token there (the launcher's)
+        if cfg.env_url and cfg.env_url != cfg.fleet.nats_url:
+            from rlfleet.common.control.nats_transport import NatsTransport
+
+            auth = NatsConnection().resolved(prefix=REWARD_NATS_ENV_PREFIX)
+            self._env_transport = await NatsTransport.connect(
+                cfg.env_url, name=f"{self.worker_id}-env", tier="rollout", auth=auth
+            )
+            logger.info("environments on the reward servers at %s", mask_url(cfg.env_url))
         # late join: hold the trainer's current version before the first announce (never serve stale)
         cluster = cfg.fleet.cluster
         self.weight_version = await catch_up(self.transport, cluster, self.worker_id, self.weight_version,
@@ -326,7 +338,10 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
 
         if self._turns is None:
             self._turns = ChatTurns(self.engine.tokenizer)
-        env = EnvClient(self.transport, self.config.fleet.cluster, request.episode, time_left)
+        cfg = self.config
+        cluster = cfg.env_cluster or ("default" if cfg.env_url else cfg.fleet.cluster)
+        transport = self._env_transport or self.transport
+        env = EnvClient(transport, cluster, request.episode, time_left, token=self._env_token)
         episodes = await EpisodeDriver(request, one_call, env, self._turns).run()
         ends = Counter(ep.end for ep in episodes.episodes)
         logger.info("episode job %s: %d episodes, %s", request.job_id, len(episodes.episodes),
@@ -517,6 +532,8 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
     async def teardown(self) -> None:
         if self.agents is not None:
             await self.agents.close()
+        if self._env_transport is not None:
+            await self._env_transport.close()
         await self._stores.close()
         await self.store.stop()
         self.engine.close()

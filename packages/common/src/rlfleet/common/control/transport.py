@@ -64,6 +64,10 @@ _HEADER_NAME = re.compile(r"^[!-9;-~]+$")  # printable ASCII without ':' or spac
 
 TOKEN_HEADER = "Rlfleet-Token"
 """The header a request's credential travels in (the reward tier's tenant and admin tokens)."""
+TOKEN_ENV = "RLFLEET_REWARD_TOKEN"
+"""The variable a process reads its reward-tier tenant token from when its config gives none."""
+REWARD_NATS_ENV_PREFIX = "RLFLEET_REWARD_NATS_"
+"""The prefix of the variables holding the login to a shared reward server's NATS (``<prefix>TOKEN``, ...)."""
 
 _HEADERS: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
     "rlfleet_headers", default=None

@@ -169,3 +169,12 @@ class RolloutWorkerConfig(ModelWorkerConfig):
     limits: GenerateLimits = Field(
         default_factory=GenerateLimits, description="what one generate request may ask in all; its deadline"
     )
+    env_url: str | None = Field(
+        default=None,
+        description="NATS URL of the reward servers that serve the episodes' environments (a shared "
+        "server); None: the fleet's own. Its login comes from RLFLEET_REWARD_NATS_*, the tenant token "
+        "from RLFLEET_REWARD_TOKEN",
+    )
+    env_cluster: str = Field(
+        default="", description="cluster name of env_url's reward servers; empty: 'default' with env_url"
+    )
