@@ -6,12 +6,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from rlfleet.reward import build_reward
-from rlfleet.reward.errors import RewardFunctionError, RewardModelError, UnknownRewardArgument
-from rlfleet.reward.loading import loaded_count
+# Reward models come with the models extra; the rules-only install (scripts/isolated_tests.py) skips these.
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers", reason="rlfleet-reward[models] is not installed")
+
+from rlfleet.reward import build_reward  # noqa: E402
+from rlfleet.reward.errors import RewardFunctionError, RewardModelError, UnknownRewardArgument  # noqa: E402
+from rlfleet.reward.loading import loaded_count  # noqa: E402
+
+AutoModelForSequenceClassification = transformers.AutoModelForSequenceClassification
+AutoTokenizer = transformers.AutoTokenizer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -55,6 +55,7 @@ from rlfleet.controller.launcher_settings import (
     RayLauncher,
     worker_logins,
 )
+from rlfleet.controller.saved_config import drop_records
 from rlfleet.controller.weight_sync_settings import WeightSyncSettings
 
 POOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -578,6 +579,12 @@ class JobConfig(TrainerConfig):
         description="'package.module:function' routing each prompt to a rollout pool or answering it "
         "(GRPOTrainer.set_rollout_fn); the module must be importable from where rlfleet runs",
     )
+
+    @classmethod
+    def tidy(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """A run's saved ``config.yaml`` loads as the job it ran: its records of where the model and the
+        data resolved (``model_path``, ``dataset``) are dropped (saved_config.py)."""
+        return super().tidy(drop_records(data))
 
     @model_validator(mode="after")
     def _online_needs_reward(self) -> JobConfig:

@@ -169,6 +169,16 @@ class RewardStateError(RewardError, ValueError):
         )
 
 
+class TenantConfigError(RewardError, ValueError):
+    """The tenants or the admin token of a server's config cannot work (a token variable unset or
+    too short, two of them sharing a token): the server refuses to start."""
+
+    def __init__(self, who: str, reason: str) -> None:
+        self.who = who
+        self.reason = reason
+        super().__init__(f"{who}: {reason}")
+
+
 # --- refusals of the service (each has its own wire code) -----------------------------------
 
 

@@ -11,11 +11,14 @@ another model frees the old one. The cache key includes the size and mtime of ev
 directory: a directory whose weights were overwritten loads again.
 
 torch and transformers are imported inside the functions, so a server with rule rewards only
-never imports them.
+never imports them; they come with the ``models`` extra (``pip install 'rlfleet-reward[models]'``), and
+a model asked for without it is refused with a :class:`RewardModelError` that names the extra
+(:func:`require_models_extra`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import threading
 import time
@@ -38,6 +41,9 @@ logger = logging.getLogger(__name__)
 DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
 CacheKey = tuple[str, str, str, str, tuple[tuple[str, int, int], ...]]
+
+MODELS_EXTRA = "rlfleet-reward[models]"
+"""The extra that brings what reward models and sentence encoders run on (torch, transformers)."""
 
 
 @dataclass(eq=False)
@@ -94,6 +100,16 @@ def remote_code_allowed() -> bool:
     return _REMOTE_CODE.is_set()
 
 
+def require_models_extra(path: str) -> None:
+    """Refuse the model at ``path`` by name when torch or transformers is not installed (a server of
+    rule rewards is installed without them)."""
+    missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:
+        reason = (f"reward models need {' and '.join(missing)}, which this install lacks: "
+                  f"pip install '{MODELS_EXTRA}'")  # fmt: skip
+        raise RewardModelError(path, reason)
+
+
 def model_dir(path: str) -> Path:
     """``path`` as an existing local model directory (one holding ``config.json``), or the local
     snapshot of the Hub model it names."""
@@ -132,6 +148,7 @@ def load_shared(
     ``loader`` returns ``(model, tokenizer)``; the model is put in eval mode. Failures of the
     loader become :class:`RewardModelError` naming the directory.
     """
+    require_models_extra(path)
     folder = model_dir(path)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)

@@ -61,6 +61,7 @@ from rlfleet.reward.errors import (
     InvalidToken,
     MissingToken,
     QuotaExceeded,
+    TenantConfigError,
     TextsTooLarge,
 )
 from rlfleet.reward.quota_store import ProcessQuotas, QuotaStore
@@ -115,6 +116,15 @@ class Tenant:
         return self.config.name
 
 
+def _digest(source: TokenSource, who: str) -> bytes:
+    """The SHA-256 of ``source``'s token (``token_env`` read now); an unusable one is the config's
+    mistake (:class:`TenantConfigError`: the server exits 2 with one line)."""
+    try:
+        return source.digest(who)
+    except ValueError as exc:
+        raise TenantConfigError(who, str(exc).removeprefix(f"{who}: ")) from None
+
+
 class TenantTable:
     """Resolves tokens to tenants and enforces what each may do; open when it has no tenants."""
 
@@ -140,7 +150,7 @@ class TenantTable:
             capacity = float(cfg.burst or max(1, math.ceil(rate or 1.0)))
             slots = cfg.concurrency or share
             self.tenants.append(Tenant(
-                cfg, cfg.digest(f"tenant {cfg.name!r}"), rate, capacity, slots,
+                cfg, _digest(cfg, f"tenant {cfg.name!r}"), rate, capacity, slots,
                 limits=cfg.limits or default_limits,
                 stores=tuple(parse_store_rule(entry) for entry in cfg.stores),
                 model_dirs=tuple(Path(os.path.realpath(d)) for d in cfg.model_dirs),
@@ -149,10 +159,11 @@ class TenantTable:
             logger.warning("the tenants' concurrency caps add up to more than max_concurrency (%d): a busy "
                            "tenant can delay the others' requests", max_concurrency)  # fmt: skip
         self._slots_lock = threading.Lock()
-        self.admin_digest = admin.digest("admin token") if admin is not None else None
+        self.admin_digest = _digest(admin, "admin token") if admin is not None else None
         digests = [t.digest for t in self.tenants] + ([self.admin_digest] if self.admin_digest else [])
         if len(set(digests)) != len(digests):
-            raise ValueError("two tenants (or a tenant and the admin) share a token; give each its own")
+            raise TenantConfigError("tenants", "two tenants (or a tenant and the admin) share a token; "
+                                    "give each its own")  # fmt: skip
 
     @property
     def open(self) -> bool:
