@@ -100,7 +100,9 @@ def build_trainer(job: JobConfig) -> TrainerBase:
 
         keys = {"chosen_key": data.chosen_key, "rejected_key": data.rejected_key}
         pairs = PreferenceDataset(data.path, max_response_length=job.max_response_length, **keys, **common)
-        return DPOTrainer(job.model.name, pairs, config)
+        trainer = DPOTrainer(job.model.name, pairs, config)
+        trainer.fleet_run.job = job.masked_dump()
+        return trainer
     dataset = PromptDataset(data.path, **common)
     if algorithm.needs_critic:
         from rlfleet.controller.ppo import PPOTrainer
@@ -112,6 +114,7 @@ def build_trainer(job: JobConfig) -> TrainerBase:
         from rlfleet.controller.routing import import_rollout_fn
 
         trainer.set_rollout_fn(import_rollout_fn(job.rollout_fn, job.python_path))
+    trainer.fleet_run.job = job.masked_dump()  # config.yaml: this job, which rlfleet train runs again
     return trainer
 
 

@@ -66,6 +66,7 @@ from rlfleet.controller.rollout_scaling import RolloutScaler, check_request, sca
 from rlfleet.controller.run_eval import RunEval
 from rlfleet.controller.run_reward import RunReward, attach_reward
 from rlfleet.controller.run_tokenizer import load_run_tokenizer
+from rlfleet.controller.saved_config import data_section, local_or_as_is, saved_job
 from rlfleet.controller.supervision import GuardedLoop, SupervisedFleet, Supervisor
 from rlfleet.controller.watchdog import Watchdog
 from rlfleet.controller.worker_configs import start_reward_worker, tier_counts, worker_specs
@@ -159,6 +160,11 @@ class FleetRun:
             self.state, self.loop, self.metrics, self, fleet=lambda: self._fleet,
             launcher=lambda: self.launcher, configure=self.trainer_configure,
         )  # fmt: skip
+        self.job: dict[str, Any] | None = None
+        """The job file's data (``JobConfig.masked_dump()``) when ``rlfleet train`` built the run:
+        what ``config.yaml`` writes; None: the run's config, model, reward and dataset are."""
+        self.run_length: tuple[int, int | None] = (1, None)
+        """``(num_epochs, max_steps)`` of the training loop, for ``config.yaml``."""
         self.evals = (
             RunEval(self.state, dataset, self.tokenizer, self.store, self.reward, self.metrics.say)
             if self.online and (config.sample_table_size or config.eval.data)
@@ -297,14 +303,22 @@ class FleetRun:
                         "--nats %s --cluster %s --pool NAME", counts, mask_url(url), cluster)  # fmt: skip
 
     def resolved_config_yaml(self) -> str:
-        """``config.yaml``: the run's config in its nested form, credentials masked, with the model's
-        ``name`` (as given) in its section, the reward's ``spec`` in its, and where they resolved to
-        (``model_path``, the dataset's file)."""
-        data = self.config.masked_dump()
-        data["model"] = {"name": self.model_name, **data["model"]}
-        data["reward"] = {**data["reward"], "spec": self.reward.spec if self.reward is not None else None}
-        where = {"model_path": str(self.model_path), "dataset": str(getattr(self.dataset, "data_path", ""))}
-        return yaml.safe_dump({**where, **data}, sort_keys=False)
+        """``config.yaml``: the run as a job file that ``rlfleet train`` runs again (saved_config.py):
+        the CLI's job as loaded (:attr:`job`), else the config in its nested form with the model's
+        ``name`` (as given) in its section, the reward's ``spec`` (the one the run started with) in
+        its, the dataset's ``data`` section and the run's length; and where the model and the data
+        resolved to (``model_path``, ``dataset``), credentials left out."""
+        job = self.job
+        if job is None:
+            job = self.config.masked_dump()
+            job["model"] = {"name": self.model_name, **job["model"]}
+            spec = self.reward.initial_spec if self.reward is not None else None
+            job["reward"] = {**job["reward"], "spec": spec}
+            num_epochs, max_steps = self.run_length
+            job.update(data=data_section(self.dataset), num_epochs=num_epochs, max_steps=max_steps)
+        dataset = local_or_as_is(str(getattr(self.dataset, "data_path", "")))
+        path = self.state.output_dir / "config.yaml"
+        return saved_job(job, model_path=str(self.model_path), dataset=dataset, header_path=path)
 
     # --- steps -----------------------------------------------------------------------------------
 
@@ -317,6 +331,9 @@ class FleetRun:
         (:mod:`rlfleet.controller.supervision`: a trainer restored from a checkpoint rewinds the
         run, whose steps after it come again); a failed step (a worker lost for good, Ctrl-C) stops
         the fleet before the error reaches the caller; leaving the loop early keeps it running."""
+        self.run_length = (num_epochs, max_steps)
+        if self._fleet is not None:  # started before: config.yaml says the run's length now
+            write_atomic(self.state.output_dir / "config.yaml", self.resolved_config_yaml())
         self.start()
         state = self.state
         total = self.total_steps(num_epochs, max_steps)
