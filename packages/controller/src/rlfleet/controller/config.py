@@ -45,6 +45,7 @@ from rlfleet.common.schema.connection import NatsConnection, Secret, mask_url
 from rlfleet.common.schema.rollout import RolloutSettings
 from rlfleet.common.schema.trainer import AlgorithmSettings, BatchSettings, ModelSettings, UpdateSettings
 from rlfleet.common.schema.worker import FleetAddress, Placement, TensorPlaneSettings
+from rlfleet.controller.agent_settings import AgentSettings
 from rlfleet.controller.dynamic_sampling_settings import DynamicSamplingSettings
 from rlfleet.controller.environment_settings import EnvironmentSettings
 from rlfleet.controller.eval_settings import EvalSettings
@@ -385,6 +386,12 @@ class TrainerConfig(ConfigModel):
         default_factory=EnvironmentSettings,
         description="multi-turn episodes against an environment of the reward tier ({env, serve, max_turns, "
         "max_observation_tokens, timeout_s}); no env: single-turn rollouts",
+    )  # fmt: skip
+    agent: AgentSettings = Field(
+        default_factory=AgentSettings,
+        description="bring your own agent: each rollout an episode of the user's agent against a rollout "
+        "worker's OpenAI-compatible endpoint ({function, agent_timeout_s, max_parallel, max_session_tokens, "
+        "session_idle_s}); no function: the rollout workers generate",
     )  # fmt: skip
     dynamic_sampling: DynamicSamplingSettings = Field(
         default_factory=DynamicSamplingSettings,

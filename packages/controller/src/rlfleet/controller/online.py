@@ -81,6 +81,7 @@ from rlfleet.common.control.messages import (
 )
 from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.controller.agent_rollout import AgentFn, AgentRollout
 from rlfleet.controller.config import (
     AdaptiveKL,
     FixedKL,
@@ -102,6 +103,7 @@ from rlfleet.controller.routing import RolloutFn, RolloutRouter, RoutedRollout, 
 from rlfleet.controller.run import FleetRun
 from rlfleet.controller.run_reward import RunReward
 from rlfleet.controller.trainer_base import TrainerBase
+from rlfleet.controller.user_code import import_user_function
 
 logger = logging.getLogger(__name__)
 
@@ -513,6 +515,9 @@ class OnlineTrainer(TrainerBase):
                                list(config.rollout.pools))  # fmt: skip
         router.episode = config.environment if config.environment.enabled else None
         router.max_turn_tokens = config.max_response_length
+        if config.agent.enabled:
+            router.agent = AgentRollout(import_user_function(config.agent.function, "agent.function",
+                                                             config.python_path), config.agent)  # fmt: skip
         self.online_step = OnlineStep(fleet_run.state, fleet_run.store, fleet_run.kl_controller, router)
         super().__init__(fleet_run, self.online_step)
 
@@ -526,6 +531,14 @@ class OnlineTrainer(TrainerBase):
         """The reward spec in force (``set_reward_fn`` switches it; a Python reward: its name)."""
         assert self.fleet_run.reward is not None
         return self.fleet_run.reward.spec
+
+    def set_agent(self, agent: AgentFn | None) -> None:
+        """Run every rollout of the next steps as an episode of ``agent(base_url, api_key, session_id,
+        item) -> reward`` (sync or async) against the rollout workers' OpenAI-compatible endpoint,
+        with the ``agent`` section's limits (:mod:`rlfleet.controller.agent_rollout`); the trainer
+        trains on exactly the tokens the endpoint recorded. ``None``: the rollout workers generate."""
+        settings = self.fleet_run.state.config.agent
+        self.online_step.router.agent = AgentRollout(agent, settings) if agent is not None else None
 
     def set_rollout_fn(self, fn: RolloutFn | None) -> None:
         """Route each prompt of the next steps: ``fn(item)`` sees a :class:`PromptItem` and returns the

@@ -36,6 +36,7 @@ from rlfleet.common.control.messages import GenerateResult, SamplingParams
 from rlfleet.common.control.messages.rollout import EpisodeSpec
 from rlfleet.common.schema.batch import RolloutBatch, pad_left, pad_right
 from rlfleet.common.tensors.server import TensorStoreServer
+from rlfleet.controller.agent_rollout import AgentRollout
 from rlfleet.controller.dataset import PromptItem
 from rlfleet.controller.environment_settings import EnvironmentSettings
 from rlfleet.controller.errors import RouteError
@@ -237,6 +238,8 @@ class RolloutRouter:
         self.episode: EnvironmentSettings | None = None
         """Multi-turn runs: the environment each prompt's episode plays."""
         self.max_turn_tokens = max_response_length
+        self.agent: AgentRollout | None = None
+        """Agent runs: each sample an episode of the user's agent (``agent_rollout``)."""
 
     def pools(self, fleet: FleetClient) -> list[str]:
         """Known pool names: the configured ones, then those of joined workers."""
@@ -260,6 +263,8 @@ class RolloutRouter:
             if route == TEXT:
                 texts = [plan.texts[p] for p in plan.routes[route]]
                 jobs.append(self._answer(items, texts, weight_version, told))
+            elif self.agent is not None:  # the agents' endpoints on any pool's workers
+                jobs.append(self.agent.generate(fleet, items, sampling, weight_version, told))
             else:
                 pool = None if route == ANY else route
                 prompts = [it.token_ids for it in items]
