@@ -56,6 +56,8 @@ from rlfleet.controller.launcher_settings import (
     RayLauncher,
     worker_logins,
 )
+from rlfleet.controller.lr_schedule import LRSchedule
+from rlfleet.controller.config_names import check_in_effect, check_known, given_algorithm
 from rlfleet.controller.saved_config import drop_records
 from rlfleet.controller.weight_sync_settings import WeightSyncSettings
 
@@ -245,6 +247,11 @@ class RewardSettings(ConfigModel):
     """The run's reward tier: its own reward worker's endpoint, or a shared reward server."""
 
     endpoint: str = Field(default="default", description="reward endpoint that scores rollouts")
+    weights: list[float] | None = Field(
+        default=None, min_length=1,
+        description="with a list of rewards (TRL's reward_weights): the weight of each, the total their "
+        "weighted sum; None: 1 each",
+    )  # fmt: skip
     url: str | None = Field(
         default=None,
         description="NATS URL of a shared reward server (rlfleet-reward serve); None: the run's own reward "
@@ -303,6 +310,9 @@ class TrainerConfig(ConfigModel):
     )
     WARN_LEGACY: ClassVar[bool] = True
     DEFAULT_TAGS: ClassVar[dict[str, str]] = {"launcher": "embedded", "kl": "fixed"}
+    FINAL_ALGORITHM: ClassVar[str | None] = None
+    """The algorithm when the input names none, for the check of settings it does not read; None: the
+    trainer class decides (PPOTrainer, DPOTrainer), so only a named algorithm is checked."""
 
     # --- the run as a whole ----------------------------------------------------------------------
     num_train_workers: int = Field(
@@ -380,6 +390,11 @@ class TrainerConfig(ConfigModel):
     kl: KLControl = Field(
         default_factory=lambda: FixedKL(type="fixed"), description="the KL coefficient's controller"
     )
+    lr_schedule: LRSchedule = Field(
+        default_factory=LRSchedule,
+        description="how learning_rate moves over the run ({type: constant | linear | cosine, warmup_steps "
+        "or warmup_ratio, min_lr_ratio}); each step's rate is logged as lr",
+    )
     reward: RewardSettings = Field(default_factory=RewardSettings, description="the reward tier")
     eval: EvalSettings = Field(default_factory=EvalSettings, description="held-out evaluation")
     environment: EnvironmentSettings = Field(
@@ -410,7 +425,12 @@ class TrainerConfig(ConfigModel):
     def tidy(cls, data: dict[str, Any]) -> dict[str, Any]:
         """A ``kl`` or ``launcher`` section without a type is the default one (fixed, embedded); the
         embedded launcher takes only ``gpus``, and a Ray setting beside it (the flat form's
-        ``ray_address`` without ``launcher: ray``) is named."""
+        ``ray_address`` without ``launcher: ray``) is named. Before anything, an unknown key and a
+        setting the algorithm does not read are named with their fix (config_names.py)."""
+        check_known(cls, data)
+        algorithm = given_algorithm(data) or cls.FINAL_ALGORITHM
+        if algorithm in ALGORITHMS:
+            check_in_effect(cls, data, algorithm, job=cls.FINAL_ALGORITHM is not None)
         for name, tag in cls.DEFAULT_TAGS.items():
             if isinstance(data.get(name), dict) and "type" not in data[name]:
                 data = {**data, name: {"type": tag, **data[name]}}
@@ -548,8 +568,10 @@ class JobReward(RewardSettings):
 
     SHORT_FORM: ClassVar[str | None] = "spec"
 
-    spec: str | dict[str, Any] | None = Field(
-        default=None, description="reward spec for the reward tier (e.g. 'rm:path=/m'); dpo takes none"
+    spec: str | dict[str, Any] | list[str] | None = Field(
+        default=None,
+        description="reward spec for the reward tier (e.g. 'rm:path=/m'), or a list of them, each weighted "
+        "by reward.weights (e.g. ['mymod:fn', 'concise']); dpo takes none",
     )
 
     @model_validator(mode="before")
@@ -574,6 +596,7 @@ class JobConfig(TrainerConfig):
         Legacy("model", ("model", "name")),
         Legacy("reward", ("reward", "spec")),
     )
+    FINAL_ALGORITHM: ClassVar[str | None] = "grpo"  # a job's algorithm is final: grpo unless named
 
     model: JobModel = Field(description="the actor model (name) and how the trainer holds it")
     reward: JobReward = Field(default_factory=JobReward, description="the reward spec and where it is scored")

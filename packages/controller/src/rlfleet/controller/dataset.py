@@ -1,5 +1,5 @@
-"""Prompt datasets for RL: read a JSONL/CSV/Parquet file (or an ``hf:`` dataset), render and tokenize
-prompts, serve seeded batches.
+"""Prompt datasets for RL: read a JSONL/CSV/Parquet file (or an ``hf:`` dataset, or rows in memory: a
+list of dicts, a ``datasets.Dataset``), render and tokenize prompts, serve seeded batches.
 
 The user builds a ``PromptDataset`` before the model is known; the trainer then binds the actor's
 tokenizer (``bind_tokenizer``), which renders each prompt (chat template when the tokenizer has
@@ -19,13 +19,20 @@ import copy
 import logging
 import os
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from rlfleet.controller.dataset_files import Message, Prompt, read_records
+from rlfleet.controller.dataset_files import (
+    Message,
+    Prompt,
+    is_in_memory,
+    memory_label,
+    read_memory_records,
+    read_records,
+)
 from rlfleet.controller.errors import DatasetError
 from rlfleet.controller.hf_datasets import is_hf_source, read_hf_records
 from rlfleet.controller.run_tokenizer import load_run_tokenizer
@@ -66,15 +73,21 @@ class _Row:
     metadata: dict[str, Any]
 
 
-class PromptDataset:
-    """Prompts from one file, rendered for one tokenizer, served in seeded epochs.
+DataSource = str | os.PathLike[str] | Sequence[Mapping[str, Any]] | Any
+"""Where prompts come from: a file path, an ``hf:`` source, a list of dicts or a ``datasets.Dataset``."""
 
-    ``len()`` counts prompts after the overlong filter once a tokenizer is bound (all rows before).
+
+class PromptDataset:
+    """Prompts from one file (or rows in memory), rendered for one tokenizer, served in seeded epochs.
+
+    ``data_path`` is a path, an ``hf:`` source, a list (or tuple) of dicts or a ``datasets.Dataset``
+    (rows in memory are copied when read: changing the list later changes nothing). ``len()`` counts
+    prompts after the overlong filter once a tokenizer is bound (all rows before).
     """
 
     def __init__(
         self,
-        data_path: str | os.PathLike[str],
+        data_path: DataSource,
         max_prompt_length: int = 512,
         num_workers: int = 1,
         prompt_key: str = "prompt",
@@ -92,7 +105,8 @@ class PromptDataset:
             raise ValueError(f"num_workers must be >= 0 (0 or 1 tokenize inline), got {num_workers}")
         if overlong not in OVERLONG_POLICIES:
             raise ValueError(f"overlong must be one of {OVERLONG_POLICIES}, got {overlong!r}")
-        self.data_path = Path(data_path)
+        self._memory = data_path if is_in_memory(data_path) else None  # rows in memory: read once, below
+        self.data_path = Path(memory_label(data_path) if self._memory is not None else data_path)
         self.max_prompt_length = max_prompt_length
         self.num_workers = num_workers
         self.prompt_key = prompt_key
@@ -103,6 +117,7 @@ class PromptDataset:
         self.apply_chat_template = apply_chat_template
         self.system_prompt = system_prompt
         self._rows = self._load_rows()
+        self._memory = None  # the rows are copied: the caller's object is not held
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._items: list[PromptItem] | None = self._raw_items()
         self._epoch = 0
@@ -115,8 +130,12 @@ class PromptDataset:
 
     def _load_rows(self) -> list[_Row]:
         source = str(self.data_path)  # hf: paths go through Hugging Face datasets (hf_datasets.py)
-        records = read_hf_records(source, self.prompt_key) if is_hf_source(source) else read_records(
-            self.data_path, self.prompt_key)  # fmt: skip
+        if self._memory is not None:
+            records = read_memory_records(self._memory, self.prompt_key)
+        elif is_hf_source(source):
+            records = read_hf_records(source, self.prompt_key)
+        else:
+            records = read_records(self.data_path, self.prompt_key)
         if not records:
             raise DatasetError(self.data_path, "holds no rows")
         rows = []
@@ -378,3 +397,27 @@ def _split(rows: list[_Row], parts: int) -> list[list[_Row]]:
     """Cut ``rows`` into at most ``parts`` contiguous chunks of near-equal size."""
     size = max(1, -(-len(rows) // parts))
     return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+
+def prompt_dataset(data: PromptDataset | DataSource, max_prompt_length: int, seed: int) -> PromptDataset:
+    """``data`` as a :class:`PromptDataset`: one as it is, else one over it (a path, an ``hf:`` source,
+    a list of dicts, a ``datasets.Dataset``) with the run's ``max_prompt_length`` and ``seed``."""
+    if isinstance(data, PromptDataset):
+        return data
+    if isinstance(data, str | os.PathLike) or is_in_memory(data):
+        return PromptDataset(data, max_prompt_length=max_prompt_length, seed=seed)
+    raise TypeError(
+        f"a dataset is a PromptDataset, a file path, an 'hf:' source, a list of dicts or a datasets.Dataset; "
+        f"got a {type(data).__name__}"
+    )
+
+
+def chat_prompts(items: Iterable[PromptItem], tokenizer: PreTrainedTokenizerBase) -> dict[str, list[Message]]:
+    """The chat prompts of ``items`` (a prompt stored as messages) by their text as a rollout worker
+    decodes their tokens (``skip_special_tokens=True``), which is how a reward sees a prompt: what
+    lets a TRL-form reward function get the messages back (:mod:`rlfleet.controller.python_reward`)."""
+    chats = [item for item in items if not isinstance(item.prompt, str) and item.token_ids]
+    if not chats:
+        return {}
+    texts = tokenizer.batch_decode([item.token_ids for item in chats], skip_special_tokens=True)
+    return {text: [dict(m) for m in item.prompt] for text, item in zip(texts, chats, strict=True) if text}

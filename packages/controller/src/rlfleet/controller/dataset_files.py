@@ -1,4 +1,5 @@
-"""Read prompt rows from JSONL, CSV or Parquet files, chosen by extension, and check each prompt.
+"""Read prompt rows from JSONL, CSV or Parquet files, chosen by extension, or from memory (a list of
+dicts, a ``datasets.Dataset``), and check each prompt.
 
 A prompt is a non-empty string or a non-empty list of chat messages ``{"role", "content"}``.
 CSV cells are always strings (the format carries no types); JSONL and Parquet keep theirs.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +105,36 @@ def check_prompt(path: Path, index: int, record: Record, prompt_key: str) -> Pro
     raise DatasetError(
         path, f"row {index}: the prompt must be a non-empty string or chat message list, got {prompt!r:.80}"
     )
+
+
+def is_in_memory(data: Any) -> bool:
+    """Whether ``data`` is rows held in memory (a list or tuple of dicts, a ``datasets.Dataset`` or
+    anything with its ``to_list`` and ``column_names``) rather than a path."""
+    if isinstance(data, list | tuple):
+        return True
+    return hasattr(data, "to_list") and hasattr(data, "column_names")
+
+
+def memory_label(data: Any) -> str:
+    """How errors and ``config.yaml`` name rows held in memory: ``<list of 8 rows>``."""
+    kind = "list" if isinstance(data, list | tuple) else type(data).__name__
+    return f"<{kind} of {len(data)} rows>"
+
+
+def read_memory_records(data: Any, prompt_key: str) -> list[tuple[Prompt, Record]]:
+    """Every row of ``data`` (see :func:`is_in_memory`) as (checked prompt, a copy of the record)."""
+    label = Path(memory_label(data))
+    if isinstance(data, list | tuple):
+        rows = list(data)
+    else:  # a datasets.Dataset: its rows as plain dicts (no datasets import needed here)
+        if prompt_key not in data.column_names:
+            reason = f"has no {prompt_key!r} column (it has {data.column_names}); set prompt_key"
+            raise DatasetError(label, reason)
+        rows = data.to_list()
+    records = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise DatasetError(label, f"row {i} is a {type(row).__name__}; each row is a dict of columns")
+        record = dict(row)
+        records.append((check_prompt(label, i, record, prompt_key), record))
+    return records

@@ -15,14 +15,14 @@ sends the trainer a ref to it, the trainer fetches it (the preference-batch cont
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from rlfleet.common.schema.algorithms import ALGORITHMS
 from rlfleet.common.schema.trainer import StepSettings
 from rlfleet.controller.config import TrainerConfig
-from rlfleet.controller.dataset import PromptItem
+from rlfleet.controller.dataset import DataSource, PromptItem
+from rlfleet.controller.lr_schedule import LearningRates
 from rlfleet.controller.online import build_kl_controller
 from rlfleet.controller.own_store import OwnStore
 from rlfleet.controller.ports import FleetClient, KLController, RunState
@@ -49,9 +49,11 @@ class DPOStep:
     does not use)."""
 
     def __init__(
-        self, state: RunState, store: OwnStore, kl_controller: KLController, pairs: PreferenceDataset
-    ) -> None:
+        self, state: RunState, store: OwnStore, kl_controller: KLController, pairs: PreferenceDataset,
+        rates: LearningRates | None = None,
+    ) -> None:  # fmt: skip
         self.state = state
+        self.rates = rates or LearningRates(state.config)  # each step's learning rate (lr_schedule)
         self.store = store
         self.kl_controller = kl_controller
         self.pairs = pairs
@@ -66,7 +68,8 @@ class DPOStep:
         t0 = time.perf_counter()
         key = f"dpo/{state.cluster}/{state.global_step + 1}"
         ref = store.put_local(key, self.pairs.collate(batch))
-        settings = StepSettings.of(state.config, kl_coef=self.kl_controller.value)
+        settings = StepSettings.of(state.config, kl_coef=self.kl_controller.value,
+                                   learning_rate=self.rates.at(state.global_step))  # fmt: skip
         try:
             stepped = await fleet.train_step(state.global_step + 1, [ref], [], settings)
         finally:
@@ -77,13 +80,16 @@ class DPOStep:
 
 
 class DPOTrainer(TrainerBase):
-    """DPO over a trainer tier alone; ``dataset`` is a :class:`PreferenceDataset` or a path to pairs."""
+    """DPO over a trainer tier alone; ``dataset`` is a :class:`PreferenceDataset`, a path to pairs, a
+    list of dicts or a ``datasets.Dataset``; ``callbacks`` as :mod:`rlfleet.controller.callbacks`."""
 
     def __init__(
         self,
         actor_model_name: str,
-        dataset: PreferenceDataset | str | Path,
+        dataset: PreferenceDataset | DataSource,
         config: TrainerConfig | None = None,
+        *,
+        callbacks: Iterable[Any] = (),
     ) -> None:
         config = dpo_config(config or TrainerConfig())
         if not isinstance(dataset, PreferenceDataset):
@@ -94,7 +100,7 @@ class DPOTrainer(TrainerBase):
         # the steps carry its coefficient, which DPO's loss does not use
         kl_controller = build_kl_controller(config.kl, config.update.kl_coef)
         fleet_run = FleetRun(actor_model_name, dataset, config, kl_controller=kl_controller)
-        super().__init__(
-            fleet_run, DPOStep(fleet_run.state, fleet_run.store, fleet_run.kl_controller, dataset)
-        )
+        rates = LearningRates(config)
+        program = DPOStep(fleet_run.state, fleet_run.store, fleet_run.kl_controller, dataset, rates)
+        super().__init__(fleet_run, program, rates, callbacks)
         self.preferences: PreferenceDataset = dataset

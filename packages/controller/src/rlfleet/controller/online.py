@@ -91,12 +91,14 @@ from rlfleet.controller.config import (
     TrainerConfig,
     check_kl_start,
 )
-from rlfleet.controller.dataset import PromptDataset, PromptItem
+from rlfleet.controller.dataset import PromptDataset, PromptItem, chat_prompts, prompt_dataset
 from rlfleet.controller.dynamic_sampling import GroupChoice, choose_groups, count_signal, wasted_token_frac
 from rlfleet.controller.fleet import publish
 from rlfleet.controller.lost_chunks import StepChunks
+from rlfleet.controller.lr_schedule import LearningRates
 from rlfleet.controller.own_store import OwnStore
 from rlfleet.controller.ports import FleetClient, KLController, RunState
+from rlfleet.controller.python_reward import reward_of
 from rlfleet.controller.reward_control import RewardControl, describe_reward_fn, model_swap
 from rlfleet.controller.rollout_ahead import Rollout, RolloutAhead
 from rlfleet.controller.routing import RolloutFn, RolloutRouter, RoutedRollout, RouteSummary, chunk_metadata
@@ -117,12 +119,14 @@ class OnlineStep:
     own) releases what the step consumed."""
 
     def __init__(
-        self, state: RunState, store: OwnStore, kl_controller: KLController, router: RolloutRouter
-    ) -> None:
+        self, state: RunState, store: OwnStore, kl_controller: KLController, router: RolloutRouter,
+        rates: LearningRates | None = None,
+    ) -> None:  # fmt: skip
         self.state = state
         self.store = store
         self.kl_controller = kl_controller
         self.router = router
+        self.rates = rates or LearningRates(state.config)  # each step's learning rate (lr_schedule)
         self.last_routes: dict[str, RouteSummary] = {}
         self.last_rollout: RoutedRollout | None = None  # the last step's prompts and the chunks it trained on
         self.ahead = RolloutAhead()  # batches generating while this one trains (max_staleness)
@@ -219,7 +223,8 @@ class OnlineStep:
         t2 = time.perf_counter()  # the trainer waited for its batch until now
         shaping = cfg.update.overlong_buffer or cfg.update.mask_truncated  # trainer/algorithms/overlong.py
         cap = {"response_cap": cfg.max_response_length} if shaping else {}  # else an older trainer's default
-        settings = StepSettings.of(cfg, kl_coef=self.kl_controller.value, **cap)
+        settings = StepSettings.of(cfg, kl_coef=self.kl_controller.value,
+                                   learning_rate=self.rates.at(state.global_step), **cap)  # fmt: skip
         trained_at = state.weight_version
         chosen: list[GroupChoice] = []
 
@@ -502,10 +507,7 @@ class OnlineTrainer(TrainerBase):
         self, actor_model_name: str, reward: Any, dataset: PromptDataset | str | Path,
         config: TrainerConfig, critic_model_name: str | None = None,
     ) -> None:  # fmt: skip
-        if isinstance(dataset, (str, Path)):
-            dataset = PromptDataset(
-                str(dataset), max_prompt_length=config.max_prompt_length, seed=config.placement.seed
-            )
+        dataset = prompt_dataset(dataset, config.max_prompt_length, config.placement.seed)  # or in memory
         kl_controller = build_kl_controller(config.kl, config.update.kl_coef)
         fleet_run = FleetRun(
             actor_model_name, dataset, config, kl_controller=kl_controller, reward=reward,
@@ -518,8 +520,15 @@ class OnlineTrainer(TrainerBase):
         if config.agent.enabled:
             router.agent = AgentRollout(import_user_function(config.agent.function, "agent.function",
                                                              config.python_path), config.agent)  # fmt: skip
-        self.online_step = OnlineStep(fleet_run.state, fleet_run.store, fleet_run.kl_controller, router)
-        super().__init__(fleet_run, self.online_step)
+        rates = LearningRates(config)
+        self.online_step = OnlineStep(fleet_run.state, fleet_run.store, fleet_run.kl_controller, router,
+                                      rates)  # fmt: skip
+        super().__init__(fleet_run, self.online_step, rates)
+        eval_items = fleet_run.evals.table.items if fleet_run.evals is not None else []
+        self.chats = chat_prompts([*fleet_run.dataset, *eval_items], fleet_run.tokenizer)
+        """The run's chat prompts by their decoded text: TRL-form rewards get them as messages."""
+        if fleet_run.reward is not None and fleet_run.reward.python is not None:
+            fleet_run.reward.python.chats = self.chats
 
     @property
     def last_routes(self) -> dict[str, RouteSummary]:
@@ -563,8 +572,12 @@ class OnlineTrainer(TrainerBase):
         ``fn``: a spec (str or dict), a ``package.module:function`` name, a ``CompositeReward`` /
         ``RewardScaler`` built from a spec (or its ``compute_reward``): served by the reward workers;
         any Python callable (``lambda text: ...``, ``fn(prompt, response, **metadata)``, TRL's batched
-        form): called by the controller itself (python_reward.py), never on a shared server (reward.url)."""
-        return self._switch(describe_reward_fn(fn))
+        form): called by the controller itself (python_reward.py), never on a shared server (reward.url);
+        a list of them (weight 1 each), as TRL's reward_funcs."""
+        wire = describe_reward_fn(reward_of(fn))
+        if "python" in wire:
+            wire["python"].chats = self.chats
+        return self._switch(wire)
 
     def update_reward_model(self, new_rm: Any, *, component: str | None = None, wait: bool = True) -> Any:
         """Hot-swap the reward model: the reward tier loads it in the background, the old one keeps

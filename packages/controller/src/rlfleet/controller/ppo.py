@@ -20,14 +20,15 @@ field) names another model; only the actor's weights are published to the rollou
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from rlfleet.common.schema.algorithms import ALGORITHMS
 from rlfleet.controller.config import TrainerConfig
-from rlfleet.controller.dataset import PromptDataset
+from rlfleet.controller.dataset import DataSource, PromptDataset
 from rlfleet.controller.online import OnlineTrainer
+from rlfleet.controller.python_reward import reward_of, run_weights
 
 
 def reward_model_spec(reward_model_name: str | None, reward: Any) -> Any:
@@ -71,18 +72,25 @@ class PPOTrainer(OnlineTrainer):
         self,
         actor_model_name: str,
         reward_model_name: str | None = None,
-        dataset: PromptDataset | str | None = None,
+        dataset: PromptDataset | DataSource | None = None,
         config: TrainerConfig | None = None,
         *,
-        reward: str | dict[str, Any] | Callable[..., Any] | None = None,
+        reward: str | dict[str, Any] | Callable[..., Any] | Sequence[Any] | None = None,
         critic_model_name: str | None = None,
+        reward_weights: Sequence[float] | None = None,
+        callbacks: Iterable[Any] = (),
     ) -> None:
         if dataset is None:
-            raise ValueError("PPOTrainer needs a dataset: a PromptDataset or a path to a prompt file")
-        spec = reward_model_spec(reward_model_name, reward)
-        super().__init__(
-            actor_model_name, spec, dataset, ppo_config(config or TrainerConfig()), critic_model_name
-        )
+            raise ValueError(
+                "PPOTrainer needs a dataset: a PromptDataset, a path to a prompt file, a list of dicts or a "
+                "datasets.Dataset"
+            )
+        config = ppo_config(config or TrainerConfig())
+        spec = reward_of(reward_model_spec(reward_model_name, reward),
+                         run_weights(reward_weights, config.reward.weights))  # fmt: skip
+        super().__init__(actor_model_name, spec, dataset, config, critic_model_name)
+        for callback in callbacks:
+            self.add_callback(callback)
 
     @property
     def critic_model_path(self) -> Path:

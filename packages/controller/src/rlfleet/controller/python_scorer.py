@@ -16,8 +16,9 @@ run scores where the function is: while a Python reward is in force, the run's
 
 The reply is the message a reward worker gives (scores for every sample, version
 ``<python function NAME>-r<N>``), so the step's metrics (``reward/mean``, ``reward/std``...,
-``reward/spec_revision``), the sample table and the regeneration of a chunk whose store is gone
-(a failed fetch names the chunk: :mod:`rlfleet.controller.lost_chunks`) are those of any run. Only
+``reward/spec_revision``; with several functions, each one's mean as ``reward/<name>``), the
+sample table and the regeneration of a chunk whose store is gone (a failed fetch names the chunk:
+:mod:`rlfleet.controller.lost_chunks`) are those of any run. Only
 the response and prompt texts travel to the controller, never tokens or logprobs. A run whose
 reward starts as a callable starts no reward worker (switching to a spec later starts one:
 ``RewardControl.start_worker``).
@@ -98,7 +99,9 @@ class PythonScorer:
         self.requests += 1
         try:
             async with self._lock:
-                scores = await asyncio.wait_for(in_thread(self.reward, prompts, responses, rows), timeout)
+                scores, components = await asyncio.wait_for(
+                    in_thread(self.reward.scored, prompts, responses, rows), timeout
+                )
         except TimeoutError:
             self.errors += 1
             raise RewardFnFailed(
@@ -110,7 +113,8 @@ class PythonScorer:
             raise
         self.samples += len(scores)
         self._total += sum(scores)
-        return ScoreResult(job_id=job_id, endpoint=self.endpoint, spec_version=self.version, scores=scores)
+        return ScoreResult(job_id=job_id, endpoint=self.endpoint, spec_version=self.version, scores=scores,
+                           components=components)  # fmt: skip
 
     def stats(self) -> EndpointStats:
         """What a reward worker would say of its endpoint: the reward, its version and its counts."""
@@ -143,5 +147,6 @@ async def in_thread(fn: Any, *args: Any) -> Any:
         except RuntimeError:  # the loop is closed: nobody waits any more
             logger.debug("a reward function finished after its run's loop closed")
 
-    threading.Thread(target=run, name=f"reward-fn-{getattr(fn, 'name', 'python')}", daemon=True).start()
+    owner = getattr(fn, "__self__", fn)  # a bound method (PythonReward.scored): its reward's name
+    threading.Thread(target=run, name=f"reward-fn-{getattr(owner, 'name', 'python')}", daemon=True).start()
     return await done

@@ -6,16 +6,22 @@ checkpoints) plus the step program of its algorithm family; this class is what u
 :class:`~rlfleet.controller.ports.RunState`) read-only, and what the run does. ``GRPOTrainer``
 and ``PPOTrainer`` add the reward and routing methods of online RL
 (:class:`~rlfleet.controller.online.OnlineTrainer`); ``DPOTrainer`` adds nothing.
+
+It also tells the user's callbacks (:mod:`rlfleet.controller.callbacks`) what each step, evaluation
+and save brought, as the steps are handed out, and sets the learning-rate schedule's length
+(:mod:`rlfleet.controller.lr_schedule`) to the steps asked for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rlfleet.controller.callbacks import Callbacks
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptDataset
+from rlfleet.controller.lr_schedule import LearningRates
 from rlfleet.controller.plots import write_run_plots
 from rlfleet.controller.ports import FleetClient, StepProgram
 from rlfleet.controller.run import FleetRun, StepResult
@@ -24,11 +30,22 @@ T = TypeVar("T")
 
 
 class TrainerBase:
-    """Drives ``program`` over ``fleet_run``: steps, the KL coefficient, saving, shutting down."""
+    """Drives ``program`` over ``fleet_run``: steps, the KL coefficient, saving, shutting down;
+    ``rates``: the learning rate of each step (the program's), ``callbacks``: the user's."""
 
-    def __init__(self, fleet_run: FleetRun, program: StepProgram) -> None:
+    def __init__(
+        self, fleet_run: FleetRun, program: StepProgram, rates: LearningRates | None = None,
+        callbacks: Iterable[Any] = (),
+    ) -> None:  # fmt: skip
         self.fleet_run = fleet_run
         self.program = program
+        self.rates = rates
+        self.callbacks = Callbacks(callbacks)
+        self._evals_told = 0  # the run's evaluations the callbacks were told of
+
+    def add_callback(self, callback: Any) -> None:
+        """Add a callback (TRL's ``add_callback``): see :mod:`rlfleet.controller.callbacks`."""
+        self.callbacks.add(callback)
 
     # --- the run's state ---------------------------------------------------------------------------
 
@@ -113,7 +130,33 @@ class TrainerBase:
         A failed step (a worker died, Ctrl-C) stops the fleet before the error reaches the caller;
         leaving the loop early keeps it running for :meth:`finish` and :meth:`close`.
         """
-        return self.fleet_run.steps(self.program, num_epochs, max_steps)
+        if self.rates is not None:  # the schedule runs over the steps asked for
+            self.rates.total = self.fleet_run.total_steps(num_epochs, max_steps)
+        return self._told(self.fleet_run.steps(self.program, num_epochs, max_steps))
+
+    def _told(self, results: Iterator[StepResult]) -> Iterator[StepResult]:
+        """``results``, each step's callbacks called before it is handed out (its metrics, then the
+        evaluations and the checkpoint it brought)."""
+        try:
+            for result in results:
+                self.callbacks.step_end(result.step, result.metrics)
+                self._tell_evaluations()
+                every = self.config.save_every
+                if every and result.step % every == 0:  # the run saved one (FleetRun._record)
+                    self.callbacks.save(result.step, self.output_dir / f"checkpoint-{result.step}")
+                yield result
+        finally:
+            close = getattr(results, "close", None)
+            if close is not None:  # left early: the run puts back the batches it took ahead
+                close()
+
+    def _tell_evaluations(self) -> None:
+        """Tell the callbacks of the evaluations the run recorded since the last call."""
+        evals = self.fleet_run.evals
+        records = evals.records if evals is not None else []
+        for record in records[self._evals_told :]:
+            self.callbacks.evaluate(int(record["step"]), record["summary"])
+        self._evals_told = len(records)
 
     def train(self, num_epochs: int = 1, max_steps: int | None = None) -> list[StepResult]:
         """Train for ``num_epochs`` (or ``max_steps``), then save the final model and stop the fleet."""
@@ -126,11 +169,15 @@ class TrainerBase:
 
     def save(self, path: str | Path) -> Path:
         """Save the actor in HF format (loadable with ``AutoModelForCausalLM.from_pretrained``)."""
-        return self.fleet_run.save(path)
+        saved = self.fleet_run.save(path)
+        self.callbacks.save(self.global_step, saved)
+        return saved
 
     def finish(self) -> None:
         """Final checkpoint, the before/after table and held-out eval, the run's plots (PNG)."""
         self.fleet_run.finish()
+        self.callbacks.save(self.global_step, (self.output_dir / "final").resolve())
+        self._tell_evaluations()
         write_run_plots(self.output_dir, self.fleet_run.metrics.say)  # a failed plot only warns
 
     def close(self) -> None:
