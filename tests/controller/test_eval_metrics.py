@@ -38,7 +38,7 @@ def test_summary_means_come_from_the_rows() -> None:
             for i, texts in answers.items() for s, text in enumerate(texts)]  # fmt: skip
     for row, correct in zip(rows, [True, False, False, False], strict=True):
         row.correct = correct
-        row.relevance = 0.5 if correct else 0.25
+        row.similarity = 0.5 if correct else 0.25
         row.rewards = {"concise": 1.0 if row.within_limit else 0.0}
         row.components = {"concise": {"concise": row.rewards["concise"]}}
     summary = summarize(rows, limit_words=3)
@@ -46,12 +46,12 @@ def test_summary_means_come_from_the_rows() -> None:
     assert summary["mean_words"] == sum(words) / 4
     assert summary["within_limit"] == sum(w <= 3 for w in words) / 4
     assert summary["mean_tokens"] == (3 + 6 + 3 + 6) / 4
-    assert summary["relevance"] == (0.5 + 0.25 * 3) / 4
+    assert summary["similarity"] == (0.5 + 0.25 * 3) / 4
     assert summary["rewards"] == {"concise": 0.75} and summary["components"]["concise"]["concise"] == 0.75
     assert summary["pass@1"] == (pass_at_k(2, 1, 1) + pass_at_k(2, 0, 1)) / 2
     assert summary["pass@2"] == (1.0 + 0.0) / 2
     table = render_table(["m"], [summary])
-    assert table.splitlines()[0].split()[:6] == ["MODEL", "ANSWERS", "WORDS", "TOKENS", "<=3W", "RELEVANCE"]
+    assert table.splitlines()[0].split()[:6] == ["MODEL", "ANSWERS", "WORDS", "TOKENS", "<=3W", "SIMILARITY"]
     assert f"{summary['mean_words']:.1f}" in table.splitlines()[1]
 
 

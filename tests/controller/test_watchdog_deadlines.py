@@ -93,3 +93,16 @@ def test_a_request_of_unknown_deadline_is_named_after_stall_report_s() -> None:
         clock.now = 60.0
         beat(registry, 60.0, "generate g-3")
         assert len(dog.check()) == 1
+
+
+def test_a_worker_not_heard_since_the_request_is_given_its_next_beat() -> None:
+    clock, registry = Clock(), OneWorker()
+    dog = Watchdog(1.0, registry=registry, clock=clock, lost_after_s=None)  # type: ignore[arg-type]
+    beat(registry, 0.0, "")  # its last beat came before the request: it says nothing of it
+    clock.now = 0.5
+    with dog.track("rollout", "rollout-0", "rollout.generate", "g-4", deadline_s=150.0):
+        clock.now = 2.0
+        assert dog.check() == []
+        beat(registry, 2.5, "")  # a beat after the request, idle: it is not working on it
+        clock.now = 3.0
+        assert len(dog.check()) == 1

@@ -1,4 +1,4 @@
-"""Evaluation metrics over answered prompts: length, share within a word limit, relevance, rewards, pass@k.
+"""Evaluation metrics over answered prompts: length, share within a word limit, similarity, rewards, pass@k.
 
 One :class:`EvalRow` per generated answer (a prompt answered ``samples`` times has that many
 rows); :func:`summarize` turns the rows of one model into the flat summary that ``rlfleet eval``
@@ -14,8 +14,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-RELEVANCE = "relevance"
-"""Label of the built-in relevance component (MiniLM cosine of question and answer)."""
+SIMILARITY = "similarity"
+"""Label of the built-in similarity component (MiniLM cosine of question and answer; named apart from
+the reward's ``relevance``, its word-recall term, which training metrics report as ``reward/relevance``)."""
+OLD_SIMILARITY = "relevance"
+"""What eval files written before issue 35 call the similarity (readers of old files take either)."""
 CORRECT = "correct"
 """Label of the built-in answer check (the ``numeric`` rule against the prompt's ``answer``)."""
 
@@ -40,7 +43,8 @@ class EvalRow:
     within_limit: bool
     prompt_tokens: int | None = None
     """Tokens of the prompt the model saw (chat template and system prompt included)."""
-    relevance: float | None = None
+    similarity: float | None = None
+    """MiniLM cosine of question and answer (the built-in endpoint's ``similarity``)."""
     correct: bool | None = None
     """Whether the final number equals the prompt's ``answer`` (answer-checked prompts only)."""
     rewards: dict[str, float] = field(default_factory=dict)
@@ -50,6 +54,20 @@ class EvalRow:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, row: dict[str, Any]) -> EvalRow:
+        """A row as :meth:`to_json` wrote it (an older file's ``relevance`` read as ``similarity``)."""
+        row = dict(row)
+        if OLD_SIMILARITY in row:
+            row.setdefault(SIMILARITY, row.pop(OLD_SIMILARITY))
+        return cls(**row)
+
+
+def summary_similarity(summary: dict[str, Any]) -> float | None:
+    """The mean similarity of a summary (an older file's ``relevance``), None when not measured."""
+    value = summary.get(SIMILARITY, summary.get(OLD_SIMILARITY))
+    return float(value) if isinstance(value, int | float) else None
 
 
 def make_row(index: int, prompt: str, sample: int, answer: str, tokens: int, limit_words: int) -> EvalRow:
@@ -72,7 +90,7 @@ def _mean(values: Sequence[float]) -> float | None:
 
 
 def summarize(rows: Sequence[EvalRow], limit_words: int) -> dict[str, Any]:
-    """The means of one model's rows: words, tokens, share within ``limit_words``, relevance, each
+    """The means of one model's rows: words, tokens, share within ``limit_words``, similarity, each
     reward and component, and pass@1 / pass@n over answer-checked prompts (n: samples per prompt)."""
     summary: dict[str, Any] = {
         "prompts": len({row.index for row in rows}),
@@ -81,7 +99,7 @@ def summarize(rows: Sequence[EvalRow], limit_words: int) -> dict[str, Any]:
         "mean_words": _mean([row.words for row in rows]),
         "mean_tokens": _mean([row.tokens for row in rows]),
         "within_limit": _mean([float(row.within_limit) for row in rows]),
-        "relevance": _mean([row.relevance for row in rows if row.relevance is not None]),
+        "similarity": _mean([row.similarity for row in rows if row.similarity is not None]),
     }
     specs = list(dict.fromkeys(spec for row in rows for spec in row.rewards))
     summary["rewards"] = {
@@ -114,11 +132,11 @@ def _pass_at(rows: Sequence[EvalRow]) -> dict[str, float]:
 
 
 def summary_line(summary: dict[str, Any]) -> str:
-    """One line of the headline numbers: mean words, share within the limit, relevance, reward."""
+    """One line of the headline numbers: mean words, share within the limit, similarity, reward."""
     parts = [
         f"mean words {_fmt(summary.get('mean_words'), 1)}",
         f"within {summary.get('limit_words')} words {_fmt(summary.get('within_limit'), 2)}",
-        f"relevance {_fmt(summary.get('relevance'), 3)}",
+        f"similarity {_fmt(summary.get('similarity'), 3)}",
     ]
     parts += [f"reward {_fmt(value, 3)}" for value in summary.get("rewards", {}).values()]
     parts += [f"{key} {_fmt(summary[key], 3)}" for key in summary if key.startswith("pass@")]
@@ -130,16 +148,16 @@ def _fmt(value: Any, digits: int) -> str:
 
 
 def render_table(labels: Sequence[str], summaries: Sequence[dict[str, Any]]) -> str:
-    """A plain-text table, one row per model: words, tokens, within limit, relevance, rewards, pass@k."""
+    """A plain-text table, one row per model: words, tokens, within limit, similarity, rewards, pass@k."""
     specs = list(dict.fromkeys(spec for s in summaries for spec in s.get("rewards", {})))
     passes = list(dict.fromkeys(key for s in summaries for key in s if key.startswith("pass@")))
     limit = summaries[0].get("limit_words") if summaries else "?"
-    header = ["MODEL", "ANSWERS", "WORDS", "TOKENS", f"<={limit}W", "RELEVANCE"]
+    header = ["MODEL", "ANSWERS", "WORDS", "TOKENS", f"<={limit}W", "SIMILARITY"]
     header += [f"REWARD{i + 1 if len(specs) > 1 else ''}" for i in range(len(specs))] + passes
     table = [header]
     for label, s in zip(labels, summaries, strict=True):
         cells = [label, str(s["answers"]), _fmt(s["mean_words"], 1), _fmt(s["mean_tokens"], 1),
-                 _fmt(s["within_limit"], 2), _fmt(s["relevance"], 3)]  # fmt: skip
+                 _fmt(s["within_limit"], 2), _fmt(s["similarity"], 3)]  # fmt: skip
         cells += [_fmt(s.get("rewards", {}).get(spec), 3) for spec in specs]
         cells += [_fmt(s.get(key), 3) for key in passes]
         table.append(cells)

@@ -1,14 +1,14 @@
-"""Score evaluation answers on a reward tier: the built-in relevance and answer check, and reward specs.
+"""Score evaluation answers on a reward tier: the built-in similarity and answer check, and reward specs.
 
-The controller never imports the reward package; what it measures with a model (relevance: the
+The controller never imports the reward package; what it measures with a model (similarity: the
 MiniLM cosine of question and answer) or with a rule (the ``numeric`` answer check) it asks of a
 reward worker, through the same endpoints and score requests a run uses. The answers are put in the
 controller's own TensorStore as a rollout batch (:func:`~rlfleet.controller.routing.text_batch`, as
 a rollout fn's answers are), and each endpoint scores that batch:
 
 - :func:`builtin_spec`: ``similarity`` against the question (metadata ``rlfleet_question``, added
-  here), labelled ``relevance``, and, when every prompt has an ``answer``, ``numeric`` labelled
-  ``correct``;
+  here), labelled ``similarity`` (not ``relevance``: that is the reward's word-recall term), and,
+  when every prompt has an ``answer``, ``numeric`` labelled ``correct``;
 - any reward spec (``--reward``): its total and each component.
 
 :class:`EvalRewardTier` starts a reward worker of its own for ``rlfleet eval`` (a private
@@ -30,7 +30,7 @@ from rlfleet.common.control.messages import GenerateResult, ScoreResult
 from rlfleet.common.schema.reward import Spec
 from rlfleet.common.schema.worker import TensorPlaneSettings
 from rlfleet.controller.dataset import PromptItem
-from rlfleet.controller.eval_metrics import CORRECT, RELEVANCE
+from rlfleet.controller.eval_metrics import CORRECT, SIMILARITY
 from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec
 from rlfleet.controller.own_store import OwnStore
 from rlfleet.controller.routing import text_batch
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from rlfleet.controller.reward_control import RewardControl
 
 QUESTION_KEY = "rlfleet_question"
-"""Metadata key holding the question text, for the relevance component."""
+"""Metadata key holding the question text, for the similarity component."""
 ANSWER_KEY = "answer"
 """Metadata key of a prompt's reference answer: such prompts are answer-checked (pass@k)."""
 BUILTIN_ENDPOINT = "rlfleet-eval"
@@ -51,9 +51,9 @@ CHUNK_PROMPTS = 64
 
 
 def builtin_spec(check_answers: bool) -> dict[str, Any]:
-    """Relevance (MiniLM cosine of question and answer), and the numeric answer check if asked."""
+    """Similarity (MiniLM cosine of question and answer), and the numeric answer check if asked."""
     components: list[dict[str, Any]] = [
-        {"name": "similarity", "args": {"key": QUESTION_KEY}, "label": RELEVANCE, "weight": 1.0}
+        {"name": "similarity", "args": {"key": QUESTION_KEY}, "label": SIMILARITY, "weight": 1.0}
     ]
     if check_answers:
         components.append({"name": "numeric", "args": {"key": ANSWER_KEY}, "label": CORRECT, "weight": 0.0})

@@ -17,7 +17,7 @@ model's tokenizer is loaded as a run loads it (:func:`~rlfleet.controller.run_to
 
 Design: generation runs here, in-process, with Hugging Face transformers (prompts batched with left
 padding; greedy unless ``--temperature``/``--samples``); lengths are measured here; everything that
-needs a model or a reward rule (relevance, the answer check, ``--reward`` specs) is scored by one
+needs a model or a reward rule (similarity, the answer check, ``--reward`` specs) is scored by one
 reward worker started for the eval (:class:`~rlfleet.controller.eval_scoring.EvalRewardTier`), so
 the controller never imports the reward package and the numbers are the reward tier's own.
 The table goes to stdout, the per-answer rows and summaries to ``--out`` (JSON).
@@ -39,7 +39,7 @@ from rlfleet.common.atomic_files import write_atomic
 from rlfleet.common.errors import ConfigError
 from rlfleet.common.remote_code import refused_remote_code, remote_code_reason
 from rlfleet.controller.dataset import PromptDataset, PromptItem
-from rlfleet.controller.eval_metrics import CORRECT, RELEVANCE, EvalRow, make_row, render_table, summarize
+from rlfleet.controller.eval_metrics import CORRECT, SIMILARITY, EvalRow, make_row, render_table, summarize
 from rlfleet.controller.hf_datasets import HF_PREFIX, is_hf_source
 from rlfleet.controller.run_tokenizer import load_run_tokenizer
 
@@ -204,7 +204,7 @@ async def score_rows(
     tier: EvalRewardTier, rewards: Sequence[str], items: list[PromptItem], answers: list[list[str]],
     rows: list[EvalRow], tokenizer: Any,
 ) -> None:  # fmt: skip
-    """Fill each row's relevance, answer check, rewards and components from the reward tier."""
+    """Fill each row's similarity, answer check, rewards and components from the reward tier."""
     from rlfleet.controller.eval_scoring import BUILTIN_ENDPOINT
     from rlfleet.controller.samples import question_text
 
@@ -213,7 +213,7 @@ async def score_rows(
     scored = await asyncio.gather(*(tier.score(e, items, questions, answers, tokenizer) for e in endpoints))
     builtin, specs = scored[0], scored[1:]
     for j, row in enumerate(rows):
-        row.relevance = builtin.components[RELEVANCE][j]
+        row.similarity = builtin.components[SIMILARITY][j]
         if CORRECT in builtin.components:
             row.correct = builtin.components[CORRECT][j] >= 0.5
         for spec, result in zip(rewards, specs, strict=True):
@@ -237,8 +237,10 @@ async def evaluate(options: EvalOptions) -> dict[str, Any]:
     (in-process), then one reward worker scores every model's answers."""
     from rlfleet.controller.eval_scoring import BUILTIN_ENDPOINT, EvalRewardTier, builtin_spec, checks_answers
     from rlfleet.controller.models import resolve_model
+    from rlfleet.controller.progress_bars import hide_third_party_bars
     from rlfleet.controller.samples import question_text
 
+    hide_third_party_bars()  # "Loading weights" bars would land between the table's lines
     options.check()
     dataset = load_prompts(options)
     targets = [target for spec in options.models for target in model_targets(spec)]

@@ -202,6 +202,16 @@ class WorkerProcess:
         )
 
 
+def starting_line(specs: Sequence[WorkerSpec]) -> str:
+    """The console line a run prints as it starts its workers: ``starting 3 workers: trainer-0,
+    rollout-0, reward-0`` (a worker whose name does not say its tier: ``fast-0 (rollout)``)."""
+    names = ", ".join(
+        spec.worker_id if spec.worker_id.startswith(spec.tier) else f"{spec.worker_id} ({spec.tier})"
+        for spec in specs
+    )
+    return f"starting {len(specs)} worker{'s' if len(specs) != 1 else ''}: {names}"
+
+
 def last_error_line(log_text: str) -> str:
     """The line of a crashed process's output that says why: the exception its traceback ends with
     (``UnknownReward: ...``, module path dropped), else its last non-empty line."""

@@ -9,6 +9,7 @@ runs without a run.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from rlfleet.common.control.messages import GenerateResult
@@ -38,11 +39,17 @@ class OwnStore:
         self.settings = TensorPlaneSettings.model_validate(plane)
         self.server: TensorStoreServer | None = None
         self._clients = ClientPool(self.settings)
+        self._starting = asyncio.Lock()  # two first users at once start one server, not two
 
     async def get(self) -> TensorStoreServer:
-        """The controller's own TensorStore, started on first use."""
-        if self.server is None:
-            self.server = await worker_store(self.settings, capacity_bytes=STORE_CAPACITY_BYTES, ttl_s=3600.0)
+        """The controller's own TensorStore, started on first use (once, however many ask at once:
+        a second server, started beside the first and never stopped, would be collected after its
+        event loop closed, with a gRPC "Event loop is closed" traceback)."""
+        async with self._starting:
+            if self.server is None:
+                self.server = await worker_store(
+                    self.settings, capacity_bytes=STORE_CAPACITY_BYTES, ttl_s=3600.0
+                )
         return self.server
 
     async def fetch(self, ref: TensorRef, names: list[str] | None = None) -> dict[str, Any]:

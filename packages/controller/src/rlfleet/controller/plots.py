@@ -5,11 +5,20 @@ that fails only logs a warning), and ``rlfleet plot RUN_DIR [RUN_DIR ...] [--out
 them, one line per run when several are given (overlays). The figures, each drawn when some run
 logged its metrics:
 
-- ``reward.png``: ``reward/mean``, and ``reward_components.png`` each ``reward/<component>``;
-- ``response_length.png`` (``response_length``, tokens), ``kl.png`` (``kl`` to the reference and
-  ``approx_kl`` to the rollout policy), ``entropy.png``, ``step_time.png`` (``time/step_s``);
-- ``eval.png``: the held-out mean words, share within the limit, relevance and reward at each
-  evaluation (before the first step, every ``eval.every`` steps, at the end).
+- ``reward.png``: ``reward/mean``, and ``reward_components.png`` each ``reward/<component>``; a
+  dashed line marks each step where the reward changed (a switch or a reward model swap mid-run:
+  ``reward/spec_version_changed``, or a new ``reward/spec_revision``);
+- ``response_length.png`` (``response_length``, tokens), ``entropy.png``, ``loss.png``;
+- ``kl.png``: ``kl``, the KL to the reference model, drawn only when the run measured it (a run
+  with KL off has none); ``policy_drift.png``: ``approx_kl``, how far the update moved the policy
+  from the one that generated (never labelled KL: it is no KL penalty);
+- ``step_time.png`` (``time/step_s``) and ``step_phases.png``: each step's time stacked by phase
+  (waiting for its rollouts, training, publishing the weights: together the step's time);
+- DPO: ``dpo_accuracy.png`` (``dpo/accuracy``) and ``dpo_margin.png`` (``dpo/margin``, with the
+  chosen and rejected implicit rewards);
+- ``eval.png``: the held-out mean words, share within the limit, similarity (MiniLM cosine of
+  question and answer; older files' ``relevance``) and reward at each evaluation (before the first
+  step, every ``eval.every`` steps, at the end).
 
 matplotlib is imported when a plot is drawn (Agg backend: no display needed).
 """
@@ -25,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.common.errors import ConfigError
+from rlfleet.controller.eval_metrics import SIMILARITY, summary_similarity
 
 logger = logging.getLogger(__name__)
 
@@ -34,16 +44,25 @@ Series = dict[str, list[tuple[int, float]]]
 PANELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "reward": ("reward (mean)", ("reward/mean",)),
     "response_length": ("response length (tokens)", ("response_length",)),
-    "kl": ("KL", ("kl", "approx_kl")),
+    "kl": ("KL to the reference model", ("kl",)),
+    "policy_drift": ("policy drift (approx_kl: the update against the generating policy)", ("approx_kl",)),
     "entropy": ("entropy", ("entropy",)),
+    "loss": ("loss", ("loss",)),
     "step_time": ("step time (s)", ("time/step_s",)),
+    "dpo_accuracy": ("DPO accuracy (chosen reward > rejected)", ("dpo/accuracy",)),
+    "dpo_margin": ("DPO implicit rewards", ("dpo/margin", "dpo/chosen_reward", "dpo/rejected_reward")),
 }
 """File stem -> (title, metric names drawn in it)."""
 REWARD_STATS = frozenset({"mean", "std", "max", "min", "raw_mean", "spec_revision", "spec_version_changed",
                           "spec_versions_in_step"})  # fmt: skip
 """``reward/<name>`` metrics that are statistics of the total, not components."""
 EVAL_METRICS = (("mean_words", "mean words"), ("within_limit", "share within limit"),
-                ("relevance", "relevance"), ("reward", "reward"))  # fmt: skip
+                ("similarity", "similarity"), ("reward", "reward"))  # fmt: skip
+STEP_PHASES = (("time/rollout_wait_s", "waiting for rollouts"), ("time/train_s", "training"),
+               ("time/publish_s", "publishing weights"))  # fmt: skip
+"""The phases of a step, in order; their times add up to ``time/step_s`` (online.py)."""
+REWARD_MARKED = frozenset({"reward", "reward_components"})
+"""The figures where a reward change is marked."""
 
 
 def read_metrics(path: Path) -> Series:
@@ -171,14 +190,76 @@ def plot_runs(run_dirs: Sequence[Path], out_dir: Path, labels: Sequence[str] | N
     for stem, (title, names) in panels.items():
         fig, ax = _figure(title)
         if _lines(ax, runs, names):
+            if stem in REWARD_MARKED:
+                _mark_reward_changes(ax, runs)
             ax.legend(fontsize="small")
             written.append(_save(fig, out_dir / f"{stem}.png"))
         else:
             _close(fig)
+    phased = [(label, series) for label, series in runs if any(name in series for name, _ in STEP_PHASES)]
+    if phased:
+        written.append(_plot_phases(phased, out_dir / "step_phases.png"))
     evals = [(label, read_evals(d)) for label, d in zip(labels, run_dirs, strict=True)]
     if any(records for _, records in evals):
         written.append(_plot_evals(evals, out_dir / "eval.png"))
     return written
+
+
+def reward_changes(series: Series) -> list[int]:
+    """Steps whose scores came from a reward other than the step before's: a step logged
+    ``reward/spec_version_changed`` 1, or a ``reward/spec_revision`` unlike the one before."""
+    steps = {step for step, value in series.get("reward/spec_version_changed", []) if value > 0}
+    revisions = series.get("reward/spec_revision", [])
+    steps.update(
+        step for (_, before), (step, now) in zip(revisions, revisions[1:], strict=False) if now != before
+    )
+    return sorted(steps)
+
+
+def _mark_reward_changes(ax: Any, runs: Sequence[tuple[str, Series]]) -> None:
+    """A dashed vertical line at each step where a run's reward changed (one legend entry a run)."""
+    for label, series in runs:
+        name = "reward changed" if len(runs) == 1 else f"{label}: reward changed"
+        for n, step in enumerate(reward_changes(series)):
+            ax.axvline(step, color="grey", linestyle="--", linewidth=1, label=name if n == 0 else None)
+
+
+def step_phases(series: Series) -> tuple[list[int], dict[str, list[float]]]:
+    """Each step's time by phase (:data:`STEP_PHASES`), and ``other``: what the step's total holds
+    beyond them (none in an online step; a step without phases, DPO's, is all ``other``)."""
+    by_step: dict[int, dict[str, float]] = {}
+    for name, _ in (*STEP_PHASES, ("time/step_s", "")):
+        for step, value in series.get(name, []):
+            if math.isfinite(value):
+                by_step.setdefault(step, {})[name] = value
+    steps = sorted(s for s, values in by_step.items() if any(n in values for n, _ in STEP_PHASES))
+    phases: dict[str, list[float]] = {title: [] for _, title in STEP_PHASES}
+    phases["other"] = []
+    for step in steps:
+        values = by_step[step]
+        parts = [max(0.0, values.get(name, 0.0)) for name, _ in STEP_PHASES]
+        for (_, title), part in zip(STEP_PHASES, parts, strict=True):
+            phases[title].append(part)
+        phases["other"].append(max(0.0, values.get("time/step_s", sum(parts)) - sum(parts)))
+    return steps, phases
+
+
+def _plot_phases(runs: Sequence[tuple[str, Series]], path: Path) -> Path:
+    """Step time stacked by phase, one panel per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 4), dpi=100, squeeze=False)
+    for ax, (label, series) in zip(axes[0], runs, strict=True):
+        _axes(ax, "step time by phase (s)" if len(runs) == 1 else f"{label}: step time by phase (s)")
+        steps, phases = step_phases(series)
+        shown = {title: values for title, values in phases.items() if any(v > 0 for v in values)}
+        if steps and shown:
+            ax.stackplot(steps, *shown.values(), labels=list(shown), alpha=0.8)
+            ax.legend(fontsize="small", loc="upper left")
+    return _save(fig, path)
 
 
 def _plot_evals(evals: Sequence[tuple[str, list[dict[str, Any]]]], path: Path) -> Path:
@@ -202,6 +283,8 @@ def _plot_evals(evals: Sequence[tuple[str, list[dict[str, Any]]]], path: Path) -
 
 
 def _eval_value(summary: dict[str, Any], key: str) -> float | None:
+    if key == SIMILARITY:
+        return summary_similarity(summary)  # an older eval.jsonl calls it relevance
     if key == "reward":
         values = list(summary.get("rewards", {}).values())
         return values[0] if values else None

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -55,12 +56,13 @@ from rlfleet.controller.checkpoints import (
 from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import PromptDataset, PromptItem
 from rlfleet.controller.fleet import publish
-from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec
+from rlfleet.controller.launcher import EmbeddedFleet, WorkerSpec, starting_line
 from rlfleet.controller.launcher_settings import RayLauncher, worker_logins
 from rlfleet.controller.loggers import RunMetrics
 from rlfleet.controller.models import resolve_model
 from rlfleet.controller.own_store import OwnStore
 from rlfleet.controller.ports import FleetClient, KLController, Launcher, RunState, StepProgram, not_ready
+from rlfleet.controller.progress_bars import hide_third_party_bars
 from rlfleet.controller.rollout_ahead import BatchLookahead
 from rlfleet.controller.rollout_scaling import RolloutScaler, check_request, scale_due
 from rlfleet.controller.run_eval import RunEval
@@ -125,6 +127,7 @@ class FleetRun:
         self, model_name: str, dataset: PromptDataset, config: TrainerConfig, *, kl_controller: KLController,
         reward: Any = None, critic_model_name: str | None = None,
     ) -> None:  # fmt: skip
+        hide_third_party_bars()  # transformers' loading bars would cut through the console's lines
         self.config = config
         cluster = config.fleet.cluster or f"run-{uuid.uuid4().hex[:8]}"
         self.state = RunState(config, Path(config.output_dir), cluster, publish_dtype=config.publish_dtype())
@@ -239,9 +242,12 @@ class FleetRun:
                     url = launcher.start_nats(self.state.cluster)
                     auth, env = launcher.connection("controller"), {}  # not the shell's RLFLEET_NATS_*
                     self._write_join_config(launcher, url)
+                self.metrics.say(starting_line(specs))
                 for spec in specs:
                     launcher.spawn(spec)
+            began = time.monotonic()
             self.loop.run(self._connect(url, auth, env))
+            self.metrics.say(f"fleet ready after {time.monotonic() - began:.0f} s")
             if self.resume_path is not None:
                 self.resume(self.resume_path)
                 self.metrics.say(resumed_line(self.resume_path, self.state.global_step))

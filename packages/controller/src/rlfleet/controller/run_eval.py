@@ -4,10 +4,10 @@ Before the first step, every ``eval.every`` steps and at the end the run answers
 prompts greedily (up to ``eval.max_tokens`` new tokens) through its own rollout tier and scores
 them on its reward tier, under the reward's spec text
 (:class:`~rlfleet.controller.samples.SampleTable` does both); lengths are measured from the
-answers, and relevance (MiniLM cosine of question and answer) and, for prompts with an ``answer``,
+answers, and similarity (MiniLM cosine of question and answer) and, for prompts with an ``answer``,
 the ``numeric`` answer check come from an extra endpoint of the run's own reward worker
 (:data:`~rlfleet.controller.eval_scoring.BUILTIN_ENDPOINT`, created when first needed; a run
-scoring on a shared reward server measures no relevance). Each evaluation is a line of
+scoring on a shared reward server measures no similarity). Each evaluation is a line of
 ``eval.jsonl``; ``eval.json`` holds the first and the last summaries and every one between, and
 the end of the run prints the before/after summary. Without ``eval.data`` only the before/after
 table of a few training prompts is made, as before.
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from rlfleet.common.atomic_files import write_atomic
 from rlfleet.common.errors import RlfleetError
 from rlfleet.controller.dataset import PromptDataset
-from rlfleet.controller.eval_metrics import CORRECT, RELEVANCE, EvalRow, make_row, summarize, summary_line
+from rlfleet.controller.eval_metrics import CORRECT, SIMILARITY, EvalRow, make_row, summarize, summary_line
 from rlfleet.controller.eval_scoring import BUILTIN_ENDPOINT, builtin_spec, checks_answers, score_answers
 from rlfleet.controller.own_store import OwnStore
 from rlfleet.controller.ports import FleetClient, RunState
@@ -96,8 +96,9 @@ class RunEval:
         last = self.records[-1] if self.records else None
         if label == "after" and last is not None and last["weight_version"] == state.weight_version:
             self.table.captures["after"] = self.table.captures[last["label"]]  # answered at these weights
-            self._record(label, [EvalRow(**row) for row in last["rows"]])
+            self._record(label, [EvalRow.from_json(row) for row in last["rows"]])
             return
+        self.say(self.starting_line(label))
         rows = await self.table.capture(label, fleet, state.weight_version, self.store)
         if not self.heldout:
             return
@@ -111,6 +112,15 @@ class RunEval:
             evals.append(got)
         await self._measure(evals, fleet)
         self._record(label, evals)
+
+    def starting_line(self, label: str) -> str:
+        """What the console says as a capture begins: ``evaluating 66 held-out prompts (before, step
+        0, up to 128 new tokens each)``; without ``eval.data``, the sample table's prompts."""
+        doing = "evaluating {} held-out prompts" if self.heldout else "answering {} sample prompts"
+        return (
+            f"{doing.format(len(self.table.items))} ({label}, step {self.state.global_step}, "
+            f"up to {self.table.max_tokens} new tokens each)"
+        )
 
     def _record(self, label: str, rows: list[EvalRow]) -> None:
         state = self.state
@@ -130,7 +140,7 @@ class RunEval:
         )
 
     async def _measure(self, rows: list[EvalRow], fleet: FleetClient) -> None:
-        """Relevance and the answer check of each row, from the built-in endpoint."""
+        """Similarity and the answer check of each row, from the built-in endpoint."""
         control = await self._builtin_control(fleet)
         if control is None:
             return
@@ -140,7 +150,7 @@ class RunEval:
             control, self.store, BUILTIN_ENDPOINT, items, [r.prompt for r in rows], answers, self.tokenizer
         )
         for i, row in enumerate(rows):
-            row.relevance = scored.components[RELEVANCE][i]
+            row.similarity = scored.components[SIMILARITY][i]
             if CORRECT in scored.components:
                 row.correct = scored.components[CORRECT][i] >= 0.5
 
@@ -154,7 +164,7 @@ class RunEval:
             run_control = fleet.reward
             assert run_control is not None, "an online run attaches its reward tier when it starts"
             if self.state.config.reward.url or not run_control.registry.workers("reward"):
-                logger.warning("held-out eval: no reward worker of the run's own; relevance is not measured")
+                logger.warning("held-out eval: no reward worker of the run's own; similarity is not measured")
                 return None
             control = RewardControl(
                 run_control.transport,
@@ -168,7 +178,7 @@ class RunEval:
                     {"spec": builtin_spec(checks_answers(self.table.items))}, BUILTIN_ENDPOINT
                 )
             except RlfleetError as exc:
-                logger.warning("held-out eval: the reward worker could not serve relevance (%s)", exc)
+                logger.warning("held-out eval: the reward worker could not serve similarity (%s)", exc)
                 return None
             self._builtin = control
         return self._builtin or None

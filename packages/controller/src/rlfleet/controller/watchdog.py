@@ -215,8 +215,16 @@ class Watchdog:
 
     def first_report_s(self, entry: Waiting, now: float | None = None) -> float:
         """When ``entry`` is first a stall: at its deadline while a worker it may be on is heard from
-        and busy (never before ``stall_report_s``), else at ``stall_report_s``."""
-        if entry.deadline_s is not None and self.working(entry, now):
+        and busy, or has not beaten since the request was sent (its next beat tells), never before
+        ``stall_report_s``; else (silent, or idle since the request) at ``stall_report_s``."""
+        now = self.clock() if now is None else now
+        if entry.deadline_s is None:
+            return self.stall_report_s
+        untold = any(
+            now - w.last_seen <= self.silent_after_s and w.last_seen <= entry.since
+            for w in self._workers(entry)
+        )
+        if untold or self.working(entry, now):
             return max(self.stall_report_s, entry.deadline_s)
         return self.stall_report_s
 
