@@ -479,6 +479,13 @@ class FleetRun:
         if self.evals is not None:
             self.loop.run(self.evals.capture("after", self.fleet))
             self.evals.write()
+        elif not self.online and self.config.sample_table_size:  # DPO: its pairs and their margins
+            from rlfleet.controller.dpo_samples import write_dpo_samples
+
+            cfg = self.config
+            text = write_dpo_samples(self.state.output_dir, self.model_path, self.dataset,
+                                     cfg.sample_table_size, cfg.algorithm.beta)  # fmt: skip
+            self.metrics.say(text)
         self.metrics.say(f"final model saved to {final}")
 
     def close(self) -> None:
