@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from rlfleet.common.errors import ConfigError
     from rlfleet.controller.config import JobConfig
     from rlfleet.controller.trainer_base import TrainerBase
 
@@ -29,17 +30,34 @@ logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from rlfleet.controller.config import JobConfig
+    from rlfleet.controller.config_fields import main_keys_text
+
     parser = argparse.ArgumentParser(
-        prog="rlfleet", description="RL post-training of LLMs over a fleet of services"
-    )
+        prog="rlfleet", description="RL post-training of LLMs over a fleet of services",
+        epilog="start with: rlfleet train examples/tiny_grpo.yaml; every key: rlfleet config --fields",
+    )  # fmt: skip
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="run a training job from a YAML/TOML config")
+    train = sub.add_parser(
+        "train", help="run a training job from a YAML/TOML config",
+        description="Run a training job: a job file (YAML or TOML, see examples/) with KEY=VALUE overrides "
+        "on top (a.b.c=value; values read as YAML). A run's own outputs/<run>/config.yaml is a job file too.",
+        epilog=main_keys_text(JobConfig) + "\n\nevery key, default and description: rlfleet config --fields",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     train.add_argument("config", type=Path, help="job config (see examples/)")
     train.add_argument("overrides", nargs="*", help="config overrides: a.b.c=value")
     train.add_argument("--log-level", default="WARNING", help="controller log level (default WARNING)")
-    show = sub.add_parser("config", help="print the resolved config of a job file and exit")
-    show.add_argument("config", type=Path)
-    show.add_argument("overrides", nargs="*")
+    show = sub.add_parser(
+        "config", help="print the resolved config of a job file (JSON), or every key (--fields)",
+        description="Print a job file's resolved config as JSON (the file with its overrides, validated), "
+        "or with --fields every key of a job file as YAML: its default, under its description.",
+    )  # fmt: skip
+    show.add_argument("config", type=Path, nargs="?", help="job config (not with --fields)")
+    show.add_argument("overrides", nargs="*", help="config overrides: a.b.c=value")
+    show.add_argument("--fields", action="store_true", help="every key, default and description, as YAML")
+    sub.add_parser("env", help="print what a bug report needs: versions (rlfleet, torch, vLLM), CUDA, CPU")
     from rlfleet.controller.evaluation import add_eval_parser
     from rlfleet.controller.plots import add_plot_parser
     from rlfleet.controller.status import add_status_parser
@@ -50,12 +68,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("rlfleet-controller")
+    except metadata.PackageNotFoundError:  # a source tree without the package installed
+        return "unknown"
+
+
 def _load_job(path: Path, overrides: Sequence[str]) -> JobConfig:
+    from rlfleet.common.errors import ConfigError
     from rlfleet.common.schema.config import load_config
     from rlfleet.common.schema.trainer import cpu_bf16_override
     from rlfleet.controller.config import JobConfig
 
-    job = load_config(JobConfig, path, list(overrides))
+    try:
+        job = load_config(JobConfig, path, list(overrides))
+    except ConfigError as exc:
+        raise _short(exc) from None
     if job.model.mixed_precision == "auto":  # a malformed RLFLEET_CPU_BF16 is the user's to fix, at once
         cpu_bf16_override()
     data_path = Path(job.data.path)
@@ -73,6 +104,31 @@ def _load_job(path: Path, overrides: Sequence[str]) -> JobConfig:
     if here not in job.python_path:
         job.python_path = [*job.python_path, here]
     return job
+
+
+def _short(exc: ConfigError) -> ConfigError:
+    """``exc`` said in one short line: a did-you-mean without the list of every field after it, and
+    a check of the whole config by the setting it names (``launcher.address: only used with
+    launcher=ray``) instead of the whole config as its value."""
+    from rlfleet.common.errors import ConfigError
+    from rlfleet.controller.config_names import short_reason
+
+    reason = short_reason(exc.reason)
+    if exc.path == "<root>" and isinstance(exc.value, dict):
+        reason = reason.removeprefix("Value error, ")
+        where, sep, why = reason.partition(": ")
+        if sep and where.replace(".", "").replace("_", "").replace(", ", "").isalnum():
+            return ConfigError(where, _value_at(exc.value, where), why)
+        return ConfigError("<root>", "(the job)", reason)
+    return ConfigError(exc.path, exc.value, reason)
+
+
+def _value_at(data: dict[str, object], dotted: str) -> object:
+    """The value at ``dotted`` in ``data`` (None where there is none)."""
+    value: object = data
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 def build_trainer(job: JobConfig) -> TrainerBase:
@@ -156,9 +212,16 @@ def _main(args: argparse.Namespace) -> int:
         from rlfleet.controller.status import run_status_command
 
         return run_status_command(args)
+    if args.command == "env":
+        from rlfleet.controller.env_report import render, report
+
+        print(render(report()), end="")
+        return 0
     try:
         if getattr(args, "handler", None) is not None:  # eval, plot: their modules run them
             return args.handler(args)
+        if args.command == "config" and (args.fields or args.config is None):
+            return _print_fields(args)
         job = _load_job(args.config, args.overrides)
         if args.command == "config":
             print(json.dumps(job.masked_dump(), indent=2))
@@ -175,6 +238,20 @@ def _main(args: argparse.Namespace) -> int:
         print(f"rlfleet: {how}; every process this run started has been stopped", file=sys.stderr)
         return 128 + exc.signum if isinstance(exc, Terminated) else 130
     # anything else is a crash: it propagates, Python prints its traceback and exits 1
+
+
+def _print_fields(args: argparse.Namespace) -> int:
+    """``rlfleet config --fields``: every key of a job file as YAML (config_fields.py)."""
+    from rlfleet.common.errors import ConfigError
+    from rlfleet.controller.config import JobConfig
+    from rlfleet.controller.config_fields import fields_yaml
+
+    if not args.fields:
+        raise ConfigError("config", "", "give a job file (rlfleet config JOB.yaml), or --fields")
+    if args.config is not None:
+        raise ConfigError("config", str(args.config), "--fields lists every key of any job: give no job file")
+    print(fields_yaml(JobConfig), end="")
+    return 0
 
 
 def _one_line(exc: BaseException) -> str:

@@ -16,13 +16,17 @@ speaks, and what it is doing. With
 the ``--nats-*`` flags or ``RLFLEET_NATS_*`` (on a permissioned server, a user that may subscribe
 to the membership subjects and publish the controller's ping, such as the controller's); with
 ``--run`` from the observer login the run's launcher wrote (``fleet/status.yaml``, this user only:
-the ``observer`` role may read membership and ping, nothing else).
+the ``observer`` role may read membership and ping, nothing else). ``--run`` on a run whose
+controller is gone says so instead of trying its server: ``the run has ended`` with its last step
+(:func:`ended_line`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -118,6 +122,10 @@ async def show(args: argparse.Namespace, out=sys.stdout) -> None:  # noqa: ANN00
 
     auth = connection_from_args(args)
     if args.run is not None:
+        ended = ended_line(args.run)
+        if ended is not None:
+            out.write(ended + "\n")
+            return
         args.nats_url, args.cluster, auth = _run_login(args.run)
     if not args.nats_url or not args.cluster:
         raise ConfigError("status", "", "give --run OUTPUT_DIR, or --nats URL and --cluster NAME")
@@ -140,6 +148,49 @@ async def show(args: argparse.Namespace, out=sys.stdout) -> None:  # noqa: ANN00
     finally:
         await registry.stop()
         await transport.close()
+
+
+def ended_line(run_dir: Path) -> str | None:
+    """``run outputs/x: the run has ended at step 36 of 36 (final model in outputs/x/final)`` when the
+    controller that ran ``run_dir`` is gone (its pid in ``fleet/processes.json`` runs no more), else
+    None (it may still run; a run of another launcher has no such file)."""
+    try:
+        pid = json.loads((run_dir / "fleet" / "processes.json").read_text()).get("controller_pid")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(pid, int) or _alive(pid):
+        return None
+    step, total = _last_step(run_dir)
+    at = f" at step {step}" if step is not None else " before its first step"
+    at += f" of {total}" if total is not None and step is not None else ""
+    final = run_dir / "final"
+    how = f"final model in {final}" if final.is_dir() else "it stopped before its end: no final model"
+    return f"run {run_dir}: the run has ended{at} ({how})"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _last_step(run_dir: Path) -> tuple[int | None, int | None]:
+    """The last step in ``metrics.jsonl`` and the run's planned total (``config.yaml``'s max_steps)."""
+    step = total = None
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        step = json.loads(lines[-1]).get("step") if lines else None
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        total = yaml.safe_load((run_dir / "config.yaml").read_text()).get("max_steps")
+    except (OSError, yaml.YAMLError, AttributeError):
+        pass
+    return (step if isinstance(step, int) else None), (total if isinstance(total, int) else None)
 
 
 def _run_login(run_dir: Path) -> tuple[str, str, NatsConnection]:

@@ -32,12 +32,32 @@ def model_flag_to_override(argv: Sequence[str]) -> list[str]:
     return out + extra
 
 
+MODEL_HELP = """
+rollout worker options:
+  --model PATH          the model to serve: a local HF folder or a Hub id (short for the override
+                        model_path=PATH); a worker that joins a run must serve the run's model
+  (settings as overrides: rollout.engine=vllm, rollout.max_batch_size=32, placement.device=cuda, capacity=2;
+  a worker config file holds the same keys: --config FILE)"""
+
+
+def wants_help(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` asks for ``serve``'s help (``serve -h`` / ``serve --help``)."""
+    return "serve" in argv and any(arg in ("-h", "--help") for arg in argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    from rlfleet.common.control.worker import run_worker_main
+    from rlfleet.common.control.worker import parse_service_args, run_worker_main
+
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if wants_help(raw):  # the shared serve parser prints its options and exits; --model is this tier's
+        try:
+            parse_service_args("rlfleet-rollout", raw)
+        finally:
+            print(MODEL_HELP)
     from rlfleet.common.schema.rollout import RolloutWorkerConfig
     from rlfleet.rollout.service import RolloutWorker
 
-    args = model_flag_to_override(sys.argv[1:] if argv is None else argv)
+    args = model_flag_to_override(raw)
     return run_worker_main("rlfleet-rollout", RolloutWorkerConfig, RolloutWorker, args)
 
 
