@@ -285,3 +285,32 @@ def test_grpo_steps_carry_the_scheduled_rate_and_tell_the_callbacks(
     assert LearningRates(config).at(3) == pytest.approx(1e-3), "a rate needs the run's length: set by steps()"
     assert events == [("step", 1, 0.05), ("step", 2, 0.05), ("save", 2, "checkpoint-2"), ("step", 3, 0.05),
                       ("step", 4, 0.05), ("save", 4, "checkpoint-4")]  # fmt: skip
+
+
+def test_held_out_rows_in_memory_become_the_runs_eval_data_and_its_evaluations_reach_the_callbacks(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    told: list[tuple[int, dict[str, float]]] = []
+
+    class Evaluated(TrainerCallback):
+        def on_evaluate(self, step: int, metrics: dict[str, float]) -> None:
+            told.append((step, metrics))
+
+    config = TrainerConfig(rollout_batch_size=4, train_batch_size=4, group_size=2, output_dir=str(tmp_path),
+                           loggers=["jsonl"], sample_table_size=2)  # fmt: skip
+    trainer = GRPOTrainer(str(model_dir), has_digit, DIGIT_ROWS, config, eval_dataset=DIGIT_ROWS[:3])
+    trainer.add_callback(Evaluated)
+    try:
+        written = Path(trainer.config.eval.data or "")
+        assert written == tmp_path / "eval_data.jsonl" and len(written.read_text().splitlines()) == 3
+        assert trainer.fleet_run.evals is not None and len(trainer.fleet_run.evals.table.items) == 3
+        # what RunEval records after an evaluation, told to the callbacks once
+        trainer.fleet_run.evals.records.append({"step": 0, "summary": {"prompts": 3, "rewards": {"r": 0.5}}})
+        trainer._tell_evaluations()
+        trainer._tell_evaluations()
+        assert told == [(0, {"eval/prompts": 3.0, "eval/rewards/r": 0.5})]
+    finally:
+        trainer.close()
+    with pytest.raises(ValueError, match="set one"):
+        GRPOTrainer(str(model_dir), has_digit, DIGIT_ROWS, TrainerConfig(eval={"data": "x.jsonl"}),
+                    eval_dataset=DIGIT_ROWS)  # fmt: skip

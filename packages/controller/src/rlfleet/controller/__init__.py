@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "resolve_model": "rlfleet.controller.models",
     "Pool": "rlfleet.controller.routing",
     "Response": "rlfleet.controller.routing",
+    "TrainerCallback": "rlfleet.controller.callbacks",
 }
 
 __all__ = [
@@ -37,12 +38,14 @@ __all__ = [
     "PromptDataset",
     "Response",
     "StepResult",
+    "TrainerCallback",
     "TrainerConfig",
     "__version__",
     "resolve_model",
 ]
 
 if TYPE_CHECKING:
+    from rlfleet.controller.callbacks import TrainerCallback
     from rlfleet.controller.config import JobConfig, TrainerConfig
     from rlfleet.controller.dataset import PromptDataset
     from rlfleet.controller.dpo import DPOTrainer

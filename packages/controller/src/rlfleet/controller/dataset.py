@@ -16,6 +16,7 @@ The position (epoch, items consumed in that epoch) is kept as batches are handed
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import random
@@ -421,3 +422,22 @@ def chat_prompts(items: Iterable[PromptItem], tokenizer: PreTrainedTokenizerBase
         return {}
     texts = tokenizer.batch_decode([item.token_ids for item in chats], skip_special_tokens=True)
     return {text: [dict(m) for m in item.prompt] for text, item in zip(texts, chats, strict=True) if text}
+
+
+def held_out_file(data: DataSource, output_dir: str | os.PathLike[str], prompt_key: str = "prompt") -> str:
+    """Where a run's held-out prompts are read from (``eval.data`` is a file): a path as it is; rows in
+    memory (a list of dicts, a ``datasets.Dataset``) written to ``output_dir/eval_data.jsonl`` first,
+    checked as a dataset's rows are (a bad row fails here, before anything starts)."""
+    if not is_in_memory(data):
+        return os.fspath(data)
+    records = read_memory_records(data, prompt_key)
+    if not records:
+        raise DatasetError(memory_label(data), "holds no rows")
+    path = Path(output_dir) / "eval_data.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        text = "".join(json.dumps(record) + "\n" for _, record in records)
+    except TypeError as exc:
+        raise DatasetError(memory_label(data), f"a held-out row is not JSON data ({exc})") from None
+    path.write_text(text, encoding="utf-8")
+    return str(path)

@@ -15,6 +15,7 @@ from rlfleet.controller.dataset import DataSource, PromptDataset
 from rlfleet.controller.online import OnlineTrainer
 from rlfleet.controller.python_reward import reward_of, run_weights
 from rlfleet.controller.run import StepResult
+from rlfleet.controller.trainer_base import with_held_out
 
 __all__ = ["GRPOTrainer", "StepResult"]
 
@@ -29,8 +30,9 @@ class GRPOTrainer(OnlineTrainer):
     calls itself (:mod:`rlfleet.controller.python_reward`), or a list of either kind (TRL's
     ``reward_funcs``), summed with ``reward_weights`` (or the config's ``reward.weights``; 1 each),
     each one's mean logged as ``reward/<name>``. ``dataset`` is a :class:`PromptDataset`, a path to
-    one, a list of dicts or a ``datasets.Dataset``. ``callbacks``: objects with ``on_step_end``,
-    ``on_evaluate`` or ``on_save`` (:mod:`rlfleet.controller.callbacks`).
+    one, a list of dicts or a ``datasets.Dataset``; ``eval_dataset`` too, the held-out prompts of
+    ``eval.every`` and the run's before/after evaluation (``eval.data``). ``callbacks``: objects
+    with ``on_step_end``, ``on_evaluate`` or ``on_save`` (:mod:`rlfleet.controller.callbacks`).
     """
 
     def __init__(
@@ -42,8 +44,9 @@ class GRPOTrainer(OnlineTrainer):
         *,
         reward_weights: Sequence[float] | None = None,
         callbacks: Iterable[Any] = (),
+        eval_dataset: DataSource | None = None,
     ) -> None:
-        config = config or TrainerConfig()
+        config = with_held_out(config or TrainerConfig(), eval_dataset)
         reward = reward_of(reward, run_weights(reward_weights, config.reward.weights))
         super().__init__(actor_model_name, reward, dataset, config)
         for callback in callbacks:

@@ -29,6 +29,7 @@ from rlfleet.controller.config import TrainerConfig
 from rlfleet.controller.dataset import DataSource, PromptDataset
 from rlfleet.controller.online import OnlineTrainer
 from rlfleet.controller.python_reward import reward_of, run_weights
+from rlfleet.controller.trainer_base import with_held_out
 
 
 def reward_model_spec(reward_model_name: str | None, reward: Any) -> Any:
@@ -79,13 +80,14 @@ class PPOTrainer(OnlineTrainer):
         critic_model_name: str | None = None,
         reward_weights: Sequence[float] | None = None,
         callbacks: Iterable[Any] = (),
+        eval_dataset: DataSource | None = None,
     ) -> None:
         if dataset is None:
             raise ValueError(
                 "PPOTrainer needs a dataset: a PromptDataset, a path to a prompt file, a list of dicts or a "
                 "datasets.Dataset"
             )
-        config = ppo_config(config or TrainerConfig())
+        config = with_held_out(ppo_config(config or TrainerConfig()), eval_dataset)
         spec = reward_of(reward_model_spec(reward_model_name, reward),
                          run_weights(reward_weights, config.reward.weights))  # fmt: skip
         super().__init__(actor_model_name, spec, dataset, config, critic_model_name)

@@ -20,13 +20,26 @@ from typing import Any, TypeVar
 
 from rlfleet.controller.callbacks import Callbacks
 from rlfleet.controller.config import TrainerConfig
-from rlfleet.controller.dataset import PromptDataset
+from rlfleet.controller.dataset import DataSource, PromptDataset, held_out_file
 from rlfleet.controller.lr_schedule import LearningRates
 from rlfleet.controller.plots import write_run_plots
 from rlfleet.controller.ports import FleetClient, StepProgram
 from rlfleet.controller.run import FleetRun, StepResult
 
 T = TypeVar("T")
+
+
+def with_held_out(config: TrainerConfig, eval_dataset: DataSource | None) -> TrainerConfig:
+    """``config`` whose held-out evaluation reads ``eval_dataset`` (TRL's ``eval_dataset``: a path, a
+    list of dicts or a ``datasets.Dataset``, the rows written to ``output_dir/eval_data.jsonl``, which
+    ``config.yaml`` then names); None: ``config`` as it is. Both it and ``eval.data``: an error."""
+    if eval_dataset is None:
+        return config
+    if config.eval.data is not None:
+        raise ValueError(f"eval_dataset is given and the config sets eval.data={config.eval.data!r}; set one")
+    data = held_out_file(eval_dataset, config.output_dir)
+    held_out = {**config.eval.model_dump(exclude_unset=True), "data": data}
+    return type(config).model_validate({**dict(config), "eval": held_out})
 
 
 class TrainerBase:
