@@ -5,12 +5,20 @@ answering up to eval.max_tokens=20 new tokens while training responses stop at 1
 tests of this module: its eval files and plots, ``rlfleet eval`` on it and on ``tiny:digits``, and
 ``rlfleet plot`` on it and overlaid with a second run. Every number checked is recomputed from the
 answers the JSON holds. Bad input exits with code 2 and one line naming it.
+
+The run's console is a new user's (issue 35, point 2): ``kl_coef: 0`` (KL off) and
+``faults.stall_report_s=1``, so that its held-out evaluations (and every other request, each
+longer than a second but within the deadline its work was given) would print any stall warning.
+It must name the workers it starts and each evaluation as it begins, say ``KL: off``, and hold no
+stall warning, third-party progress bar or traceback; ``rlfleet eval`` scoring a reward spec beside
+the built-in similarity ends without gRPC's "Event loop is closed" traceback.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -26,6 +34,8 @@ REWARD = "charset:allowed=0123456789"
 RESPONSE_TOKENS, EVAL_TOKENS = 12, 20
 """The example's max_response_length, and the run's eval.max_tokens (held-out answers only)."""
 PNG = b"\x89PNG\r\n\x1a\n"
+BARS = re.compile(r"Loading (weights|checkpoint shards)|it/s\]")
+"""What a transformers / hub / datasets tqdm bar leaves in captured output."""
 
 
 def _heldout(path: Path, count: int = 8) -> Path:
@@ -42,7 +52,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory, rlfleet_cache: Path, venv
     root = tmp_path_factory.mktemp("eval-run")
     held = _heldout(root / "held.jsonl")
     out = root / "run"
-    env = {**os.environ, "RLFLEET_CACHE": str(rlfleet_cache), "PYTHONUNBUFFERED": "1"}
+    inherited = {k: v for k, v in os.environ.items() if "PROGRESS_BARS" not in k}  # bars as a user has them
+    env = {**inherited, "RLFLEET_CACHE": str(rlfleet_cache), "PYTHONUNBUFFERED": "1"}
     command = [
         venv_script("rlfleet"),
         "train",
@@ -55,10 +66,11 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory, rlfleet_cache: Path, venv
         f"max_response_length={RESPONSE_TOKENS}",
         f"output_dir={out}",
         "log_every=1",
+        "faults.stall_report_s=1",
     ]
     run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
     assert run.returncode == 0, run.stderr[-3000:]
-    return {"out": out, "held": held, "stdout": run.stdout, "env": env}
+    return {"out": out, "held": held, "stdout": run.stdout, "stderr": run.stderr, "env": env}
 
 
 def _rlfleet(
@@ -80,8 +92,8 @@ def _check_summary(summary: dict[str, Any], rows: list[dict[str, Any]], limit: i
     assert [row["words"] for row in rows] == words
     assert summary["mean_words"] == pytest.approx(statistics.fmean(words))
     assert summary["within_limit"] == pytest.approx(statistics.fmean(w <= limit for w in words))
-    assert summary["relevance"] == pytest.approx(statistics.fmean(row["relevance"] for row in rows))
-    assert all(-1.0 <= row["relevance"] <= 1.0 for row in rows)
+    assert summary["similarity"] == pytest.approx(statistics.fmean(row["similarity"] for row in rows))
+    assert all(-1.0 <= row["similarity"] <= 1.0 for row in rows)
     assert summary["pass@1"] == pytest.approx(statistics.fmean(float(row["correct"]) for row in rows))
 
 
@@ -109,9 +121,53 @@ def test_a_run_evaluates_held_out_prompts_and_draws_plots(tiny_run: dict[str, An
         line.split("|")[1].strip() for line in samples.splitlines() if line.startswith("| ") and "->" in line
     ]
     assert len(table_prompts) == 3 and set(table_prompts) <= held_prompts
-    for name in ("reward", "response_length", "entropy", "step_time", "eval", "reward_components"):
+    for name in ("reward", "response_length", "entropy", "step_time", "eval", "reward_components",
+                 "policy_drift", "step_phases", "loss"):  # fmt: skip
         data = (out / "plots" / f"{name}.png").read_bytes()
         assert data.startswith(PNG) and len(data) > 5000, name
+    assert not (out / "plots" / "kl.png").exists(), "KL is off: no plot may say KL"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_the_console_of_a_tiny_run(tiny_run: dict[str, Any]) -> None:
+    stdout, stderr = tiny_run["stdout"], tiny_run["stderr"]
+    lines = stdout.splitlines()
+    starting = [line for line in lines if line.startswith("starting ")]
+    assert starting == ["starting 3 workers: trainer-0, reward-0, rollout-0"], stdout[:2000]
+    assert any(re.fullmatch(r"fleet ready after \d+ s", line) for line in lines), stdout[:2000]
+    evaluating = [line for line in lines if line.startswith("evaluating ")]
+    assert evaluating == [
+        f"evaluating 8 held-out prompts ({label}, step {step}, up to {EVAL_TOKENS} new tokens each)"
+        for label, step in (("before", 0), ("step-2", 2), ("step-4", 4))
+    ], stdout
+    # the workers' line first, then each evaluation's line before its result
+    assert lines.index(starting[0]) < lines.index(evaluating[0])
+    assert lines.index(evaluating[0]) < next(
+        i for i, line in enumerate(lines) if line.startswith("held-out eval before")
+    )
+    progress = [line for line in lines if line.startswith("[PROGRESS]")]
+    assert len(progress) == 4 and all("| KL: off |" in line for line in progress), progress
+    both = stdout + stderr
+    # a heartbeating worker within its request's deadline is no stall (the reward worker's beats can
+    # pause for seconds while it loads its similarity model: that silence is still reported)
+    stalls = [line for line in both.splitlines() if "stall:" in line and "alive and heartbeating" in line]
+    assert not stalls, stalls
+    assert not BARS.search(both), BARS.search(both)
+    assert "Traceback" not in both
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_rlfleet_eval_ends_without_a_traceback_or_bars(tiny_run: dict[str, Any], venv_script) -> None:
+    final = tiny_run["out"] / "final"
+    done = _rlfleet(venv_script, tiny_run["env"], "eval", str(final), "tiny:digits", "--data",
+                    str(tiny_run["held"]), "--max-new-tokens", "8", "--reward", REWARD)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "Event loop is closed" not in done.stderr, done.stderr[-3000:]
+    assert not BARS.search(done.stderr), done.stderr[-2000:]
+    header = done.stdout.splitlines()[0].split()
+    assert header[5] == "SIMILARITY" and "RELEVANCE" not in header, done.stdout
 
 
 @pytest.mark.slow
@@ -142,7 +198,7 @@ def test_rlfleet_eval_on_a_tiny_model_and_a_run_dir(
     labels = [m["model"] for m in data["models"]]
     assert labels == ["tiny:digits", f"{out}/checkpoint-2", f"{out}/checkpoint-4", f"{out}/final"]
     table = run.stdout.splitlines()
-    assert table[0].split()[:6] == ["MODEL", "ANSWERS", "WORDS", "TOKENS", "<=1W", "RELEVANCE"]
+    assert table[0].split()[:6] == ["MODEL", "ANSWERS", "WORDS", "TOKENS", "<=1W", "SIMILARITY"]
     for model in data["models"]:
         rows, summary = model["rows"], model["summary"]
         assert len(rows) == 8 and all(r["tokens"] <= EVAL_TOKENS for r in rows)
@@ -150,7 +206,7 @@ def test_rlfleet_eval_on_a_tiny_model_and_a_run_dir(
         line = next(line for line in table if line.split()[0] == model["model"])
         assert (
             line.split()[2] == f"{summary['mean_words']:.1f}"
-            and line.split()[5] == f"{summary['relevance']:.3f}"
+            and line.split()[5] == f"{summary['similarity']:.3f}"
         )
     # the trained model answers like the run's own final eval did (greedy, same prompts and weights)
     final = {r["index"]: r["answer"] for r in data["models"][-1]["rows"]}
