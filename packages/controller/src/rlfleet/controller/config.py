@@ -46,6 +46,7 @@ from rlfleet.common.schema.rollout import RolloutSettings
 from rlfleet.common.schema.trainer import AlgorithmSettings, BatchSettings, ModelSettings, UpdateSettings
 from rlfleet.common.schema.worker import FleetAddress, Placement, TensorPlaneSettings
 from rlfleet.controller.agent_settings import AgentSettings
+from rlfleet.controller.config_names import check_in_effect, check_known, given_algorithm
 from rlfleet.controller.dynamic_sampling_settings import DynamicSamplingSettings
 from rlfleet.controller.environment_settings import EnvironmentSettings
 from rlfleet.controller.eval_settings import EvalSettings
@@ -57,7 +58,6 @@ from rlfleet.controller.launcher_settings import (
     worker_logins,
 )
 from rlfleet.controller.lr_schedule import LRSchedule
-from rlfleet.controller.config_names import check_in_effect, check_known, given_algorithm
 from rlfleet.controller.saved_config import drop_records
 from rlfleet.controller.weight_sync_settings import WeightSyncSettings
 
