@@ -11,7 +11,14 @@ import pytest
 from pydantic import ValidationError
 
 from rlfleet.common.errors import ConfigError
-from rlfleet.controller.eval_metrics import make_row, pass_at_k, render_table, summarize
+from rlfleet.controller.eval_metrics import (
+    EvalRow,
+    make_row,
+    pass_at_k,
+    render_table,
+    summarize,
+    summary_line,
+)
 from rlfleet.controller.eval_settings import EvalSettings
 from rlfleet.controller.evaluation import model_targets
 from rlfleet.controller.plots import read_metrics
@@ -53,6 +60,21 @@ def test_summary_means_come_from_the_rows() -> None:
     table = render_table(["m"], [summary])
     assert table.splitlines()[0].split()[:6] == ["MODEL", "ANSWERS", "WORDS", "TOKENS", "<=3W", "SIMILARITY"]
     assert f"{summary['mean_words']:.1f}" in table.splitlines()[1]
+
+
+def test_a_multi_turn_runs_summary_has_its_tool_use_and_turns() -> None:
+    """Episodes' rows carry their turns and tool calls: the summary's tool use is the share of answers
+    that called a tool at least once; a single-turn run's summary has neither key."""
+    rows = [make_row(i, "q", 0, "943", 4, limit_words=50) for i in range(4)]
+    for row, (turns, calls) in zip(rows, [(2, 1), (1, 0), (3, 2), (1, 0)], strict=True):
+        row.turns, row.tool_calls = turns, calls
+    summary = summarize(rows, 50)
+    assert summary["tool_use"] == 0.5 and summary["mean_turns"] == 1.75
+    assert "tool use 0.50, turns 1.75" in summary_line(summary)
+    back = EvalRow.from_json(json.loads(json.dumps(rows[2].to_json())))
+    assert (back.turns, back.tool_calls) == (3, 2)
+    plain = summarize([make_row(0, "q", 0, "a", 1, limit_words=50)], 50)
+    assert "tool_use" not in plain and "tool use" not in summary_line(plain)
 
 
 def test_eval_every_needs_eval_data() -> None:

@@ -51,6 +51,10 @@ class EvalRow:
     """Reward spec -> this answer's total reward under it."""
     components: dict[str, dict[str, float]] = field(default_factory=dict)
     """Reward spec -> component label -> this answer's score."""
+    turns: int | None = None
+    """The model's turns in the answer's episode (multi-turn runs only)."""
+    tool_calls: int | None = None
+    """The tool calls the episode's turns made (multi-turn runs only)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -113,6 +117,10 @@ def summarize(rows: Sequence[EvalRow], limit_words: int) -> dict[str, Any]:
         for spec in specs
     }
     summary.update(_pass_at(rows))
+    episodes = [row for row in rows if row.turns is not None and row.tool_calls is not None]
+    if episodes:  # a multi-turn run's: how often its episodes used a tool, and how long they were
+        summary["tool_use"] = _mean([float((row.tool_calls or 0) > 0) for row in episodes])
+        summary["mean_turns"] = _mean([float(row.turns or 0) for row in episodes])
     return summary
 
 
@@ -140,6 +148,8 @@ def summary_line(summary: dict[str, Any]) -> str:
     ]
     parts += [f"reward {_fmt(value, 3)}" for value in summary.get("rewards", {}).values()]
     parts += [f"{key} {_fmt(summary[key], 3)}" for key in summary if key.startswith("pass@")]
+    if "tool_use" in summary:
+        parts += [f"tool use {_fmt(summary['tool_use'], 2)}", f"turns {_fmt(summary.get('mean_turns'), 2)}"]
     return ", ".join(parts)
 
 

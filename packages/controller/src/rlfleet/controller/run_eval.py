@@ -109,6 +109,7 @@ class RunEval:
             got = make_row(item.index, row["prompt"], 0, row["answer"], row["tokens"], limit)
             got.rewards, got.components = {name: row["reward"]}, {name: row["components"]}
             got.prompt_tokens = len(item.token_ids or [])
+            got.turns, got.tool_calls = row.get("turns"), row.get("tool_calls")
             evals.append(got)
         await self._measure(evals, fleet)
         self._record(label, evals)

@@ -18,6 +18,9 @@ from rlfleet.controller.dataset import PromptItem
 from rlfleet.controller.ports import FleetClient
 from rlfleet.controller.routing import chunk_metadata, episode_items
 
+EPISODE_COUNTS = {"episode_turns": "turns", "episode_tool_calls": "tool_calls"}
+"""The batch fields a multi-turn run's answers add to their rows (field -> row key)."""
+
 
 class RunStore(Protocol):
     """What the table needs of the run's store (:class:`rlfleet.controller.own_store.OwnStore`)."""
@@ -69,12 +72,18 @@ class SampleTable:
         scored = await fleet.score(results, chunk_metadata(self.items, results), cfg.reward.endpoint)
         texts: list[str] = []
         tokens: list[int] = []
+        episodes: list[dict[str, int]] = []  # a multi-turn run's: each episode's turns and tool calls
+        names = ["response_text", "response_text_offsets", "response_mask"]
+        names += list(EPISODE_COUNTS) if episode is not None else []
         for result in results:
-            got = await store.fetch(
-                result.ref, names=["response_text", "response_text_offsets", "response_mask"]
-            )
+            got = await store.fetch(result.ref, names=names)
             texts.extend(unpack_texts(got["response_text"], got["response_text_offsets"]))
             tokens.extend(int(n) for n in got["response_mask"].sum(dim=-1).tolist())
+            if episode is not None:
+                counts = {key: got[name].tolist() for name, key in EPISODE_COUNTS.items()}
+                episodes.extend(
+                    dict(zip(counts, row, strict=True)) for row in zip(*counts.values(), strict=True)
+                )
         await store.release(results)
         scores = [s for result in scored for s in result.scores]
         components = [
@@ -87,6 +96,8 @@ class SampleTable:
              "reward": score, "components": parts}
             for item, text, n, score, parts in zip(self.items, texts, tokens, scores, components, strict=True)
         ]  # fmt: skip
+        for row, counts in zip(rows, episodes, strict=False):
+            row.update(counts)
         self.captures[label] = rows
         return rows
 
