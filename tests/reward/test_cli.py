@@ -28,7 +28,9 @@ SCRIPT = Path(sys.executable).parent / "rlfleet-reward"
 ADMIN_TOKEN = "admin-token-0123"
 TEAM_TOKEN = "team-a-token-0123"
 WITHOUT_MODELS = (
-    "import sys\nsys.modules['transformers'] = None\n"  # as where rlfleet-reward[models] is not installed
+    # as where rlfleet-reward[models] is not installed: neither transformers nor torch (rlfleet-common's
+    # tensor plane reads the texts as numpy arrays without it)
+    "import sys\nsys.modules['transformers'] = None\nsys.modules['torch'] = None\n"
     "from rlfleet.reward.main import main\nsys.exit(main(sys.argv[1:]))\n"
 )
 
@@ -244,9 +246,11 @@ def test_a_server_without_the_models_extra_scores_rules_and_refuses_models_namin
         "fleet": {"nats_url": nats_server.url, "cluster": cluster}, "worker_id": "reward-rules",
         "endpoints": {"e": "charset:allowed=0123456789"},
     }, command=[sys.executable, "-c", WITHOUT_MODELS])  # fmt: skip
-    scored = admin(
-        nats_server.url, cluster, "score", "e", "--prompt", "n?", "--response", "42", "--response", "x"
-    )
+    # admin score serves the texts from a TensorStore of its own, without torch too
+    admin_args = ["admin", "--nats", nats_server.url, "--cluster", cluster, "--timeout", "30", "score", "e"]
+    texts = ["--prompt", "n?", "--response", "42", "--response", "x"]
+    command = [sys.executable, "-c", WITHOUT_MODELS, *admin_args, *texts]
+    scored = subprocess.run(command, capture_output=True, text=True, timeout=90)
     assert scored.returncode == 0, scored.stderr
     assert [line.split()[0] for line in scored.stdout.splitlines()[1:]] == ["1.0000", "0.0000"]
     refused = admin(nats_server.url, cluster, "set-spec", "e", f"rm:path={tmp_path}")

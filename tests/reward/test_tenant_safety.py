@@ -139,11 +139,11 @@ async def test_a_tenant_fetches_only_from_its_own_stores(reward_server, rollout_
 
 
 async def test_max_batch_is_checked_before_any_text_is_fetched(reward_server, rollout_store) -> None:
-    import torch
+    import numpy as np
 
     client, _ = await reward_server(config(max_batch=4))
     # Only the sample count is stored: a request fetching texts first would fail on the missing tensors.
-    ref = rollout_store.server.put_local("counts-only", {"group_index": torch.zeros(5, dtype=torch.int64)})
+    ref = rollout_store.server.put_local("counts-only", {"group_index": np.zeros(5, dtype=np.int64)})
     text = await refused(client, SCORE, ScoreRequest(job_id="j", endpoint="a/digits", rollout=ref), TOKEN_A,
                          "batch_too_large")  # fmt: skip
     assert "5 samples" in text

@@ -190,16 +190,19 @@ async def send_to_all(
 
 
 async def score(args: argparse.Namespace, token: str, auth: NatsConnection | None) -> int:
-    """Serve ``score``'s texts from a TensorStore of its own, ask the reward server to score them, print."""
-    import torch
+    """Serve ``score``'s texts from a TensorStore of its own, ask the reward server to score them, print.
+
+    The texts are numpy arrays (the wire carries the same bytes as torch's): no torch needed.
+    """
+    import numpy as np
 
     from rlfleet.common.schema.batch import pack_texts
     from rlfleet.common.tensors.server import TensorStoreServer
 
     prompts, responses, groups, metadata = score_rows(args)
-    tensors = {"group_index": torch.tensor(groups, dtype=torch.int64)}
-    tensors["prompt_text"], tensors["prompt_text_offsets"] = pack_texts(prompts)
-    tensors["response_text"], tensors["response_text_offsets"] = pack_texts(responses)
+    tensors = {"group_index": np.asarray(groups, dtype=np.int64)}
+    tensors["prompt_text"], tensors["prompt_text_offsets"] = pack_texts(prompts, arrays="numpy")
+    tensors["response_text"], tensors["response_text_offsets"] = pack_texts(responses, arrays="numpy")
     store = TensorStoreServer(capacity_bytes=64 << 20, ttl_s=max(60.0, args.timeout))
     try:
         await store.start(host=args.store_host, advertise_host=args.advertise_host)

@@ -55,6 +55,8 @@ from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
+
 from rlfleet.common.control.messages import (
     Ack,
     AnyMessage,
@@ -130,7 +132,7 @@ class RewardWorker(Worker[RewardWorkerConfig]):
         allow_remote_code(cfg.loading.trust_remote_code)  # the server's own setting, never a tenant's
         self.endpoints = Endpoints(cfg.state_dir)
         await self.endpoints.start(cfg.endpoints)
-        self._stores: ClientPool | None = None  # made on the first fetch (the tensor plane imports torch)
+        self._stores: ClientPool | None = None  # made on the first fetch (gRPC channels, in this loop)
         self.replies = ReplyCache()  # a repeated score (same tenant, job id and request): its first reply
         self._saver: asyncio.Task[None] | None = None
         if cfg.state_dir:
@@ -391,7 +393,7 @@ class RewardWorker(Worker[RewardWorkerConfig]):
                                                                       declared)))  # fmt: skip
             prompts = unpack_texts(got["prompt_text"], got["prompt_text_offsets"])
             responses = unpack_texts(got["response_text"], got["response_text_offsets"])
-            groups = [int(g) for g in got["group_index"].tolist()]
+            groups = [int(g) for g in np.asarray(got["group_index"]).reshape(-1).tolist()]
             rewards = _episode_rewards(got, len(responses)) if episodes else None
             del got
             yield prompts, responses, groups, rewards
@@ -425,10 +427,11 @@ class RewardWorker(Worker[RewardWorkerConfig]):
     async def _fetch(
         self, target: StoreTarget, ref: TensorRef, names: list[str], *, max_bytes: int | None = None
     ) -> dict[str, Any]:
-        """The tensors ``names`` of ``ref``, from the store at ``target`` (at most ``max_bytes``)."""
+        """The tensors ``names`` of ``ref``, from the store at ``target`` (at most ``max_bytes``), as
+        numpy arrays: the server reads texts and numbers, with or without torch installed."""
         client = self._store(target)
         return await client.get(ref.key, names, capability=ref.capability, nbytes=max_bytes or 0,
-                                max_bytes=max_bytes)  # fmt: skip
+                                max_bytes=max_bytes, arrays="numpy")  # fmt: skip
 
     def _store(self, target: StoreTarget) -> TensorStoreClient:
         """One open client per store address (the least recently used closes past
@@ -496,7 +499,7 @@ def _episode_rewards(got: Mapping[str, Any], samples: int) -> list[float]:
     if rewards is None:
         raise RewardInputError("the batch holds no episode_reward: the episode rule scores the batches of "
                                "multi-turn runs (a job with environment.env)")  # fmt: skip
-    values = [float(v) for v in rewards.reshape(-1).tolist()]
+    values = [float(v) for v in np.asarray(rewards).reshape(-1).tolist()]
     if len(values) != samples or not all(math.isfinite(v) for v in values):
         raise RewardInputError(f"episode_reward holds {len(values)} values for {samples} samples, or a "
                                "non-finite one")  # fmt: skip
@@ -505,7 +508,12 @@ def _episode_rewards(got: Mapping[str, Any], samples: int) -> list[float]:
 
 def _largest_sample(bounds: Mapping[str, Any]) -> int:
     """The most text bytes (prompt and response) of one sample, from the batch's offsets (N+1,)."""
-    prompts, responses = bounds["prompt_text_offsets"], bounds["response_text_offsets"]
-    if prompts.dim() != 1 or prompts.shape != responses.shape or prompts.numel() < 2:
+    prompts, responses = (
+        np.asarray(bounds["prompt_text_offsets"]),
+        np.asarray(bounds["response_text_offsets"]),
+    )
+    if prompts.ndim != 1 or prompts.shape != responses.shape or prompts.size < 2:
         return 0  # malformed or empty: unpacking the texts names the problem
-    return int((prompts.diff() + responses.diff()).max())
+    if prompts.dtype.kind not in "iu" or responses.dtype.kind not in "iu":
+        return 0  # not offsets: unpacking the texts names the problem
+    return int((np.diff(prompts) + np.diff(responses)).max())

@@ -42,14 +42,16 @@ indices offset so each prompt keeps its own group; :func:`select_groups` keeps a
 some of its prompts (dynamic sampling). Every violation is a
 :class:`~rlfleet.common.errors.BatchContractError` naming the field.
 
-Importing this module does not import torch; its functions do.
+Importing this module does not import torch; its functions do, but for the texts' two
+(:func:`pack_texts`, :func:`unpack_texts`), which also work on numpy arrays without torch.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from rlfleet.common.errors import BatchContractError
 
@@ -172,35 +174,68 @@ def widen(tensor: Tensor, width: int, *, left: bool, value: float = 0) -> Tensor
 # --- texts --------------------------------------------------------------------------------------
 
 
-def pack_texts(texts: Sequence[str]) -> tuple[Tensor, Tensor]:
-    """Texts -> (uint8 data (sum of utf-8 lengths,), int64 offsets (N+1,))."""
-    import torch
+def pack_texts(
+    texts: Sequence[str], *, arrays: Literal["torch", "numpy"] | None = None
+) -> tuple[Tensor, Tensor]:
+    """Texts -> (uint8 data (sum of utf-8 lengths,), int64 offsets (N+1,)).
 
+    torch tensors, or numpy arrays with ``arrays="numpy"`` (the default where torch is not
+    installed: the reward server's ``admin score`` packs texts without it).
+    """
     encoded = [t.encode("utf-8") for t in texts]
     offsets = [0]
     for raw in encoded:
         offsets.append(offsets[-1] + len(raw))
     joined = bytearray(b"".join(encoded))
+    if (arrays or _default_arrays()) == "numpy":
+        import numpy as np
+
+        return np.frombuffer(joined, dtype=np.uint8).copy(), np.asarray(offsets, dtype=np.int64)
+    import torch
+
     data = (
         torch.frombuffer(joined, dtype=torch.uint8).clone() if joined else torch.zeros(0, dtype=torch.uint8)
     )
     return data, torch.tensor(offsets, dtype=torch.int64)
 
 
-def unpack_texts(data: Tensor, offsets: Tensor) -> list[str]:
-    """Inverse of :func:`pack_texts`; :class:`BatchContractError` when the offsets do not fit."""
-    import torch
+def _default_arrays() -> Literal["torch", "numpy"]:
+    """torch where it is installed, else numpy (as the tensor plane's codec decides)."""
+    from rlfleet.common.tensors.codec import DEFAULT_ARRAYS
 
-    if data.dtype != torch.uint8 or data.dim() != 1:
-        raise BatchContractError(
-            "text", f"expected 1-d uint8 data, got {data.dtype} of shape {list(data.shape)}"
-        )
-    if offsets.dim() != 1 or offsets.dtype.is_floating_point:
-        raise BatchContractError(
-            "text_offsets", f"expected 1-d integer offsets, got shape {list(offsets.shape)}"
-        )
-    bounds = [int(x) for x in offsets.tolist()]
-    raw = data.contiguous().numpy().tobytes()
+    return DEFAULT_ARRAYS
+
+
+def unpack_texts(data: Tensor, offsets: Tensor) -> list[str]:
+    """Inverse of :func:`pack_texts` (torch tensors or numpy arrays); :class:`BatchContractError` when
+    the offsets do not fit."""
+    torch = sys.modules.get("torch")  # a torch tensor exists only where torch was imported
+    if torch is not None and isinstance(data, torch.Tensor) and isinstance(offsets, torch.Tensor):
+        if data.dtype != torch.uint8 or data.dim() != 1:
+            raise BatchContractError(
+                "text", f"expected 1-d uint8 data, got {data.dtype} of shape {list(data.shape)}"
+            )
+        if offsets.dim() != 1 or offsets.dtype.is_floating_point:
+            raise BatchContractError(
+                "text_offsets", f"expected 1-d integer offsets, got shape {list(offsets.shape)}"
+            )
+        bounds = [int(x) for x in offsets.tolist()]
+        raw = data.contiguous().numpy().tobytes()
+    else:
+        import numpy as np
+
+        data, offsets = np.asarray(data), np.asarray(offsets)
+        if data.dtype != np.uint8 or data.ndim != 1:
+            raise BatchContractError(
+                "text", f"expected 1-d uint8 data, got {data.dtype} of shape {list(data.shape)}"
+            )
+        if offsets.ndim != 1 or offsets.dtype.kind not in "iub":
+            raise BatchContractError(
+                "text_offsets",
+                f"expected 1-d integer offsets, got {offsets.dtype} of shape {list(offsets.shape)}",
+            )
+        bounds = [int(x) for x in offsets.tolist()]
+        raw = data.tobytes()
     if (
         not bounds
         or bounds[0] != 0

@@ -27,7 +27,6 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, I
 from typing import TypeVar
 
 import grpc
-import torch
 
 from rlfleet.common.errors import MessageTooLarge, TensorStoreTimeout, TensorStoreUnavailable, TransportClosed
 from rlfleet.common.schema.refs import TensorRef
@@ -35,13 +34,17 @@ from rlfleet.common.schema.worker import TensorPlaneSettings
 from rlfleet.common.tensors._gen import tensors_pb2 as pb
 from rlfleet.common.tensors.codec import (
     CHUNK_HINT,
+    DEFAULT_ARRAYS,
     DEFAULT_CHUNK_BYTES,
     PHYSICAL_MEMORY_BYTES,
+    Arrays,
     Chunk,
     ChunkAssembler,
+    Tensor,
     decode_chunk,
     dtype_name,
     encode_chunk,
+    payload_nbytes,
     split_tensors,
 )
 from rlfleet.common.tensors.guard import bearer_metadata, capability, capability_metadata
@@ -139,7 +142,7 @@ class TensorStoreClient:
         self._limit: int | None = None
         self._closed = False
 
-    async def put(self, key: str, tensors: Mapping[str, torch.Tensor]) -> TensorRef:
+    async def put(self, key: str, tensors: Mapping[str, Tensor]) -> TensorRef:
         """Stream ``tensors`` to the server (needs the store's ``secret``); the ref to read them by.
 
         The server stores them under ``key`` plus a random suffix (the ref's key, with the
@@ -150,7 +153,7 @@ class TensorStoreClient:
         for name, tensor in tensors.items():
             dtype_name(tensor.dtype, name)
         chunk_bytes = min(self.chunk_bytes, await self._server_limit())
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        nbytes = sum(payload_nbytes(t) for t in tensors.values())
         return await self.put_chunks(split_tensors(key, tensors, chunk_bytes), nbytes=nbytes)
 
     async def put_chunks(
@@ -197,7 +200,8 @@ class TensorStoreClient:
         capability: str = "",
         nbytes: int = 0,
         max_bytes: int | None = None,
-    ) -> dict[str, torch.Tensor]:
+        arrays: Arrays = DEFAULT_ARRAYS,
+    ) -> dict[str, Tensor]:
         """The tensors under ``key`` (all, or only ``names``), checked chunk by chunk on arrival.
 
         Needs the key's ``capability`` (see :meth:`fetch`, which takes it from the ref) or the
@@ -205,11 +209,14 @@ class TensorStoreClient:
         lengthens the deadline; a stream with no chunk for ``idle_timeout_s`` raises
         :class:`TensorStoreTimeout`. ``max_bytes`` caps what this call may allocate below the
         client's ``max_get_bytes``: a stream past it is cut off with :class:`MessageTooLarge`
-        before the tensor that would cross it is allocated.
+        before the tensor that would cross it is allocated. ``arrays="numpy"`` returns numpy arrays
+        (the default where torch is not installed; a bf16 or fp8 tensor is then ``UnknownDtype``).
         """
         self._check_open()
         limit = self.max_get_bytes if max_bytes is None else min(max_bytes, self.max_get_bytes or max_bytes)
-        assembler = ChunkAssembler(key, max_chunk_bytes=self.max_message_bytes, max_total_bytes=limit)
+        assembler = ChunkAssembler(
+            key, max_chunk_bytes=self.max_message_bytes, max_total_bytes=limit, arrays=arrays
+        )
         request = pb.GetRequest(key=key, names=list(names or ()), max_chunk_bytes=self.max_message_bytes)
         deadline = stream_deadline(self.timeout_s, nbytes)
         call = self._get_rpc(request, timeout=deadline, metadata=self._reader(capability))
@@ -233,7 +240,7 @@ class TensorStoreClient:
                 self.address, f"{rpc} (stalled: no chunk moved for {idle:g}s)", idle
             ) from None
 
-    async def fetch(self, ref: TensorRef, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    async def fetch(self, ref: TensorRef, names: Sequence[str] | None = None) -> dict[str, Tensor]:
         """The tensors a :class:`TensorRef` points to, from whichever server holds them (the ref's
         size lengthens the deadline when all its tensors are read)."""
         nbytes = ref.nbytes if not names else 0
@@ -413,7 +420,7 @@ class ClientPool:
         self._clients[address] = client  # last: the most recently used
         return client
 
-    async def fetch(self, ref: TensorRef, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    async def fetch(self, ref: TensorRef, names: Sequence[str] | None = None) -> dict[str, Tensor]:
         """The tensors ``ref`` names (all of them without ``names``), from the store that holds them."""
         return await self.get(ref.address).fetch(ref, names)
 

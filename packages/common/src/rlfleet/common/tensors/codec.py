@@ -21,6 +21,13 @@ what :func:`encode_chunk` writes, and :func:`decode_chunk` reads any valid encod
 tests/common/test_tensor_wire.py checks both against the generated ``tensors_pb2``. Malformed
 bytes raise :class:`MalformedChunk`, nothing else.
 
+**torch or numpy.** Where torch is installed, tensors are torch tensors (every safetensors dtype,
+zero-copy views). rlfleet-common installs without torch too (its ``torch`` extra brings it): the
+reward server only reads texts and a few numbers. There, and wherever ``arrays="numpy"`` is asked
+for, received tensors are numpy arrays (:data:`NUMPY_DTYPES`: every dtype but ``BF16`` and the fp8
+ones, which numpy lacks and which are refused by name), and numpy arrays may be sent and stored
+beside torch tensors: the bytes on the wire are the same.
+
 Nothing here pickles; nothing here touches the network.
 """
 
@@ -33,8 +40,9 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+import numpy as np
 from zlib_ng.zlib_ng import crc32 as _crc32
 
 from rlfleet.common.errors import (
@@ -48,7 +56,22 @@ from rlfleet.common.errors import (
 from rlfleet.common.tensors._gen import tensors_pb2
 from rlfleet.common.tensors.malloc import MMAP_THRESHOLD_BYTES, tuning_enabled
 
+if TYPE_CHECKING:
+    import torch
+else:
+    try:
+        import torch
+    except ModuleNotFoundError as missing:  # rlfleet-common without its torch extra: numpy arrays only
+        if missing.name != "torch":
+            raise
+        torch = None
+
 logger = logging.getLogger(__name__)
+
+HAVE_TORCH = torch is not None
+Arrays = Literal["torch", "numpy"]
+"""What received tensors become: torch tensors, or numpy arrays (no bf16, no fp8)."""
+DEFAULT_ARRAYS: Arrays = "torch" if HAVE_TORCH else "numpy"
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 CHUNK_HINT = "send smaller chunks (chunk_bytes) or raise max_message_bytes where they are received"
@@ -73,21 +96,42 @@ _CANDIDATES: tuple[tuple[str, str], ...] = (
     ("F8_E5M2", "float8_e5m2"),
 )
 
-# safetensors dtype name -> torch dtype, for the dtypes this torch build has.
-DTYPES: dict[str, torch.dtype] = {
-    st: getattr(torch, attr)
-    for st, attr in _CANDIDATES
-    if isinstance(getattr(torch, attr, None), torch.dtype)
-}
+# safetensors dtype name -> torch dtype, for the dtypes this torch build has (none without torch).
+DTYPES: dict[str, torch.dtype] = (
+    {
+        st: getattr(torch, attr)
+        for st, attr in _CANDIDATES
+        if isinstance(getattr(torch, attr, None), torch.dtype)
+    }
+    if HAVE_TORCH
+    else {}
+)
 DTYPE_NAMES: dict[torch.dtype, str] = {dt: st for st, dt in DTYPES.items()}
+# safetensors dtype name -> numpy dtype (little-endian): all but BF16 and the fp8 ones, which numpy lacks.
+NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
+    st: np.dtype(attr).newbyteorder("<") for st, attr in _CANDIDATES if attr in np.sctypeDict
+}
+NUMPY_DTYPE_NAMES: dict[np.dtype[Any], str] = {dt: st for st, dt in NUMPY_DTYPES.items()}
+Tensor = Any
+"""A torch tensor, or a numpy array (``torch.Tensor | np.ndarray``; torch may not be installed)."""
 
 
-def dtype_name(dtype: torch.dtype, tensor: str = "") -> str:
-    """The safetensors name of a torch dtype; :class:`UnknownDtype` for one safetensors lacks."""
-    try:
-        return DTYPE_NAMES[dtype]
-    except KeyError:
-        raise UnknownDtype(str(dtype).removeprefix("torch."), tensor) from None
+def is_torch(tensor: object) -> bool:
+    """Whether ``tensor`` is a torch tensor (False for everything where torch is not installed)."""
+    return HAVE_TORCH and isinstance(tensor, torch.Tensor)
+
+
+def dtype_name(dtype: torch.dtype | np.dtype[Any], tensor: str = "") -> str:
+    """The safetensors name of a torch or numpy dtype; :class:`UnknownDtype` for one safetensors lacks."""
+    if HAVE_TORCH and isinstance(dtype, torch.dtype):
+        try:
+            return DTYPE_NAMES[dtype]
+        except KeyError:
+            raise UnknownDtype(str(dtype).removeprefix("torch."), tensor) from None
+    name = NUMPY_DTYPE_NAMES.get(dtype) if isinstance(dtype, np.dtype) else None
+    if name is None:
+        raise UnknownDtype(str(dtype), tensor)
+    return name
 
 
 def torch_dtype(name: str, tensor: str = "") -> torch.dtype:
@@ -98,46 +142,87 @@ def torch_dtype(name: str, tensor: str = "") -> torch.dtype:
         raise UnknownDtype(name, tensor) from None
 
 
-def expected_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+def numpy_dtype(name: str, tensor: str = "") -> np.dtype[Any]:
+    """The numpy dtype of a safetensors dtype name; :class:`UnknownDtype` for any other string and for
+    the dtypes numpy lacks (``BF16``, ``F8_*``: they need torch)."""
+    try:
+        return NUMPY_DTYPES[name]
+    except KeyError:
+        if name in {st for st, _ in _CANDIDATES}:
+            raise UnknownDtype(f"{name} (numpy has no such dtype: decoding it needs torch)", tensor) from None
+        raise UnknownDtype(name, tensor) from None
+
+
+def expected_nbytes(shape: tuple[int, ...], dtype: torch.dtype | np.dtype[Any]) -> int:
     """``prod(shape) * itemsize``: the byte length of a tensor of that shape and dtype."""
     return math.prod(shape) * dtype.itemsize
 
 
-def tensor_buffer(tensor: torch.Tensor) -> memoryview:
+def payload_nbytes(tensor: Tensor) -> int:
+    """A tensor's (or array's) payload bytes, ``numel * itemsize``."""
+    return tensor.numel() * tensor.element_size() if is_torch(tensor) else int(tensor.nbytes)
+
+
+def stored_form(tensor: Tensor) -> Tensor:
+    """The tensor as a store keeps it: a contiguous CPU torch tensor, or a C-contiguous numpy array
+    (the same object where it already is one)."""
+    if is_torch(tensor):
+        return tensor.detach().to("cpu").contiguous()
+    if isinstance(tensor, np.generic):  # a numpy scalar: a 0-d array
+        return np.asarray(tensor)
+    if not isinstance(tensor, np.ndarray):
+        raise TypeError(f"expected a torch tensor or a numpy array, got {type(tensor).__name__}")
+    return np.ascontiguousarray(tensor) if tensor.ndim else tensor
+
+
+def tensor_buffer(tensor: Tensor) -> memoryview:
     """The tensor's bytes in safetensors layout, as a flat ``uint8`` memoryview.
 
-    Zero-copy for a contiguous CPU tensor (the view keeps the tensor alive); other tensors are
-    first copied to a contiguous CPU tensor. Works for every dtype in :data:`DTYPES`, bf16, fp8
-    and bool included, and for 0-d and empty tensors.
+    Zero-copy for a contiguous CPU tensor or numpy array (the view keeps it alive); others are
+    first copied to a contiguous CPU one. Works for every dtype in :data:`DTYPES`, bf16, fp8
+    and bool included, for those of :data:`NUMPY_DTYPES`, and for 0-d and empty tensors.
     """
     if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
         raise NotImplementedError("the safetensors layout is little-endian; this host is big-endian")
+    if not is_torch(tensor):
+        array = stored_form(tensor)
+        dtype_name(array.dtype)
+        return memoryview(array.reshape(-1).view(np.uint8)).cast("B")
     dtype_name(tensor.dtype)
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
+def tensor_to_bytes(tensor: Tensor) -> bytes:
     """The tensor's bytes in safetensors layout, as one new ``bytes`` (a copy)."""
     return bytes(tensor_buffer(tensor))
 
 
-def bytes_to_tensor(data: bytes | bytearray | memoryview, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """A new tensor of safetensors ``dtype`` and ``shape`` from raw bytes (copied).
+def bytes_to_tensor(
+    data: bytes | bytearray | memoryview, dtype: str, shape: tuple[int, ...], arrays: Arrays = DEFAULT_ARRAYS
+) -> Tensor:
+    """A new tensor (or numpy array, ``arrays="numpy"``) of safetensors ``dtype`` and ``shape`` from raw
+    bytes (copied).
 
-    Raises :class:`UnknownDtype` for a name outside :data:`DTYPES` and :class:`ShapeMismatch` when
-    the byte count is not ``prod(shape) * itemsize`` (or the shape has a negative dimension).
+    Raises :class:`UnknownDtype` for a name outside :data:`DTYPES` (:data:`NUMPY_DTYPES` for numpy)
+    and :class:`ShapeMismatch` when the byte count is not ``prod(shape) * itemsize`` (or the shape has
+    a negative dimension).
     """
-    torch_dt = torch_dtype(dtype)
+    target = torch_dtype(dtype) if arrays == "torch" else numpy_dtype(dtype)
     shape = tuple(int(d) for d in shape)
     view = memoryview(data).cast("B")
-    expected = expected_nbytes(shape, torch_dt) if all(d >= 0 for d in shape) else -1
+    expected = expected_nbytes(shape, target) if all(d >= 0 for d in shape) else -1
     if len(view) != expected:
         raise ShapeMismatch("", shape, dtype, len(view), expected)
-    out = empty_bytes(len(view))
+    out = empty_bytes(len(view), arrays)
     if len(view):
-        memoryview(out.numpy())[:] = view
-    return out.view(torch_dt).reshape(shape)
+        memoryview(out.numpy() if arrays == "torch" else out)[:] = view
+    return out.view(target).reshape(shape)
+
+
+def bytes_to_array(data: bytes | bytearray | memoryview, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """:func:`bytes_to_tensor` into a numpy array, with or without torch (bf16 and fp8 refused)."""
+    return bytes_to_tensor(data, dtype, shape, "numpy")
 
 
 def checksum(data: bytes | bytearray | memoryview, running: int = 0) -> int:
@@ -149,7 +234,7 @@ def checksum(data: bytes | bytearray | memoryview, running: int = 0) -> int:
     return _crc32(data, running)
 
 
-def tensor_checksum(tensor: torch.Tensor) -> int:
+def tensor_checksum(tensor: Tensor) -> int:
     """crc32 of a tensor's full safetensors-layout bytes."""
     return checksum(tensor_buffer(tensor))
 
@@ -174,7 +259,7 @@ class Chunk:
 
 
 def split_tensors(
-    key: str, tensors: Mapping[str, torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    key: str, tensors: Mapping[str, Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES
 ) -> Iterator[Chunk]:
     """The chunk stream of a dict of tensors: pieces of at most ``chunk_bytes``, then the end marker.
 
@@ -209,13 +294,13 @@ class _Pending:
 
     __slots__ = ("name", "dtype", "shape", "total", "buffer", "view", "received", "crc")
 
-    def __init__(self, chunk: Chunk, buffer: torch.Tensor) -> None:
+    def __init__(self, chunk: Chunk, buffer: Tensor) -> None:
         self.name = chunk.name
         self.dtype = chunk.dtype
         self.shape = chunk.shape
         self.total = chunk.total_bytes
         self.buffer = buffer
-        self.view = memoryview(buffer.numpy())
+        self.view = memoryview(buffer.numpy() if is_torch(buffer) else buffer)
         self.received = 0
         self.crc = 0
 
@@ -230,7 +315,9 @@ class ChunkAssembler:
     ``MessageTooLarge`` (a chunk over ``max_chunk_bytes``, or the stream over ``max_total_bytes``),
     ``UnknownDtype``, ``ShapeMismatch``, ``ChecksumMismatch``, ``StreamTruncated`` (a tensor or the
     stream cut short) and ``MalformedChunk`` (wrong key, fields changing mid-tensor, duplicates...).
-    After an error the assembler is spent: drop it.
+    After an error the assembler is spent: drop it. ``arrays`` says what the tensors become (torch
+    tensors where torch is installed, else numpy arrays, for which a bf16 or fp8 tensor is
+    ``UnknownDtype``).
     """
 
     def __init__(
@@ -240,12 +327,16 @@ class ChunkAssembler:
         max_chunk_bytes: int | None = None,
         max_total_bytes: int | None = PHYSICAL_MEMORY_BYTES,
         reserve: Callable[[int], None] | None = None,
+        arrays: Arrays = DEFAULT_ARRAYS,
     ) -> None:
+        if arrays == "torch" and not HAVE_TORCH:
+            raise ValueError("arrays='torch' needs torch: pip install 'rlfleet-common[torch]'")
         self.key = key
+        self.arrays = arrays
         self.max_chunk_bytes = max_chunk_bytes
         self.max_total_bytes = max_total_bytes
         self._reserve = reserve
-        self._tensors: dict[str, torch.Tensor] = {}
+        self._tensors: dict[str, Tensor] = {}
         self._pending: _Pending | None = None
         self._done = False
         self.nbytes = 0
@@ -277,7 +368,7 @@ class ChunkAssembler:
             raise MalformedChunk("dtype, shape or total_bytes changed mid-tensor", self.key, chunk.name)
         self._copy(pending, chunk)
 
-    def finish(self) -> dict[str, torch.Tensor]:
+    def finish(self) -> dict[str, Tensor]:
         """The tensors, once the end marker has arrived; :class:`StreamTruncated` otherwise."""
         if not self._done:
             pending = self._pending
@@ -291,7 +382,7 @@ class ChunkAssembler:
             raise MalformedChunk("tensor chunk without a name", key)
         if chunk.name in self._tensors:
             raise MalformedChunk("tensor sent twice", key, chunk.name)
-        dtype = torch_dtype(chunk.dtype, chunk.name)
+        dtype = (torch_dtype if self.arrays == "torch" else numpy_dtype)(chunk.dtype, chunk.name)
         if any(d < 0 for d in chunk.shape):
             raise MalformedChunk(f"negative dimension in shape {list(chunk.shape)}", key, chunk.name)
         expected = expected_nbytes(chunk.shape, dtype)
@@ -309,7 +400,7 @@ class ChunkAssembler:
         if self._reserve is not None:
             self._reserve(expected)
         self.nbytes += expected
-        self._pending = _Pending(chunk, empty_bytes(expected))
+        self._pending = _Pending(chunk, empty_bytes(expected, self.arrays))
         return self._pending
 
     def _copy(self, pending: _Pending, chunk: Chunk) -> None:
@@ -330,7 +421,8 @@ class ChunkAssembler:
             raise MalformedChunk("the tensor's last chunk carries no crc32", key, pending.name)
         if chunk.crc32 != pending.crc:
             raise ChecksumMismatch(pending.name, chunk.crc32, pending.crc)
-        self._tensors[pending.name] = pending.buffer.view(DTYPES[pending.dtype]).reshape(pending.shape)
+        dtypes = DTYPES if self.arrays == "torch" else NUMPY_DTYPES
+        self._tensors[pending.name] = pending.buffer.view(dtypes[pending.dtype]).reshape(pending.shape)
         self._pending = None
 
     def _end(self, chunk: Chunk) -> None:
@@ -355,9 +447,12 @@ def assemble_tensors(
     *,
     max_chunk_bytes: int | None = None,
     max_total_bytes: int | None = PHYSICAL_MEMORY_BYTES,
-) -> dict[str, torch.Tensor]:
+    arrays: Arrays = DEFAULT_ARRAYS,
+) -> dict[str, Tensor]:
     """The dict of tensors a whole chunk stream carries, checked as in :class:`ChunkAssembler`."""
-    assembler = ChunkAssembler(key, max_chunk_bytes=max_chunk_bytes, max_total_bytes=max_total_bytes)
+    assembler = ChunkAssembler(
+        key, max_chunk_bytes=max_chunk_bytes, max_total_bytes=max_total_bytes, arrays=arrays
+    )
     for chunk in chunks:
         assembler.feed(chunk)
     return assembler.finish()
@@ -374,16 +469,22 @@ HUGE_ALLOC_BYTES = MMAP_THRESHOLD_BYTES  # from here on malloc would mmap fresh 
 _HUGE_PAGE = 2 << 20
 
 
-def empty_bytes(nbytes: int) -> torch.Tensor:
-    """A new, uninitialised ``uint8`` tensor of ``nbytes`` (nbytes,), on huge pages when it is big.
+def empty_bytes(nbytes: int, arrays: Arrays = DEFAULT_ARRAYS) -> Tensor:
+    """A new, uninitialised ``uint8`` tensor (or numpy array) of ``nbytes`` (nbytes,), on huge pages
+    when it is big.
 
     The huge-page buffer is an anonymous mapping that the tensor keeps alive and that is unmapped
     with it; it cannot be resized in place.
     """
+    numpy = arrays == "numpy"
     if nbytes < HUGE_ALLOC_BYTES or not tuning_enabled() or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return np.empty(nbytes, dtype=np.uint8) if numpy else torch.empty(nbytes, dtype=torch.uint8)
     region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_HUGEPAGE)
+    if numpy:
+        flat = np.frombuffer(region, dtype=np.uint8)
+        skip = -flat.ctypes.data % _HUGE_PAGE
+        return flat[skip : skip + nbytes]
     whole = torch.frombuffer(region, dtype=torch.uint8)
     skip = -whole.data_ptr() % _HUGE_PAGE  # start on a 2 MiB boundary so every page can be huge
     return whole[skip : skip + nbytes]

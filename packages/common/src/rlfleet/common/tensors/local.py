@@ -18,10 +18,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from rlfleet.common.errors import KeyExists, MalformedChunk, StoreFull, UnknownKey, UnknownTensor
-from rlfleet.common.tensors.codec import dtype_name
+from rlfleet.common.tensors.codec import Tensor, dtype_name, payload_nbytes, stored_form
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +48,13 @@ class StoreStat:
 
 @dataclass(slots=True)
 class _Entry:
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, Tensor]
     nbytes: int
     expires_at: float
 
 
-def _payload_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+def _payload_bytes(tensors: Mapping[str, Tensor]) -> int:
+    return sum(payload_nbytes(t) for t in tensors.values())
 
 
 class Reservation:
@@ -71,7 +69,7 @@ class Reservation:
         """Reserve ``nbytes`` more; :class:`StoreFull` (reserving nothing) if they do not fit."""
         self._store._reserve(self, nbytes)
 
-    def commit(self, key: str, tensors: dict[str, torch.Tensor]) -> int:
+    def commit(self, key: str, tensors: dict[str, Tensor]) -> int:
         """Make the put visible under ``key``; returns its payload bytes."""
         return self._store._commit(self, key, tensors)
 
@@ -81,7 +79,8 @@ class Reservation:
 
 
 class LocalTensorStore:
-    """Keyed dicts of CPU tensors, bounded by ``capacity_bytes``, each kept ``ttl_s`` after its put."""
+    """Keyed dicts of CPU tensors (torch tensors or numpy arrays), bounded by ``capacity_bytes``,
+    each kept ``ttl_s`` after its put."""
 
     def __init__(
         self, *, capacity_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic
@@ -116,14 +115,14 @@ class LocalTensorStore:
             self._purge_locked()
             return list(self._entries)
 
-    def put(self, key: str, tensors: Mapping[str, torch.Tensor]) -> int:
+    def put(self, key: str, tensors: Mapping[str, Tensor]) -> int:
         """Store ``tensors`` under a new ``key`` at once; returns the payload bytes.
 
         Keeps references, not copies, of CPU contiguous tensors: do not modify them in place after.
         Raises :class:`UnknownDtype`, :class:`StoreFull` or :class:`KeyExists` (a live key is never
         overwritten), leaving the store as it was.
         """
-        stored = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+        stored = {name: stored_form(t) for name, t in tensors.items()}
         for name, tensor in stored.items():
             dtype_name(tensor.dtype, name)
         reservation = self.reserve()
@@ -137,7 +136,7 @@ class LocalTensorStore:
         """An empty reservation for a streamed put."""
         return Reservation(self)
 
-    def get(self, key: str, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    def get(self, key: str, names: Sequence[str] | None = None) -> dict[str, Tensor]:
         """The tensors under ``key`` (all, or ``names`` in that order); shared, not copied.
 
         Raises :class:`UnknownKey` (never put, expired, deleted) or :class:`UnknownTensor`.
@@ -175,7 +174,7 @@ class LocalTensorStore:
             if entry is None:
                 raise UnknownKey(key)
             infos = tuple(
-                TensorInfo(n, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size())
+                TensorInfo(n, dtype_name(t.dtype), tuple(t.shape), payload_nbytes(t))
                 for n, t in entry.tensors.items()
             )
             remaining = max(0.0, entry.expires_at - self._clock())
@@ -206,7 +205,7 @@ class LocalTensorStore:
             self._reserved += nbytes
             reservation.nbytes += nbytes
 
-    def _commit(self, reservation: Reservation, key: str, tensors: dict[str, torch.Tensor]) -> int:
+    def _commit(self, reservation: Reservation, key: str, tensors: dict[str, Tensor]) -> int:
         if not key:
             raise MalformedChunk("a put needs a non-empty key")
         nbytes = _payload_bytes(tensors)

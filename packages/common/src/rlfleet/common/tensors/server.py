@@ -26,7 +26,6 @@ import socket
 from collections.abc import AsyncIterator, Mapping, Sequence
 
 import grpc
-import torch
 
 from rlfleet.common.errors import (
     MalformedChunk,
@@ -42,6 +41,7 @@ from rlfleet.common.tensors.codec import (
     DEFAULT_CHUNK_BYTES,
     Chunk,
     ChunkAssembler,
+    Tensor,
     decode_chunk,
     encode_chunk,
     split_tensors,
@@ -178,7 +178,7 @@ class TensorStoreServer:
 
     # --- same-process access -----------------------------------------------------------------
 
-    def put_local(self, key: str, tensors: Mapping[str, torch.Tensor]) -> TensorRef:
+    def put_local(self, key: str, tensors: Mapping[str, Tensor]) -> TensorRef:
         """Store tensors without the network (kept by reference); a ref others can ``fetch``.
 
         The stored key is ``key`` plus a random suffix (the ref's ``key``); the ref carries the
@@ -192,7 +192,7 @@ class TensorStoreServer:
         """The ref to a key of this store, with the capability that opens it."""
         return TensorRef(address=self.address, key=key, nbytes=nbytes, capability=self.guard.capability(key))
 
-    def get_local(self, key: str, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    def get_local(self, key: str, names: Sequence[str] | None = None) -> dict[str, Tensor]:
         """The stored tensors themselves (shared: do not modify them in place)."""
         return self.store.get(key, names)
 
