@@ -103,8 +103,9 @@ def next_breaking(version: Version) -> str:
 
 
 def update_dependents(short: str, new: Version) -> list[Path]:
-    """Move each dependent's ``rlfleet-SHORT>=A,<B`` to include ``new`` when it does not; the edited files."""
-    pattern = re.compile(rf'"rlfleet-{short}>=(?P<low>[^,"]+),<(?P<high>[^"]+)"')
+    """Move each dependent's ``rlfleet-SHORT>=A,<B`` (or ``rlfleet-SHORT[extra]>=A,<B``, the extra
+    kept) to include ``new`` when it does not; the edited files."""
+    pattern = re.compile(rf'"rlfleet-{short}(?P<extras>\[[^\]"]*\])?>=(?P<low>[^,"]+),<(?P<high>[^"]+)"')
     edited: list[Path] = []
     for other in PACKAGES:
         pyproject = ROOT / "packages" / other / "pyproject.toml"
@@ -114,7 +115,7 @@ def update_dependents(short: str, new: Version) -> list[Path]:
             continue
         if Version(found["low"]) <= new < Version(found["high"]):
             continue
-        spec = f"rlfleet-{short}>={new},<{next_breaking(new)}"
+        spec = f"rlfleet-{short}{found['extras'] or ''}>={new},<{next_breaking(new)}"
         pyproject.write_text(text[: found.start()] + f'"{spec}"' + text[found.end() :])
         changelog = ROOT / "packages" / other / "CHANGELOG.md"
         line = f"Requires `{spec}` (rlfleet-{short} {new} was released)."

@@ -111,3 +111,24 @@ def test_arith_word_answers_are_right_and_the_held_out_split_is_new() -> None:
             assert eval(left, {"__builtins__": {}}) == int(right), row
         kinds.add(next(word for word in ("packs", "more.", "gave", "bag", "equally") if word in question))
     assert len(kinds) == 5, kinds
+
+
+def test_calc_problems_match_their_script_and_keep_held_out_apart(tmp_path: Path) -> None:
+    """The SmolLM2 calculator task: the files are the script's, no held-out problem is trained on, and
+    each answer is its problem's value."""
+    script = _load_script("make_calc_problems")
+    taken: set[str] = set()
+    for name, count, seed in (("calc_problems", 256, 0), ("calc_problems_heldout", 64, 1)):
+        out = tmp_path / f"{name}.jsonl"
+        script.write_jsonl(script.problems(count, seed, taken), out)
+        assert out.read_bytes() == (DATA / f"{name}.jsonl").read_bytes(), name
+    train, held = ([json.loads(line) for line in (DATA / f"{n}.jsonl").read_text().splitlines()]
+                   for n in ("calc_problems", "calc_problems_heldout"))  # fmt: skip
+    question = re.compile(r"^What is (\d+) ([*+]) (\d+)\?$")
+    asked = []
+    for row in [*train, *held]:
+        assert row["prompt"][:-1] == script.EXAMPLE and row["prompt"][-1]["role"] == "user"
+        a, op, b = question.match(row["prompt"][-1]["content"]).groups()  # type: ignore[union-attr]
+        assert row["answer"] == (int(a) * int(b) if op == "*" else int(a) + int(b))
+        asked.append(row["prompt"][-1]["content"])
+    assert len(set(asked)) == len(asked) == 320  # no problem twice, none both trained on and held out

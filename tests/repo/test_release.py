@@ -157,11 +157,11 @@ def test_a_breaking_common_release_moves_every_dependents_range(clone: Path) -> 
     done = release(clone, "common", new)
     assert done.returncode == 0, done.stderr
     major, minor = (int(x) for x in new.split(".")[:2])
-    spec = (
-        f"rlfleet-common>={new},<{major}.{minor + 1}" if major == 0 else f"rlfleet-common>={new},<{major + 1}"
-    )
+    bound = f">={new},<{major}.{minor + 1}" if major == 0 else f">={new},<{major + 1}"
     for short in ("rollout", "reward", "trainer", "controller"):
         project = tomllib.loads((clone / "packages" / short / "pyproject.toml").read_text())["project"]
+        extras = "" if short == "reward" else "[torch]"  # the others need common's torch tensors
+        spec = f"rlfleet-common{extras}{bound}"
         assert spec in project["dependencies"], (short, project["dependencies"])
         unreleased = sections((clone / "packages" / short / "CHANGELOG.md").read_text())[0]
         assert f"Requires `{spec}`" in unreleased[1], (short, unreleased)
