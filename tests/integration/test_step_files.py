@@ -1,4 +1,4 @@
-"""One GRPO step passes through at most 49 source files, and ARCHITECTURE.md lists them.
+"""One GRPO step passes through at most 52 source files, and ARCHITECTURE.md lists them.
 
 Issue 10 cut a step to 40 files; issues 12-15 raised it to 59 with fault handling (supervision,
 retries, the stall watchdog, worker activity, sampling bounds, the reply cache, deadlines, lost
@@ -17,8 +17,13 @@ loss, PPO's clipped surrogate, moved out of ``algorithms/grpo.py`` into
 ``algorithms/policy_losses/ppo_clip.py``. Issue 32 made every weight load verified: the trainer
 hashes the version it publishes and each rollout worker what it loaded
 (``common/tensors/weight_sync.py``, which also holds the delta a delta-synced run sends), so a
-worker that does not serve the published weights is refused instead of trusted. A file more than 49
-is a design change to argue for here, not a number to bump.
+worker that does not serve the published weights is refused instead of trusted. Issue 35 gave the
+library its users' habits, and each is part of a step they run: ``controller/trainer_base.py`` hands
+every step out to the user's loop (``rlfleet train`` drives the same loop) after telling the user's
+callbacks (``controller/callbacks.py``, TRL's ``on_step_end``), and ``controller/lr_schedule.py``
+sets the step's learning rate (constant, linear or cosine with warm-up; a step without it would
+train at a rate nobody asked for). A file more than 52 is a design change to argue for here, not a
+number to bump.
 
 The tiny GRPO example runs as a user runs it (``rlfleet train``, every tier a process) for 4
 steps, with a profiler in every process (``step_trace/sitecustomize.py`` notes when each rlfleet
@@ -41,7 +46,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = Path(__file__).parent / "step_trace"
-LIMIT = 49
+LIMIT = 52
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -79,7 +84,7 @@ def _listed() -> list[str]:
     return re.findall(r"^\s*\d+\.\s+`(rlfleet/[^`]+\.py)`", section, flags=re.MULTILINE)
 
 
-def test_one_grpo_step_passes_through_at_most_49_files(tmp_path: Path) -> None:
+def test_one_grpo_step_passes_through_at_most_52_files(tmp_path: Path) -> None:
     touched = _files_of_step(tmp_path)
     assert touched, "the profiler saw no step"
     assert len(touched) <= LIMIT, f"one step went through {len(touched)} files: {touched}"

@@ -46,7 +46,7 @@ def test_tiny_grpo_example_learns_through_real_processes(
     assert len(progress) == STEPS and all(progress), run.stdout
     assert [int(m.group(3)) for m in progress] == list(range(1, STEPS + 1))
     assert {m.group(4) for m in progress} == {str(STEPS)}
-    assert {m.group(7) for m in progress} == {"n/a"}, "kl_coef=0 runs without a reference: no KL to show"
+    assert {m.group(7) for m in progress} == {"off"}, "kl_coef=0 runs without a reference: KL is off"
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
