@@ -4,7 +4,10 @@ cannot flush is logged, not raised. A worker told to stop while its server was f
 nats-server, frozen with SIGSTOP under a beating worker (and resumed with SIGCONT after).
 
 SIGSTOP takes a moment to stop every thread of the server (a thread still running may answer the
-flush, and the leave is then said after all), so the test waits until all of them are stopped."""
+flush, and the leave is then said after all), so the test waits until all of them are stopped. The
+warning is kept by a handler on the membership logger itself: in CI's isolated run of tests/common,
+caplog (the root logger's handler) once came back empty although the warning is the only way out of
+that ``stop``; a failure now says how long ``stop`` took and what the logger saw."""
 
 from __future__ import annotations
 
@@ -36,20 +39,44 @@ def _wait_stopped(pid: int, within: float = 5.0) -> None:
         time.sleep(0.01)
 
 
+class _Kept(logging.Handler):
+    """The records of one logger, kept on the logger itself (not through the root's handlers)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 @pytest.mark.timeout(30)
-async def test_a_worker_stops_without_raising_when_its_server_does_not_answer(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    with EmbeddedNats(jetstream=False) as server:
-        transport = await NatsTransport.connect(server.url, name="w0", tier="rollout", connect_timeout=2.0)
-        beat = Heartbeater(transport, "frozen", WorkerAnnounce(tier="rollout", worker_id="w0"), interval=0.2)
-        await beat.start()
-        await asyncio.sleep(0.5)
-        os.kill(server.pid, signal.SIGSTOP)  # this test's own nats-server, by its pid
-        try:
-            with caplog.at_level(logging.WARNING, logger="rlfleet.common.control.membership"):
+async def test_a_worker_stops_without_raising_when_its_server_does_not_answer() -> None:
+    membership = logging.getLogger("rlfleet.common.control.membership")
+    kept, level = _Kept(), membership.level
+    membership.addHandler(kept)
+    membership.setLevel(logging.WARNING)
+    try:
+        with EmbeddedNats(jetstream=False) as server:
+            transport = await NatsTransport.connect(
+                server.url, name="w0", tier="rollout", connect_timeout=2.0
+            )
+            beat = Heartbeater(
+                transport, "frozen", WorkerAnnounce(tier="rollout", worker_id="w0"), interval=0.2
+            )
+            await beat.start()
+            await asyncio.sleep(0.5)
+            os.kill(server.pid, signal.SIGSTOP)  # this test's own nats-server, by its pid
+            try:
+                _wait_stopped(server.pid)
+                t0 = time.monotonic()
                 await beat.stop("sigterm")  # the leave's flush is never answered (5 s)
-        finally:
-            os.kill(server.pid, signal.SIGCONT)
-        assert "w0 left without saying so" in caplog.text
-        await transport.close()
+                took = time.monotonic() - t0
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            said = [line for line in kept.lines if "w0 left without saying so" in line]
+            assert said, f"stop took {took:.2f} s, logged {kept.lines}, logger disabled={membership.disabled}"
+            await transport.close()
+    finally:
+        membership.removeHandler(kept)
+        membership.setLevel(level)
