@@ -42,7 +42,7 @@ from rlfleet.common.control.messages import (
     ScoreResult,
     SetRewardSpec,
 )
-from rlfleet.common.control.transport import TOKEN_HEADER, subject
+from rlfleet.common.control.transport import TOKEN_ENV, TOKEN_HEADER, subject
 from rlfleet.common.control.worker import add_nats_arguments, connection_from_args
 from rlfleet.common.errors import NatsServerError, NoResponders, RemoteError, RequestTimeout, TransportClosed
 from rlfleet.common.schema.connection import NatsConnection
@@ -51,7 +51,6 @@ if TYPE_CHECKING:
     from rlfleet.common.control.nats_transport import NatsTransport
 
 PROG = "rlfleet-reward admin"
-TOKEN_ENV = "RLFLEET_REWARD_TOKEN"
 REFUSED, UNUSABLE = 1, 2
 """Exit codes: a worker refused or failed; the command cannot work (arguments, NATS, no worker)."""
 
