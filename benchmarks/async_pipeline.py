@@ -73,7 +73,10 @@ def machine(device: str) -> dict[str, Any]:
 
     from rollout import machine as host
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    try:  # the GPU machine's copy of the tree may have no git
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    except OSError:
+        commit = ""
     return {**host(device), "cores": len(os.sched_getaffinity(0)), "commit": commit.strip()}
 
 

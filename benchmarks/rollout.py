@@ -274,11 +274,19 @@ async def service_phase(
 
 
 def machine(device: str) -> dict[str, Any]:
-    """The host: CPU model and its bf16-relevant flags, the GPU on CUDA, torch and vLLM versions."""
+    """The host: CPU model and its bf16-relevant flags, the GPU on CUDA, torch and vLLM versions (None
+    where vLLM is not installed)."""
+    import importlib.util
+
     import torch
-    import vllm
 
     from rlfleet.common.schema.trainer import cpu_has_native_bf16
+
+    vllm_version = None  # a run that starts no engine (the GPU machine's light set) has no vLLM
+    if importlib.util.find_spec("vllm") is not None:
+        import vllm
+
+        vllm_version = vllm.__version__
 
     cpuinfo = Path("/proc/cpuinfo")
     lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
@@ -288,7 +296,7 @@ def machine(device: str) -> dict[str, Any]:
         "cpu": field.get("model name", platform.processor()), "cpus": os.cpu_count(),
         "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS}, "cpu_native_bf16": cpu_has_native_bf16(),
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
-        "torch": torch.__version__, "vllm": vllm.__version__, "platform": platform.platform(),
+        "torch": torch.__version__, "vllm": vllm_version, "platform": platform.platform(),
         "python": platform.python_version(),
     }  # fmt: skip
 

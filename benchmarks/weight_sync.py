@@ -156,9 +156,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             step(model, optimizer)
             sides = await sync_round(model, receiver, store, clients, state, version,
                                      int(args.bucket_mb * 2**20))  # fmt: skip
-            print(f"version {version}: " + ", ".join(
-                f"{name} {s['bytes'] / 2**20:.1f} MB in {s['total_s']:.3f} s" for name, s in sides.items()),
-                flush=True)  # fmt: skip
+            print(f"version {version}: " + "; ".join(
+                f"{name} {s['bytes'] / 2**20:.1f} MB in {s['total_s']:.3f} s ("
+                + ", ".join(f"{k} {v:.3f}" for k, v in s.items() if k.endswith("_s") and k != "total_s") + ")"
+                for name, s in sides.items()), flush=True)  # fmt: skip
             rounds.append(sides)
     finally:
         await clients.close()
