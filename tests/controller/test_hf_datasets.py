@@ -22,8 +22,16 @@ ROWS = [{"question": f"What is {i}+{i}?", "answer": str(2 * i)} for i in range(1
 
 @pytest.fixture(autouse=True)
 def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline, as a user's ``HF_HUB_OFFLINE=1`` makes it: the libraries read the variables when they
+    are imported (above, before this fixture), so their constants are set too (without them a Hub
+    name spent about 25 s on network retries before failing)."""
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
 
 def _questions(source: str) -> list[str]:
