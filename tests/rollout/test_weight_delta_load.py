@@ -115,3 +115,27 @@ async def test_a_delta_it_cannot_apply_is_refused_and_the_engine_keeps_its_versi
     good = await _load(control, worker, delta.model_copy(update={"job_id": "d4"}))
     assert good.delta and good.fingerprint == fingerprint(item for b in v2 for item in b.items())
     _holds(worker.engine.model, v2)
+
+
+async def test_a_bucket_missing_among_many_fails_the_load_by_name_and_keeps_the_version(
+    worker: RolloutWorker, store: TensorStoreServer, control: NatsTransport, make_checkpoint
+) -> None:
+    """The worker pulls a version's buckets several at a time: one that is gone from the store fails
+    the load with the store's own error (the others are cancelled), and the engine keeps its version;
+    the same load with every bucket there then succeeds."""
+    v1 = _buckets(make_checkpoint(seed=0))
+    v2 = _nudged(v1)
+    await _load(control, worker, LoadWeights(weight_version=1, buckets=_stage(store, v1, "v1"), job_id="l1"))
+    refs = _stage(store, v2, "v2")
+    assert len(refs) > 4, "enough buckets to be pulled several at a time"
+    store.delete(refs[len(refs) // 2].key)
+    with pytest.raises(
+        RemoteError, match=f"UnknownKey: no tensors stored under key '{refs[len(refs) // 2].key}"
+    ):
+        await _load(control, worker, LoadWeights(weight_version=2, buckets=refs, job_id="l2"))
+    assert worker.weight_version == 1
+    _holds(worker.engine.model, v1)
+    again = await _load(control, worker, LoadWeights(weight_version=2, buckets=_stage(store, v2, "v2b"),
+                                                     job_id="l3"))  # fmt: skip
+    assert again.fingerprint == fingerprint(item for b in v2 for item in b.items())
+    _holds(worker.engine.model, v2)
