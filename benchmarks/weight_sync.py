@@ -106,7 +106,7 @@ async def sync_round(
     deltas: list[Any] = []
     changed = total = 0
     if state.get("refs"):  # delta sync's publish: the fingerprint and the delta from the version before
-        again, deltas = sync_parts(store, version, refs, state["refs"])
+        again, deltas = sync_parts(store, version, refs, state["refs"], model.device)
     diffed = time.perf_counter()
     if deltas:
         assert again == published

@@ -120,3 +120,18 @@ def test_the_host_delta_finds_every_change_across_its_chunks(monkeypatch: pytest
     assert not held["fp32"].is_contiguous()
     apply_delta(held, delta)
     assert fingerprint(held.items()) == fingerprint(new.items())
+
+
+def test_a_delta_compared_by_torch_on_a_device_equals_the_hosts() -> None:
+    """``device=`` (a trainer on a GPU compares there) gives the host's delta, key for key and bit for
+    bit; here on the CPU device, which takes the same torch path as a GPU's."""
+    old = _version(0)
+    new = _step(old, 0.02)
+    host, by_torch = weight_delta(old, new), weight_delta(old, new, device="cpu")
+    assert host.keys() == by_torch.keys() and host
+    for key in host:
+        assert host[key].dtype == by_torch[key].dtype and torch.equal(host[key], by_torch[key]), key
+        assert by_torch[key].device.type == "cpu"
+    held = {k: v.clone() for k, v in old.items()}
+    apply_delta(held, by_torch)
+    assert fingerprint(held.items()) == fingerprint(new.items())

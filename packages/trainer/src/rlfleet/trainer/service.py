@@ -268,11 +268,13 @@ def _phase(peaks: PhasePeaks | None, name: str) -> AbstractContextManager[None]:
 
 
 def sync_parts(
-    store: TensorStoreServer, version: int, refs: list[TensorRef], base: list[TensorRef]
-) -> tuple[str, list[TensorRef]]:
+    store: TensorStoreServer, version: int, refs: list[TensorRef], base: list[TensorRef],
+    device: torch.device | None = None,
+) -> tuple[str, list[TensorRef]]:  # fmt: skip
     """What a publish stages beside a version's host buckets ``refs`` in ``store``: their
     fingerprint ("" with none) and, when ``base`` (the version before, still in the store) is given,
-    the delta buckets (delta sync): the change from ``base``, bucket by bucket."""
+    the delta buckets (delta sync): the change from ``base``, bucket by bucket, compared on the
+    trainer's ``device`` when it is a GPU (:func:`~rlfleet.common.tensors.weight_sync.weight_delta`)."""
     if not refs:
         return "", []
     buckets = [store.get_local(ref.key) for ref in refs]
@@ -282,7 +284,9 @@ def sync_parts(
     old = {name: t for ref in base for name, t in store.get_local(ref.key).items()}
     deltas = []
     for i, bucket in enumerate(buckets):
-        delta = weight_delta(old, bucket)
+        delta = weight_delta(
+            old, bucket, device=device if device is not None and device.type == "cuda" else None
+        )
         if delta:
             deltas.append(store.put_local(f"weights/v{version}/delta{i}", delta))
     return fingerprint, deltas
@@ -484,7 +488,8 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
                 self._stage, version, bucket_bytes, carriers, request.dtype, lora is not None))  # fmt: skip
             delta = request.delta and lora is None and self._published_adapter is None  # an adapter: whole
             base = before if delta and refs and before else []
-            fingerprint, deltas = await asyncio.to_thread(sync_parts, self.store, version, refs, base)
+            fingerprint, deltas = await asyncio.to_thread(sync_parts, self.store, version, refs, base,
+                                                          self.actor.device)  # fmt: skip
             for old in before:  # only now: a publish that failed leaves the current version servable
                 self.store.delete(old.key)
             self._published, self._shared, self._deltas = refs, shared, deltas

@@ -17,8 +17,8 @@ version before, in place; the result is the new version, bit for bit (its finger
 
 Both run on host tensors through numpy, a chunk of :data:`CHUNK` elements at a time (the comparison's
 mask stays in cache): about five times faster than torch's ``nonzero`` over a whole tensor on the
-host, where a sync spends most of its time finding what changed. Tensors elsewhere (a GPU) take
-torch's path on their own device.
+host, where a sync spends most of its time finding what changed. A trainer on a GPU may compare on
+it instead (``weight_delta(..., device=)``); a receiver's copy held off the host is written by torch.
 """
 
 from __future__ import annotations
@@ -60,10 +60,8 @@ def _bits(tensor: Tensor) -> Tensor:
 
 
 def _changed(tensor: Tensor, before: Tensor, index_dtype: torch.dtype, pool: ThreadPoolExecutor) -> Tensor:
-    """The flat indices (``index_dtype``) where ``tensor`` and ``before`` differ in their bits; on the
-    host, chunk by chunk on ``pool``'s threads (numpy lets go of the GIL while it compares)."""
-    if tensor.device.type != "cpu" or before.device.type != "cpu":
-        return (_bits(tensor) != _bits(before).to(tensor.device)).nonzero().reshape(-1).to(index_dtype)
+    """The flat indices (``index_dtype``) where host tensors ``tensor`` and ``before`` differ in their
+    bits, chunk by chunk on ``pool``'s threads (numpy lets go of the GIL while it compares)."""
     new, old = _bits(tensor).numpy(), _bits(before).numpy()
     kind = np.int32 if index_dtype == torch.int32 else np.int64
 
@@ -76,22 +74,40 @@ def _changed(tensor: Tensor, before: Tensor, index_dtype: torch.dtype, pool: Thr
     return torch.from_numpy(np.concatenate(parts) if parts else np.empty(0, kind))
 
 
+def _changed_on(device: torch.device, tensor: Tensor, before: Tensor, index_dtype: torch.dtype) -> Tensor:
+    """:func:`_changed` by torch on ``device`` (the pair copied there), the indices back on the host."""
+    here = tensor.to(device, non_blocking=True)
+    changed = (_bits(here) != _bits(before.to(device, non_blocking=True))).nonzero().reshape(-1)
+    return changed.to(index_dtype).cpu()
+
+
 def _take(tensor: Tensor, index: Tensor) -> Tensor:
-    """``tensor``'s elements at the flat ``index``, as a new contiguous tensor of its dtype."""
-    if tensor.device.type != "cpu":
-        return tensor.reshape(-1)[index.to(tensor.device).long()].contiguous()
+    """Host ``tensor``'s elements at the flat ``index``, as a new contiguous tensor of its dtype."""
     return torch.from_numpy(np.take(_bits(tensor).numpy(), index.numpy())).view(tensor.dtype)
 
 
-def weight_delta(old: Mapping[str, Tensor], new: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """The delta from ``old`` to ``new`` (the same names, shapes and dtypes: one bucket of two
-    versions); a tensor unchanged bit for bit is left out."""
+def weight_delta(
+    old: Mapping[str, Tensor], new: Mapping[str, Tensor], *, device: torch.device | str | None = None
+) -> dict[str, Tensor]:
+    """The delta from ``old`` to ``new`` (host tensors of the same names, shapes and dtypes: one
+    bucket of two versions); a tensor unchanged bit for bit is left out.
+
+    ``device``: compare there with torch, each pair copied up and the indices brought back (a
+    trainer on a GPU: the host's comparison of a 0.5B model took 0.57 s on an H200 machine); without
+    it, on the host through numpy. Both give the same delta, on the host."""
+    where = torch.device(device) if device is not None else None
     with ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="weight-delta") as pool:
-        return {k: v for name, tensor in new.items() for k, v in _tensor_delta(name, tensor, old, pool)}
+        return {
+            k: v for name, tensor in new.items() for k, v in _tensor_delta(name, tensor, old, pool, where)
+        }
 
 
 def _tensor_delta(
-    name: str, tensor: Tensor, old: Mapping[str, Tensor], pool: ThreadPoolExecutor
+    name: str,
+    tensor: Tensor,
+    old: Mapping[str, Tensor],
+    pool: ThreadPoolExecutor,
+    device: torch.device | None,
 ) -> list[tuple[str, Tensor]]:
     """One weight's part of :func:`weight_delta`: nothing, the whole tensor, or its indices and values."""
     before = old.get(name)
@@ -99,7 +115,11 @@ def _tensor_delta(
     if not comparable or tensor.element_size() not in _WIDTHS:
         return [(name, tensor)]  # nothing to compare with: whole
     assert before is not None
-    changed = _changed(tensor, before, torch.int32 if tensor.numel() < 2**31 else torch.int64, pool)
+    index_dtype = torch.int32 if tensor.numel() < 2**31 else torch.int64
+    if device is None:
+        changed = _changed(tensor, before, index_dtype, pool)
+    else:
+        changed = _changed_on(device, tensor, before, index_dtype)
     if not changed.numel():
         return []
     if changed.numel() > DENSE_FRACTION * tensor.numel():
