@@ -10,7 +10,7 @@ weight moves by about the learning rate, as in an RL update). After each, one sy
 does it, with the real parts: the trainer walks its weights in bf16 buckets
 (``iter_weight_buckets``) into its TensorStore (a real gRPC server on localhost), hashes them and
 diffs them against the version before (the trainer's own ``sync_parts``); a receiver pulls over
-gRPC (``ClientPool``, as many buckets at once as a rollout worker does) either every bucket (full)
+gRPC (``ClientPool.fetch_all``, as a rollout worker pulls) either every bucket (full)
 or only the delta, which it writes into its host copy of the version before (``apply_delta``),
 then copies the version into its own bf16 model in place (the HF engine's ``copy_weights``) and
 hashes what it holds. Both ends' fingerprints must agree.
@@ -70,22 +70,6 @@ def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-FETCHES_AT_ONCE = 4
-"""As many buckets at once as a rollout worker pulls (``rlfleet.rollout.service.FETCHES_AT_ONCE``, not
-imported: that module needs aiohttp, which the GPU machine lacks)."""
-
-
-async def fetch_all(clients: Any, refs: list[Any]) -> list[dict[str, torch.Tensor]]:
-    """Every bucket of ``refs``, :data:`FETCHES_AT_ONCE` at a time, in order."""
-    gate = asyncio.Semaphore(FETCHES_AT_ONCE)
-
-    async def one(ref: Any) -> dict[str, torch.Tensor]:
-        async with gate:
-            return await clients.fetch(ref)
-
-    return list(await asyncio.gather(*(one(ref) for ref in refs)))
-
-
 async def sync_round(
     model: torch.nn.Module, receiver: torch.nn.Module, store: Any, clients: Any, state: dict[str, Any],
     version: int, bucket_bytes: int,
@@ -123,7 +107,7 @@ async def sync_round(
     sides: dict[str, dict[str, float]] = {}
 
     t1 = time.perf_counter()  # full: every bucket over gRPC, loaded, hashed
-    items = [item for bucket in await fetch_all(clients, refs) for item in bucket.items()]
+    items = [item for bucket in await clients.fetch_all(refs) for item in bucket.items()]
     pulled = time.perf_counter()
     copy_weights(targets, items)
     held = dict(items)
@@ -136,7 +120,7 @@ async def sync_round(
     if deltas or state.get("held") is not None:
         base = state["held"]
         t3 = time.perf_counter()  # delta: only the change over gRPC, written into the copy held
-        delta_items = {name: t for bucket in await fetch_all(clients, deltas) for name, t in bucket.items()}
+        delta_items = {name: t for bucket in await clients.fetch_all(deltas) for name, t in bucket.items()}
         pulled = time.perf_counter()
         apply_delta(base, delta_items)
         copy_weights(targets, list(base.items()))

@@ -69,3 +69,23 @@ async def test_past_its_cap_the_least_recently_used_client_is_closed(stores: lis
 def test_a_cap_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="max_clients"):
         ClientPool(max_clients=0)
+
+
+async def test_fetch_all_keeps_the_order_and_raises_the_first_failure_as_it_came(
+    stores: list[TensorStoreServer],
+) -> None:
+    """Several refs pulled at once (fewer streams than refs) come back in the refs' order; a ref gone
+    from its store fails the call with the store's own error, and the pool serves the next call."""
+    from rlfleet.common.errors import UnknownKey
+
+    pool = ClientPool(TensorPlaneSettings())
+    refs = [stores[i % 3].put_local(f"b{i}", {"x": torch.full((4,), float(i))}) for i in range(9)]
+    got = await pool.fetch_all(refs, at_once=2)
+    assert [float(b["x"][0]) for b in got] == [float(i) for i in range(9)]
+    stores[1].delete(refs[4].key)
+    with pytest.raises(UnknownKey, match=refs[4].key):
+        await pool.fetch_all(refs, at_once=2)
+    assert len(await pool.fetch_all(refs[:4])) == 4
+    with pytest.raises(ValueError, match="at_once must be at least 1"):
+        await pool.fetch_all(refs, at_once=0)
+    await pool.close()

@@ -60,7 +60,6 @@ from rlfleet.common.errors import ConfigError, WrongMessageKind
 from rlfleet.common.remote_code import refused_remote_code, remote_code_reason
 from rlfleet.common.schema.batch import pack_texts, pad_left, pad_right
 from rlfleet.common.schema.connection import NatsConnection, mask_url
-from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.rollout import GenerateLimits, RolloutWorkerConfig
 from rlfleet.common.tensors.store import ClientPool, TensorStoreServer, worker_store
 from rlfleet.common.tensors.weight_sync import apply_delta
@@ -82,9 +81,6 @@ from rlfleet.rollout.openai_endpoint import OpenAIEndpoint
 from rlfleet.rollout.partial_rollout import Segmented, generate_in_segments
 
 logger = logging.getLogger(__name__)
-
-FETCHES_AT_ONCE = 4
-"""Buckets of a weight version pulled at once over gRPC."""
 
 
 def to_rollout_tensors(
@@ -505,36 +501,21 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         """The whole version ``message`` names, as ``(name, tensor)``: its buckets, or (a delta on the
         version this worker holds a copy of) that copy with the delta buckets written into it."""
         if message.delta_from < 0:
-            return [item for bucket in await self._fetch_all(message.buckets) for item in bucket.items()]
+            return [
+                item for bucket in await self._stores.fetch_all(message.buckets) for item in bucket.items()
+            ]
         held = self._held
         if held is None or self._held_version != message.delta_from:
             raise DeltaBaseMissing(self.worker_id, self._held_version if held is not None else None,
                                    message.delta_from)  # fmt: skip
         delta = {
-            name: t for bucket in await self._fetch_all(message.delta_buckets) for name, t in bucket.items()
+            name: t
+            for bucket in await self._stores.fetch_all(message.delta_buckets)
+            for name, t in bucket.items()
         }
         await asyncio.to_thread(apply_delta, held, delta)  # checked whole first: a refusal leaves the copy
         self._held = None  # written into: the new version's, held again once the engine has it
         return list(held.items())
-
-    async def _fetch_all(self, refs: Sequence[TensorRef]) -> list[dict[str, torch.Tensor]]:
-        """Every bucket of ``refs``, in order, :data:`FETCHES_AT_ONCE` streams at a time (a bucket
-        of many small tensors, a delta's above all, costs more in per-message work than in bytes).
-        The first failure cancels the others and is raised as it came."""
-        gate = asyncio.Semaphore(FETCHES_AT_ONCE)
-
-        async def one(ref: TensorRef) -> dict[str, torch.Tensor]:
-            async with gate:
-                return await self._stores.fetch(ref)
-
-        tasks = [asyncio.create_task(one(ref)) for ref in refs]
-        try:
-            return await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
 
     def _release_older_batches(self, keep_from: int) -> None:
         """Drop the batches generated before version ``keep_from`` (the version now loaded, or older

@@ -93,7 +93,7 @@ def weight_delta(
     bucket of two versions); a tensor unchanged bit for bit is left out.
 
     ``device``: compare there with torch, each pair copied up and the indices brought back (a
-    trainer on a GPU: the host's comparison of a 0.5B model took 0.57 s on an H200 machine); without
+    trainer on a GPU: the host's hash and comparison of a 0.5B model took 0.57 s on an H200 machine); without
     it, on the host through numpy. Both give the same delta, on the host."""
     where = torch.device(device) if device is not None else None
     with ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="weight-delta") as pool:
@@ -168,7 +168,7 @@ def apply_delta(held: MutableMapping[str, Tensor], delta: Mapping[str, Tensor]) 
         target = held[name]
         if target.device.type == "cpu" and target.is_contiguous() and index.device.type == "cpu":
             np.put(_bits(target).numpy(), index.numpy(), _bits(values.to("cpu")).numpy())
-        elif target.is_contiguous():  # on a GPU
+        elif target.is_contiguous():  # on a GPU (or indices that are)
             target.view(-1)[index.to(target.device).long()] = values.to(target.device)
         else:  # no flat view of it: written flat, then copied back
             flat = target.reshape(-1).clone()
