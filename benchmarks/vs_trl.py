@@ -69,7 +69,7 @@ BIN = Path(sys.executable).parent
 MAIN_JOB = REPO / "examples" / "smollm2_concise.yaml"
 PROMPTS = REPO / "examples" / "data" / "questions.jsonl"
 PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, RESPONSE_TOKENS = 8, 4, 96
-SIDES = ("rlfleet", "trl", "trl_one_micro_batch", "rlfleet_pipelined")
+SIDES = ("rlfleet", "trl", "trl_one_micro_batch", "rlfleet_pipelined", "rlfleet_layerwise")
 DEFAULT_SIDES = SIDES[:3]
 TRL_SIDES = ("trl", "trl_one_micro_batch")
 DEVICES = ("cpu", "cuda")
@@ -79,7 +79,9 @@ HELDOUT = REPO / "examples" / "data" / "questions_heldout.jsonl"
 the configuration issue 14's reference numbers were measured with; ``rlfleet_pipelined`` (not run
 unless named): rlfleet with ``max_staleness: 1``, generating the next batch while the trainer trains
 (a batch is trained one version after the weights that sampled it; TRL's GRPOTrainer has no such
-mode, so it is reported beside the like-for-like ratios, never in their place)."""
+mode, so it is reported beside the like-for-like ratios, never in their place); ``rlfleet_layerwise``
+(not run unless named): ``rlfleet`` with vLLM's layerwise weight reload on the GPU instead of the
+in-place load (``RLFLEET_VLLM_LAYERWISE_RELOAD=1``), to compare the two loads on one card."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -182,9 +184,13 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return setup
 
 
-def run_side(name: str, command: list[str], workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """Run one side's command to the end under :class:`TreeMemory`; its wall time and memory."""
-    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+def run_side(
+    name: str, command: list[str], workdir: Path, args: argparse.Namespace, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run one side's command (with ``env`` added) to the end under :class:`TreeMemory`; its wall
+    time and memory."""
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+           **(env or {})}  # fmt: skip
     log = workdir / f"{name}.log"
     load_before = [round(x, 2) for x in os.getloadavg()]
     start = time.time()
@@ -218,7 +224,10 @@ def step_figures(ends: list[float], first_step_s: float, rewards: list[float], l
 
 PHASES = ("generate_s", "score_s", "train_s", "fetch_s", "update_s", "plan_s", "publish_s")
 """rlfleet's ``time/*`` metrics of a step, averaged over steps 2..N in the result (train = the
-trainer's fetch + update + its reply; update = plan + the update loop)."""
+trainer's fetch + update + its reply; update = plan + the update loop); beside them the rollout
+worker's weight load (``rollout/load_s_max``) and the trainer-engine logprob gap
+(``off_policy/mismatch_kl``)."""
+WATCHED = ("rollout/load_s_max", "off_policy/mismatch_kl", "rollout_logprob_diff")
 
 
 def rlfleet_command(workdir: Path) -> str:
@@ -233,21 +242,26 @@ def rlfleet_command(workdir: Path) -> str:
 
 
 def run_rlfleet(
-    setup: dict[str, Any], workdir: Path, args: argparse.Namespace, pipelined: bool = False
-) -> dict[str, Any]:
+    setup: dict[str, Any], workdir: Path, args: argparse.Namespace, pipelined: bool = False,
+    layerwise: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     """rlfleet's side: the job as the CLI runs it; ``pipelined``: with ``max_staleness: 1`` (its own
-    output folder, ``rlfleet_pipelined``)."""
-    name = "rlfleet_pipelined" if pipelined else "rlfleet"
-    extra = [f"output_dir={workdir / name}", "max_staleness=1"] if pipelined else []
+    output folder, ``rlfleet_pipelined``); ``layerwise``: vLLM's layerwise reload (``rlfleet_layerwise``)."""
+    name = "rlfleet_pipelined" if pipelined else "rlfleet_layerwise" if layerwise else "rlfleet"
+    extra = [f"output_dir={workdir / name}"] if name != "rlfleet" else []
+    extra += ["max_staleness=1"] if pipelined else []
     command = [rlfleet_command(workdir), "train", setup["job_file"], *setup["overrides"], *extra]
-    measured = run_side(name, command, workdir, args)
+    env = {"RLFLEET_VLLM_LAYERWISE_RELOAD": "1"} if layerwise else {"RLFLEET_VLLM_LAYERWISE_RELOAD": "0"}
+    measured = run_side(name, command, workdir, args, env)
     rows = [json.loads(line) for line in (workdir / name / "metrics.jsonl").read_text().splitlines()]
     rewards, lengths = [r["reward/mean"] for r in rows], [r["response_length"] for r in rows]
     figures = step_figures([r["time"] for r in rows], rows[0]["time/step_s"], rewards, lengths)
     timed = rows[1:] or rows  # the first step (warm-up) left out, as in s/step
     phases = {name: round(statistics.fmean(r[f"time/{name}"] for r in timed), 3)
               for name in PHASES if f"time/{name}" in timed[0]}  # fmt: skip
-    return {**figures, "phases_mean": phases, **measured, "command": " ".join(command), "rows": rows}
+    watched = {key: round(statistics.fmean(r[key] for r in timed), 5) for key in WATCHED if key in timed[0]}
+    return {**figures, "phases_mean": phases, "watched_mean": watched, **measured,
+            "command": " ".join(command), "rows": rows}  # fmt: skip
 
 
 def trl_model_dir(workdir: Path, one_micro_batch: bool) -> Path:
@@ -399,6 +413,7 @@ def eval_child(workdir: Path) -> int:
     setup = json.loads((workdir / "setup.json").read_text())
     models = {"base": Path(setup["model_dir"]), "rlfleet": workdir / "rlfleet" / "final",
               "rlfleet_pipelined": workdir / "rlfleet_pipelined" / "final",
+              "rlfleet_layerwise": workdir / "rlfleet_layerwise" / "final",
               "trl": trl_model_dir(workdir, False),
               "trl_one_micro_batch": trl_model_dir(workdir, True)}  # fmt: skip
     rows = [json.loads(line) for line in HELDOUT.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -546,7 +561,8 @@ def main() -> int:
         report["setup"]["trl_generation"] = trl_generation(setup)
         runners = {"rlfleet": run_rlfleet, "trl": run_trl,
                    "trl_one_micro_batch": lambda *a: run_trl(*a, one=True),
-                   "rlfleet_pipelined": lambda *a: run_rlfleet(*a, pipelined=True)}  # fmt: skip
+                   "rlfleet_pipelined": lambda *a: run_rlfleet(*a, pipelined=True),
+                   "rlfleet_layerwise": lambda *a: run_rlfleet(*a, layerwise=True)}  # fmt: skip
         report["sides"] = {}
         for name in (args.only,) if args.only else [n for n in args.sides.split(",") if n in runners]:
             print(f"running {name} for {args.steps} steps ...", flush=True)

@@ -11,6 +11,7 @@ buffers on this GPU) travel as their descriptions and are mapped here, in the wo
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -74,6 +75,9 @@ class RlfleetWorkerExtension:
         return load_and_release(parsed, device, lambda items: self._rlfleet_reload(items, refresh_tied_head))
 
     def _rlfleet_reload(self, items: list[tuple[str, torch.Tensor]], refresh_tied_head: bool) -> None:
+        if loads_in_place(self.model_runner):
+            self.model_runner.get_model().load_weights(weights=iter(items))  # failing: the engine marks torn
+            return
         with _quiet_partial_reload():
             try:
                 self.reload_weights(weights_iterator=iter(items))
@@ -86,6 +90,17 @@ class RlfleetWorkerExtension:
             method = getattr(head, "quant_method", None)
             if method is not None:
                 method.process_weights_after_loading(head)
+
+
+def loads_in_place(runner: Any) -> bool:
+    """Whether a reload may copy straight into the parameters (the model's ``load_weights``): a CUDA
+    device, no quantization, no LoRA, and ``RLFLEET_VLLM_LAYERWISE_RELOAD`` not set to 1."""
+    if os.environ.get("RLFLEET_VLLM_LAYERWISE_RELOAD") == "1":
+        return False
+    config = getattr(runner, "vllm_config", None)
+    if config is None or torch.device(runner.device).type != "cuda":
+        return False
+    return config.quant_config is None and config.lora_config is None and not config.model_config.quantization
 
 
 def _abort_layerwise_reload(model: torch.nn.Module) -> None:
