@@ -461,7 +461,7 @@ def rescore_report(path: Path) -> None:
     for side, summary in summaries.items():
         if side != "base":
             report["heldout"][side] = {"summary": summary, "target": concise_target(summary, base)}
-        print(side, {k: summary.get(k) for k in ("mean_words", "within_limit", "relevance")})
+        print(side, {k: summary.get(k) for k in ("mean_words", "within_limit", "similarity")})
     path.write_text(json.dumps(report, indent=2) + "\n")
 
 

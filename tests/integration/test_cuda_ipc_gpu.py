@@ -70,9 +70,9 @@ def test_vllm_loads_a_publish_by_cuda_ipc(make_vllm_checkpoint) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_hf_engine_loads_a_publish_from_another_process(make_checkpoint) -> None:
-    engine = HFEngine(make_checkpoint(seed=0), device="cuda")
-    target = make_checkpoint(seed=1)
+def test_hf_engine_loads_a_publish_from_another_process(make_vllm_checkpoint) -> None:
+    engine = HFEngine(make_vllm_checkpoint(seed=0), device="cuda")  # (a fixture this folder loads)
+    target = make_vllm_checkpoint(seed=1)
     producer = subprocess.Popen([sys.executable, "-c", PRODUCER, str(target)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:

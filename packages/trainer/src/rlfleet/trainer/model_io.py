@@ -110,12 +110,24 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to freeze")
 
 
+BLOCK_VARIANTS = 32
+"""The recompiles a compiled block's forward may take (torch's default is 8; see :func:`compile_blocks`)."""
+
+
 def compile_blocks(model: nn.Module) -> None:
     """``torch.compile`` each decoder block's forward in place (one graph, reused by every block).
 
     The blocks' module hooks (FSDP's all-gathers) stay outside the compiled code, and the
     parameter names do not change. The first forwards are slow while the graph compiles.
+
+    One graph serves several variants, each compiled once: grad on (the policy) and off (the
+    reference, old logprobs), the first block's input without grad and the others' with it, and for
+    LoRA the adapters on and off (the reference is the base with them off). They outnumber torch's
+    default of 8 recompiles per function, past which it runs the rest eagerly (a LoRA 1.5B run hit
+    it: 0.71x the full model's tokens/s); the limit is raised to :data:`BLOCK_VARIANTS`.
     """
+    limit = max(getattr(torch._dynamo.config, "recompile_limit", 8), BLOCK_VARIANTS)
+    torch._dynamo.config.recompile_limit = limit
     for block in decoder_layers(model):
         block.forward = torch.compile(block.forward)  # type: ignore[method-assign]
 
