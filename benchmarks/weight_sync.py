@@ -9,7 +9,8 @@ holds them) takes ``--versions`` optimizer steps (AdamW at ``--lr`` on random gr
 weight moves by about the learning rate, as in an RL update). After each, one sync as the fleet
 does it, with the real parts: the trainer walks its weights in bf16 buckets
 (``iter_weight_buckets``) into its TensorStore (a real gRPC server on localhost), hashes them and
-diffs them against the version before (the trainer's own ``sync_parts``); a receiver pulls over
+diffs them against the version before (the trainer's own ``sync_parts``; a trainer on a GPU keeps
+each version's buckets there and compares them there); a receiver pulls over
 gRPC (``ClientPool.fetch_all``, as a rollout worker pulls) either every bucket (full)
 or only the delta, which it writes into its host copy of the version before (``apply_delta``),
 then copies the version into its own bf16 model in place (the HF engine's ``copy_weights``) and
@@ -78,19 +79,28 @@ async def sync_round(
     from rlfleet.common.tensors.weight_sync import apply_delta, fingerprint
     from rlfleet.rollout.engines.weights import copy_weights, load_targets
     from rlfleet.trainer.service import sync_parts
-    from rlfleet.trainer.weights import iter_weight_buckets
+    from rlfleet.trainer.weights import iter_weight_buckets, to_host
 
     t0 = time.perf_counter()
-    pinned = model.device.type == "cuda"
-    walk = iter_weight_buckets(model, bucket_bytes, dtype=torch.bfloat16, pin_memory=pinned)
-    refs = [store.put_local(f"weights/v{version}/{i}", bucket) for i, bucket in enumerate(walk)]
+    kept: list[dict[str, torch.Tensor]] = []  # on a GPU: the version's buckets kept there (as a trainer)
+    if model.device.type == "cuda":
+        walk = iter_weight_buckets(model, bucket_bytes, dtype=torch.bfloat16, on_device=True)
+        refs = []
+        for i, bucket in enumerate(walk):
+            refs.append(store.put_local(f"weights/v{version}/{i}", to_host(bucket)))
+            kept.append(bucket)
+    else:
+        walk = iter_weight_buckets(model, bucket_bytes, dtype=torch.bfloat16)
+        refs = [store.put_local(f"weights/v{version}/{i}", bucket) for i, bucket in enumerate(walk)]
     staged = time.perf_counter()
     published, _ = sync_parts(store, version, refs, [])  # the whole version's publish: its fingerprint
     hashed = time.perf_counter()
     deltas: list[Any] = []
     changed = total = 0
     if state.get("refs"):  # delta sync's publish: the fingerprint and the delta from the version before
-        again, deltas = sync_parts(store, version, refs, state["refs"], model.device)
+        pairs = (state["kept"], kept) if kept and state.get("kept") else None
+        again, deltas = sync_parts(store, version, refs, state["refs"], model.device, pairs)
+    state["kept"] = kept
     diffed = time.perf_counter()
     if deltas:
         assert again == published

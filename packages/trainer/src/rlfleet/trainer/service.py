@@ -270,23 +270,29 @@ def _phase(peaks: PhasePeaks | None, name: str) -> AbstractContextManager[None]:
 def sync_parts(
     store: TensorStoreServer, version: int, refs: list[TensorRef], base: list[TensorRef],
     device: torch.device | None = None,
+    on_device: tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]] | None = None,
 ) -> tuple[str, list[TensorRef]]:  # fmt: skip
     """What a publish stages beside a version's host buckets ``refs`` in ``store``: their
     fingerprint ("" with none) and, when ``base`` (the version before, still in the store) is given,
     the delta buckets (delta sync): the change from ``base``, bucket by bucket, compared on the
-    trainer's ``device`` when it is a GPU (:func:`~rlfleet.common.tensors.weight_sync.weight_delta`)."""
+    trainer's ``device`` when it is a GPU (:func:`~rlfleet.common.tensors.weight_sync.weight_delta`).
+    ``on_device``: the version before's buckets and this version's (those of ``refs``, bucket for
+    bucket) kept on that GPU, compared there without a copy up."""
     if not refs:
         return "", []
     buckets = [store.get_local(ref.key) for ref in refs]
     fingerprint = weights_fingerprint(item for bucket in buckets for item in bucket.items())
     if not base:
         return fingerprint, []
-    old = {name: t for ref in base for name, t in store.get_local(ref.key).items()}
+    gpu = device if device is not None and device.type == "cuda" else None
+    if on_device is not None and len(on_device[1]) == len(buckets):
+        old = {name: t for bucket in on_device[0] for name, t in bucket.items()}
+        buckets, gpu = on_device[1], gpu or next(iter(on_device[1][0].values())).device
+    else:
+        old = {name: t for ref in base for name, t in store.get_local(ref.key).items()}
     deltas = []
     for i, bucket in enumerate(buckets):
-        delta = weight_delta(
-            old, bucket, device=device if device is not None and device.type == "cuda" else None
-        )
+        delta = weight_delta(old, bucket, device=gpu)
         if delta:
             deltas.append(store.put_local(f"weights/v{version}/delta{i}", delta))
     return fingerprint, deltas
@@ -326,6 +332,8 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
         self.version_fingerprint = ""  # of the current version's host buckets (weight_sync.fingerprint)
         self._shared: list[IpcBucket] = []  # the current version by CUDA IPC, when it was asked for
         self._shared_buffers: list[dict[str, torch.Tensor]] = []  # kept alive for the receivers
+        self._device_version: list[dict[str, torch.Tensor]] = []  # delta sync on a GPU: the version there
+        self._delta_sync = False  # a publish asked for a delta: keep each version on the GPU for the next
         self._publish_peaks: dict[str, float] = {}  # the last publish's, for the next step's metrics
         self._lock = asyncio.Lock()
         self.replies = ReplyCache()  # a retried step or publish (same job_id) gets its first reply
@@ -484,15 +492,20 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
             command = {"op": "publish", "bucket_bytes": bucket_bytes, "dtype": request.dtype,
                        "adapter": lora is not None}  # fmt: skip
             await self._agreed(command, f"publish weight version {version}", lambda: None)
-            refs, shared = await self._ranks(asyncio.to_thread(
-                self._stage, version, bucket_bytes, carriers, request.dtype, lora is not None))  # fmt: skip
             delta = request.delta and lora is None and self._published_adapter is None  # an adapter: whole
+            self._delta_sync = self._delta_sync or delta  # kept on through the anchors (whole versions)
+            keep = self._delta_sync and lora is None and self.actor.device.type == "cuda"
+            adapter = lora is not None
+            refs, shared, kept = await self._ranks(asyncio.to_thread(
+                self._stage, version, bucket_bytes, carriers, request.dtype, adapter, keep))  # fmt: skip
             base = before if delta and refs and before else []
+            pairs = (self._device_version, kept) if base and self._device_version and kept else None
             fingerprint, deltas = await asyncio.to_thread(sync_parts, self.store, version, refs, base,
-                                                          self.actor.device)  # fmt: skip
+                                                          self.actor.device, pairs)  # fmt: skip
             for old in before:  # only now: a publish that failed leaves the current version servable
                 self.store.delete(old.key)
             self._published, self._shared, self._deltas = refs, shared, deltas
+            self._device_version = kept
             self._published_adapter = lora
             self.weight_version = version
             self.version_fingerprint = fingerprint
@@ -509,39 +522,47 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
                                 delta_nbytes=delta_nbytes, adapter=lora)  # fmt: skip
 
     def _stage(
-        self, version: int, bucket_bytes: int, carriers: set[str], dtype: str, adapter: bool = False
-    ) -> tuple[list[TensorRef], list[IpcBucket]]:
+        self, version: int, bucket_bytes: int, carriers: set[str], dtype: str, adapter: bool = False,
+        keep: bool = False,
+    ) -> tuple[list[TensorRef], list[IpcBucket], list[dict[str, torch.Tensor]]]:  # fmt: skip
         """The new version's buckets (:meth:`_stage_buckets`; ``adapter``: a LoRA actor's adapter
         alone); on a GPU their staging's peak memory is kept for the next step's metrics."""
         self._publish_peaks = {}
         peaks = memory_peaks(self.actor.device)
         with _phase(peaks, "publish"):
-            staged = self._stage_buckets(version, bucket_bytes, carriers, dtype, adapter)
+            staged = self._stage_buckets(version, bucket_bytes, carriers, dtype, adapter, keep)
         self._publish_peaks = {} if peaks is None else peaks.metrics
         return staged
 
     def _stage_buckets(
-        self, version: int, bucket_bytes: int, carriers: set[str], dtype: str, adapter: bool
-    ) -> tuple[list[TensorRef], list[IpcBucket]]:
+        self, version: int, bucket_bytes: int, carriers: set[str], dtype: str, adapter: bool, keep: bool
+    ) -> tuple[list[TensorRef], list[IpcBucket], list[dict[str, torch.Tensor]]]:
+        """The store's buckets, the IPC buckets and, with ``keep`` (delta sync on a GPU), the version's
+        buckets on the GPU, which the next publish compares with there (one bf16 copy of the weights
+        on the card while delta sync is on; :func:`sync_parts`)."""
         refs: list[TensorRef] = []
         shared: list[IpcBucket] = []
         publish_dtype = getattr(torch, dtype) if dtype else None
         if adapter:
             buckets = self.actor.iter_weight_buckets(bucket_bytes, dtype=publish_dtype, adapter=True)
-            return [self.store.put_local(f"weights/v{version}/{i}", b) for i, b in enumerate(buckets)], []
-        if "cuda_ipc" in carriers:
+            return [self.store.put_local(f"weights/v{version}/{i}", b) for i, b in enumerate(buckets)], [], []
+        if "cuda_ipc" in carriers or keep:
+            kept: list[dict[str, torch.Tensor]] = []
             buckets = self.actor.iter_weight_buckets(bucket_bytes, dtype=publish_dtype, on_device=True)
             for i, bucket in enumerate(buckets):
-                shared.append(share_bucket(bucket))
-                self._shared_buffers.append(bucket)
+                if "cuda_ipc" in carriers:
+                    shared.append(share_bucket(bucket))
+                    self._shared_buffers.append(bucket)
                 if "grpc" in carriers:
                     refs.append(self.store.put_local(f"weights/v{version}/{i}", to_host(bucket)))
-            return refs, shared
+                if keep:
+                    kept.append(bucket)
+            return refs, shared, kept
         pinned = self.actor.device.type == "cuda"  # page-locked: device-to-host copies at full speed
         buckets = self.actor.iter_weight_buckets(bucket_bytes, dtype=publish_dtype, pin_memory=pinned)
         for i, bucket in enumerate(buckets):
             refs.append(self.store.put_local(f"weights/v{version}/{i}", bucket))
-        return refs, shared
+        return refs, shared, []
 
     async def teardown(self) -> None:
         if self.watch is not None:

@@ -74,11 +74,20 @@ def _changed(tensor: Tensor, before: Tensor, index_dtype: torch.dtype, pool: Thr
     return torch.from_numpy(np.concatenate(parts) if parts else np.empty(0, kind))
 
 
-def _changed_on(device: torch.device, tensor: Tensor, before: Tensor, index_dtype: torch.dtype) -> Tensor:
-    """:func:`_changed` by torch on ``device`` (the pair copied there), the indices back on the host."""
+def _delta_on(
+    device: torch.device, name: str, tensor: Tensor, before: Tensor, index_dtype: torch.dtype
+) -> list[tuple[str, Tensor]]:
+    """:func:`_tensor_delta` by torch on ``device``: the pair copied there unless it lives there
+    already (a trainer's buckets kept on its GPU), the indices and values gathered there, the
+    result on the host."""
     here = tensor.to(device, non_blocking=True)
     changed = (_bits(here) != _bits(before.to(device, non_blocking=True))).nonzero().reshape(-1)
-    return changed.to(index_dtype).cpu()
+    if not changed.numel():
+        return []
+    if changed.numel() > DENSE_FRACTION * tensor.numel():
+        return [(name, tensor.cpu())]
+    values = here.reshape(-1).index_select(0, changed)
+    return [(name + INDEX, changed.to(index_dtype).cpu()), (name + VALUES, values.cpu())]
 
 
 def _take(tensor: Tensor, index: Tensor) -> Tensor:
@@ -89,13 +98,14 @@ def _take(tensor: Tensor, index: Tensor) -> Tensor:
 def weight_delta(
     old: Mapping[str, Tensor], new: Mapping[str, Tensor], *, device: torch.device | str | None = None
 ) -> dict[str, Tensor]:
-    """The delta from ``old`` to ``new`` (host tensors of the same names, shapes and dtypes: one
-    bucket of two versions); a tensor unchanged bit for bit is left out.
+    """The delta from ``old`` to ``new`` (tensors of the same names, shapes and dtypes: one bucket of
+    two versions); a tensor unchanged bit for bit is left out.
 
-    ``device``: compare there with torch, each pair copied up and the indices brought back (a
-    trainer on a GPU: the host's hash and comparison of a 0.5B model took 0.57 s on an H200 machine,
-    the GPU's 0.34-0.61 s on an H100 machine, the copies up included); without it, on the host
-    through numpy. Both give the same delta, on the host."""
+    ``device``: compare there with torch, each pair copied up unless it is there already, and the
+    changes brought back (a trainer on a GPU keeps both versions' buckets there: the host's hash and
+    comparison of a 0.5B model took 0.57 s on an H200 machine, the GPU's with both copied up
+    0.34-0.61 s on an H100 machine, with both kept there 0.16 s, the hash included); without it,
+    host tensors on the host through numpy. Both give the same delta, on the host."""
     where = torch.device(device) if device is not None else None
     with ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="weight-delta") as pool:
         return {
@@ -117,10 +127,9 @@ def _tensor_delta(
         return [(name, tensor)]  # nothing to compare with: whole
     assert before is not None
     index_dtype = torch.int32 if tensor.numel() < 2**31 else torch.int64
-    if device is None:
-        changed = _changed(tensor, before, index_dtype, pool)
-    else:
-        changed = _changed_on(device, tensor, before, index_dtype)
+    if device is not None:
+        return _delta_on(device, name, tensor, before, index_dtype)
+    changed = _changed(tensor, before, index_dtype, pool)
     if not changed.numel():
         return []
     if changed.numel() > DENSE_FRACTION * tensor.numel():
