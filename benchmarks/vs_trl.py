@@ -212,10 +212,12 @@ def run_side(
 
 
 def step_figures(ends: list[float], first_step_s: float, rewards: list[float], lengths: list[float]) -> dict:
-    """s/step from the steps' end times (first step excluded), and the last step's reward and length."""
+    """s/step from the steps' end times (first step excluded; each step's own in ``step_s``, to compare
+    the later steps, whose answers are shorter), and the last step's reward and length."""
     n = len(ends)
     return {
         "steps": n, "s_per_step": round((ends[-1] - ends[0]) / (n - 1), 2) if n > 1 else None,
+        "step_s": [round(b - a, 3) for a, b in zip(ends[:-1], ends[1:], strict=True)],
         "first_step_s": round(first_step_s, 2), "reward_last": round(rewards[-1], 4),
         "reward_mean": round(statistics.fmean(rewards), 4), "length_tokens_last": round(lengths[-1], 1),
         "rewards": [round(r, 4) for r in rewards], "lengths_tokens": [round(x, 1) for x in lengths],

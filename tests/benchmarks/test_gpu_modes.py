@@ -62,6 +62,13 @@ def test_vs_trl_awake_mode_keeps_both_engines_awake(tmp_path: Path) -> None:
     )
     assert trl["vllm_enable_sleep_mode"] is False
     assert vs_trl.DEFAULT_SIDES == ("rlfleet", "trl", "trl_one_micro_batch")  # pipelined only when named
+    assert {"rlfleet_pipelined", "rlfleet_layerwise"} <= set(vs_trl.SIDES) - set(vs_trl.DEFAULT_SIDES)
+
+
+def test_vs_trl_keeps_each_steps_time_beside_the_mean() -> None:
+    figures = vs_trl.step_figures([10.0, 11.0, 13.0, 16.0], 4.0, [0.1, 0.2, 0.3, 0.4], [90, 60, 30, 20])
+    assert figures["s_per_step"] == 2.0 and figures["step_s"] == [1.0, 2.0, 3.0]  # the first step left out
+    assert figures["first_step_s"] == 4.0 and figures["length_tokens_last"] == 20
 
 
 def test_async_pipeline_passes_the_sleep_level_to_the_job(tmp_path: Path) -> None:
