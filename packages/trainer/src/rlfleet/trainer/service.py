@@ -494,7 +494,8 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
             await self._agreed(command, f"publish weight version {version}", lambda: None)
             delta = request.delta and lora is None and self._published_adapter is None  # an adapter: whole
             self._delta_sync = self._delta_sync or delta  # kept on through the anchors (whole versions)
-            keep = self._delta_sync and lora is None and self.actor.device.type == "cuda"
+            on_gpu = self.actor.device.type == "cuda"
+            keep = self._delta_sync and lora is None and on_gpu and "grpc" in carriers  # a delta goes by gRPC
             adapter = lora is not None
             refs, shared, kept = await self._ranks(asyncio.to_thread(
                 self._stage, version, bucket_bytes, carriers, request.dtype, adapter, keep))  # fmt: skip
