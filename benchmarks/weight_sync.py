@@ -79,19 +79,13 @@ async def sync_round(
     from rlfleet.common.tensors.weight_sync import apply_delta, fingerprint
     from rlfleet.rollout.engines.weights import copy_weights, load_targets
     from rlfleet.trainer.service import sync_parts
-    from rlfleet.trainer.weights import iter_weight_buckets, to_host
+    from rlfleet.trainer.weights import iter_weight_buckets, put_version
 
     t0 = time.perf_counter()
-    kept: list[dict[str, torch.Tensor]] = []  # on a GPU: the version's buckets kept there (as a trainer)
-    if model.device.type == "cuda":
-        walk = iter_weight_buckets(model, bucket_bytes, dtype=torch.bfloat16, on_device=True)
-        refs = []
-        for i, bucket in enumerate(walk):
-            refs.append(store.put_local(f"weights/v{version}/{i}", to_host(bucket)))
-            kept.append(bucket)
-    else:
-        walk = iter_weight_buckets(model, bucket_bytes, dtype=torch.bfloat16)
-        refs = [store.put_local(f"weights/v{version}/{i}", bucket) for i, bucket in enumerate(walk)]
+    on_gpu = model.device.type == "cuda"  # the trainer's staging: on a GPU the buckets stay there too
+    walk = iter_weight_buckets(model, bucket_bytes, dtype=torch.bfloat16, on_device=on_gpu)
+    kept = list(walk) if on_gpu else []
+    refs = put_version(store, version, kept if on_gpu else walk)
     staged = time.perf_counter()
     published, _ = sync_parts(store, version, refs, [])  # the whole version's publish: its fingerprint
     hashed = time.perf_counter()

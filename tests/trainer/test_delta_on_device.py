@@ -1,8 +1,9 @@
 """Delta sync on a trainer's GPU (issue 32, point 4): each version's buckets are kept on the device
 and the next publish compares there (``sync_parts(..., on_device=)``), giving the delta the host's
-comparison gives, bucket for bucket and bit for bit. Here the device is the CPU, which takes the
-same torch path as a GPU (the trainer keeps buckets only on CUDA; its GPU run is
-``benchmarks/weight_sync.py --device cuda``)."""
+comparison gives, bucket for bucket and bit for bit. Here the kept buckets are on the CPU (the
+trainer keeps them only on CUDA, where ``weight_delta`` compares them on their own device: that
+torch path is checked against the host's in ``tests/common/test_weight_sync.py``; the GPU run is
+``benchmarks/weight_sync.py --device cuda``), so this checks which buckets are compared."""
 
 from __future__ import annotations
 

@@ -92,7 +92,7 @@ from rlfleet.trainer.memory_phases import CudaMemory, PhasePeaks
 from rlfleet.trainer.rank_liveness import RankWatch
 from rlfleet.trainer.ranks import build_models, use_rank_thread
 from rlfleet.trainer.step_profile import DIR_ENV, maybe_profiled
-from rlfleet.trainer.weights import to_host
+from rlfleet.trainer.weights import put_version
 
 logger = logging.getLogger(__name__)
 
@@ -285,9 +285,9 @@ def sync_parts(
     if not base:
         return fingerprint, []
     gpu = device if device is not None and device.type == "cuda" else None
-    if on_device is not None and len(on_device[1]) == len(buckets):
+    if on_device is not None and len(on_device[1]) == len(buckets):  # compared where they are
         old = {name: t for bucket in on_device[0] for name, t in bucket.items()}
-        buckets, gpu = on_device[1], gpu or next(iter(on_device[1][0].values())).device
+        buckets = on_device[1]
     else:
         old = {name: t for ref in base for name, t in store.get_local(ref.key).items()}
     deltas = []
@@ -541,29 +541,21 @@ class TrainerWorker(Worker[TrainerWorkerConfig]):
         """The store's buckets, the IPC buckets and, with ``keep`` (delta sync on a GPU), the version's
         buckets on the GPU, which the next publish compares with there (one bf16 copy of the weights
         on the card while delta sync is on; :func:`sync_parts`)."""
-        refs: list[TensorRef] = []
-        shared: list[IpcBucket] = []
         publish_dtype = getattr(torch, dtype) if dtype else None
         if adapter:
             buckets = self.actor.iter_weight_buckets(bucket_bytes, dtype=publish_dtype, adapter=True)
-            return [self.store.put_local(f"weights/v{version}/{i}", b) for i, b in enumerate(buckets)], [], []
-        if "cuda_ipc" in carriers or keep:
-            kept: list[dict[str, torch.Tensor]] = []
-            buckets = self.actor.iter_weight_buckets(bucket_bytes, dtype=publish_dtype, on_device=True)
-            for i, bucket in enumerate(buckets):
-                if "cuda_ipc" in carriers:
-                    shared.append(share_bucket(bucket))
-                    self._shared_buffers.append(bucket)
-                if "grpc" in carriers:
-                    refs.append(self.store.put_local(f"weights/v{version}/{i}", to_host(bucket)))
-                if keep:
-                    kept.append(bucket)
-            return refs, shared, kept
+            return put_version(self.store, version, buckets), [], []
+        if "cuda_ipc" in carriers or keep:  # every bucket stays on the GPU: shared, or kept for a delta
+            on_gpu = list(self.actor.iter_weight_buckets(bucket_bytes, dtype=publish_dtype, on_device=True))
+            shared: list[IpcBucket] = []
+            if "cuda_ipc" in carriers:
+                shared = [share_bucket(bucket) for bucket in on_gpu]
+                self._shared_buffers = on_gpu
+            refs = put_version(self.store, version, on_gpu) if "grpc" in carriers else []
+            return refs, shared, on_gpu if keep else []
         pinned = self.actor.device.type == "cuda"  # page-locked: device-to-host copies at full speed
         buckets = self.actor.iter_weight_buckets(bucket_bytes, dtype=publish_dtype, pin_memory=pinned)
-        for i, bucket in enumerate(buckets):
-            refs.append(self.store.put_local(f"weights/v{version}/{i}", bucket))
-        return refs, shared, []
+        return put_version(self.store, version, buckets), [], []
 
     async def teardown(self) -> None:
         if self.watch is not None:

@@ -31,13 +31,18 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+if TYPE_CHECKING:
+    from rlfleet.common.schema.refs import TensorRef
+    from rlfleet.common.tensors.server import TensorStoreServer
 
 logger = logging.getLogger(__name__)
 
@@ -334,8 +339,8 @@ def iter_weight_buckets(
 
 def to_host(bucket: dict[str, Tensor]) -> dict[str, Tensor]:
     """A host copy of a bucket from ``on_device=True``: one pinned buffer, the same offsets, in one copy."""
-    first = next(iter(bucket.values()))
-    if not first.is_cuda:
+    first = next(iter(bucket.values()), None)
+    if first is None or not first.is_cuda:
         return bucket
     storage = first.untyped_storage()
     flat = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage)  # the bucket's whole buffer
@@ -346,3 +351,12 @@ def to_host(bucket: dict[str, Tensor]) -> dict[str, Tensor]:
         start = t.storage_offset() * t.element_size()
         out[name] = host[start : start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
     return out
+
+
+def put_version(
+    store: TensorStoreServer, version: int, buckets: Iterable[dict[str, Tensor]]
+) -> list[TensorRef]:
+    """A weight version's buckets into the trainer's ``store``, the ``i``-th as ``weights/v<version>/<i>``
+    (a bucket on the GPU as its host copy, :func:`to_host`), taken one at a time as ``buckets`` yields
+    them; their refs, in order."""
+    return [store.put_local(f"weights/v{version}/{i}", to_host(bucket)) for i, bucket in enumerate(buckets)]

@@ -105,7 +105,8 @@ def weight_delta(
     changes brought back (a trainer on a GPU keeps both versions' buckets there: the host's hash and
     comparison of a 0.5B model took 0.57 s on an H200 machine, the GPU's with both copied up
     0.34-0.61 s on an H100 machine, with both kept there 0.16 s, the hash included); without it,
-    host tensors on the host through numpy. Both give the same delta, on the host."""
+    host tensors on the host through numpy and others on their own device. Both give the same delta,
+    on the host."""
     where = torch.device(device) if device is not None else None
     with ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="weight-delta") as pool:
         return {
@@ -127,6 +128,8 @@ def _tensor_delta(
         return [(name, tensor)]  # nothing to compare with: whole
     assert before is not None
     index_dtype = torch.int32 if tensor.numel() < 2**31 else torch.int64
+    if device is None and tensor.device.type != "cpu":  # off the host: compared where it is
+        device = tensor.device
     if device is not None:
         return _delta_on(device, name, tensor, before, index_dtype)
     changed = _changed(tensor, before, index_dtype, pool)
