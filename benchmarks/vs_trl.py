@@ -45,6 +45,7 @@ response length (tokens) of the last step; the load average and the machine. Res
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -69,7 +70,9 @@ BIN = Path(sys.executable).parent
 MAIN_JOB = REPO / "examples" / "smollm2_concise.yaml"
 PROMPTS = REPO / "examples" / "data" / "questions.jsonl"
 PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, RESPONSE_TOKENS = 8, 4, 96
-SIDES = ("rlfleet", "trl", "trl_one_micro_batch", "rlfleet_pipelined", "rlfleet_layerwise")
+COMPILED = "_compiled"
+SIDES = ("rlfleet", "trl", "trl_one_micro_batch", "rlfleet_pipelined", "rlfleet_layerwise",
+         *(n + COMPILED for n in ("rlfleet", "rlfleet_pipelined", "trl_one_micro_batch")))  # fmt: skip
 DEFAULT_SIDES = SIDES[:3]
 TRL_SIDES = ("trl", "trl_one_micro_batch")
 DEVICES = ("cpu", "cuda")
@@ -81,7 +84,9 @@ unless named): rlfleet with ``max_staleness: 1``, generating the next batch whil
 (a batch is trained one version after the weights that sampled it; TRL's GRPOTrainer has no such
 mode, so it is reported beside the like-for-like ratios, never in their place); ``rlfleet_layerwise``
 (not run unless named): ``rlfleet`` with vLLM's layerwise weight reload on the GPU instead of the
-in-place load (``RLFLEET_VLLM_LAYERWISE_RELOAD=1``), to compare the two loads on one card."""
+in-place load (``RLFLEET_VLLM_LAYERWISE_RELOAD=1``), to compare the two loads on one card. A side
+named with ``_compiled`` (not run unless named) is that side with its trainer's model compiled:
+rlfleet's ``model.compile: true`` (its decoder blocks), TRL's ``torch_compile=True`` (the model)."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -109,6 +114,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)  # internal: run TRL's side
     p.add_argument("--eval-child", type=Path, help=argparse.SUPPRESS)  # internal: held-out answers
     p.add_argument("--one-micro-batch", action="store_true", help=argparse.SUPPRESS)  # internal, with it
+    p.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)  # internal, with it
     p.add_argument("--smoke", action="store_true", help=smoke.HELP)
     args = smoke.parse(p, None, {"steps": 1})
     if args.out == RESULTS and args.device == "cuda":
@@ -245,13 +251,16 @@ def rlfleet_command(workdir: Path) -> str:
 
 def run_rlfleet(
     setup: dict[str, Any], workdir: Path, args: argparse.Namespace, pipelined: bool = False,
-    layerwise: bool = False,
+    layerwise: bool = False, compiled: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """rlfleet's side: the job as the CLI runs it; ``pipelined``: with ``max_staleness: 1`` (its own
-    output folder, ``rlfleet_pipelined``); ``layerwise``: vLLM's layerwise reload (``rlfleet_layerwise``)."""
+    output folder, ``rlfleet_pipelined``); ``layerwise``: vLLM's layerwise reload (``rlfleet_layerwise``);
+    ``compiled``: ``model.compile: true`` (the name gains ``_compiled``)."""
     name = "rlfleet_pipelined" if pipelined else "rlfleet_layerwise" if layerwise else "rlfleet"
+    name += COMPILED if compiled else ""
     extra = [f"output_dir={workdir / name}"] if name != "rlfleet" else []
     extra += ["max_staleness=1"] if pipelined else []
+    extra += ["model.compile=true"] if compiled else []
     command = [rlfleet_command(workdir), "train", setup["job_file"], *setup["overrides"], *extra]
     env = {"RLFLEET_VLLM_LAYERWISE_RELOAD": "1"} if layerwise else {"RLFLEET_VLLM_LAYERWISE_RELOAD": "0"}
     measured = run_side(name, command, workdir, args, env)
@@ -266,20 +275,26 @@ def run_rlfleet(
             "command": " ".join(command), "rows": rows}  # fmt: skip
 
 
-def trl_model_dir(workdir: Path, one_micro_batch: bool) -> Path:
-    return workdir / f"trl_model{'_one' if one_micro_batch else ''}"
+def trl_side(one_micro_batch: bool, compiled: bool = False) -> str:
+    return ("trl_one_micro_batch" if one_micro_batch else "trl") + (COMPILED if compiled else "")
 
 
-def trl_steps_file(workdir: Path, one_micro_batch: bool) -> Path:
-    """Where a TRL child writes its steps (the two TRL sides share the work folder)."""
-    return workdir / f"trl_steps{'_one' if one_micro_batch else ''}.json"
+def trl_model_dir(workdir: Path, one_micro_batch: bool, compiled: bool = False) -> Path:
+    return workdir / f"{trl_side(one_micro_batch, compiled)}_model"
 
 
-def run_trl(setup: dict[str, Any], workdir: Path, args: argparse.Namespace, one: bool = False) -> dict:
+def trl_steps_file(workdir: Path, one_micro_batch: bool, compiled: bool = False) -> Path:
+    """Where a TRL child writes its steps (the TRL sides share the work folder)."""
+    return workdir / f"{trl_side(one_micro_batch, compiled)}_steps.json"
+
+
+def run_trl(
+    setup: dict[str, Any], workdir: Path, args: argparse.Namespace, one: bool = False, compiled: bool = False
+) -> dict:
     command = [sys.executable, str(Path(__file__).resolve()), "--trl-child", str(workdir)]
-    command += ["--one-micro-batch"] if one else []
-    measured = run_side("trl_one_micro_batch" if one else "trl", command, workdir, args)
-    steps = json.loads(trl_steps_file(workdir, one).read_text())
+    command += (["--one-micro-batch"] if one else []) + (["--compiled"] if compiled else [])
+    measured = run_side(trl_side(one, compiled), command, workdir, args)
+    steps = json.loads(trl_steps_file(workdir, one, compiled).read_text())
     ends = [s["time"] for s in steps["steps"]]
     figures = step_figures(ends, ends[0] - steps["train_begin"], [s["reward"] for s in steps["steps"]],
                            [s["length"] for s in steps["steps"]])  # fmt: skip
@@ -309,9 +324,12 @@ def trl_reward_fn(setup: dict[str, Any], tokenizer: Any) -> Any:
     return rlfleet_reward
 
 
-def trl_config(setup: dict[str, Any], workdir: Path, one_micro_batch: bool = False) -> Any:
+def trl_config(
+    setup: dict[str, Any], workdir: Path, one_micro_batch: bool = False, compiled: bool = False
+) -> Any:
     """TRL's GRPOConfig matching the rlfleet side's settings; with ``one_micro_batch`` the whole
-    batch is one forward and backward (no gradient accumulation), else micro-batches as rlfleet's."""
+    batch is one forward and backward (no gradient accumulation), else micro-batches as rlfleet's;
+    ``compiled``: ``torch_compile=True``."""
     from trl import GRPOConfig
 
     from rlfleet.common.schema.trainer import resolve_precision
@@ -332,7 +350,7 @@ def trl_config(setup: dict[str, Any], workdir: Path, one_micro_batch: bool = Fal
         gradient_checkpointing=False, use_cpu=device == "cpu", logging_steps=1, report_to="none",
         save_strategy="no", shuffle_dataset=False, seed=setup["seed"],
         dataloader_num_workers=0, model_init_kwargs={"dtype": "float32"}, disable_dropout=True,
-        log_completions=False,
+        log_completions=False, torch_compile=compiled,
     )  # fmt: skip
 
 
@@ -360,7 +378,7 @@ def engine_share(setup: dict[str, Any]) -> float:
                                   max_model_len=setup["max_model_len"]).share  # fmt: skip
 
 
-def trl_child(workdir: Path, one_micro_batch: bool, build_only: bool = False) -> int:
+def trl_child(workdir: Path, one_micro_batch: bool, build_only: bool = False, compiled: bool = False) -> int:
     """TRL's side (a subprocess of the driver): train, writing each step's end time, reward, length.
     ``build_only`` (``--smoke``): build the trainer and call the reward once, train nothing."""
     from datasets import Dataset
@@ -384,7 +402,7 @@ def trl_child(workdir: Path, one_micro_batch: bool, build_only: bool = False) ->
                 record["steps"].append({"step": state.global_step, "time": time.time(),
                                         "reward": logs["reward"], "length": length})  # fmt: skip
 
-    config = trl_config(setup, workdir, one_micro_batch)
+    config = trl_config(setup, workdir, one_micro_batch, compiled)
     reward_fn = trl_reward_fn(setup, tokenizer)
     trainer = GRPOTrainer(model=setup["model_dir"], reward_funcs=reward_fn, args=config,
                           train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
@@ -396,11 +414,13 @@ def trl_child(workdir: Path, one_micro_batch: bool, build_only: bool = False) ->
         return 0
     trainer.train()
     if setup["device"] == "cuda":  # the trained model, for the held-out answers
-        trainer.save_model(str(trl_model_dir(workdir, one_micro_batch)))
+        trainer.save_model(str(trl_model_dir(workdir, one_micro_batch, compiled)))
     record["grpo_config"] = {
         k: v for k, v in config.to_dict().items() if isinstance(v, int | float | str | bool)
     }
-    trl_steps_file(workdir, one_micro_batch).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    trl_steps_file(workdir, one_micro_batch, compiled).write_text(
+        json.dumps(record, indent=2, default=str) + "\n"
+    )
     return 0
 
 
@@ -413,11 +433,11 @@ def eval_child(workdir: Path) -> int:
     from rlfleet.controller.eval_metrics import make_row
 
     setup = json.loads((workdir / "setup.json").read_text())
-    models = {"base": Path(setup["model_dir"]), "rlfleet": workdir / "rlfleet" / "final",
-              "rlfleet_pipelined": workdir / "rlfleet_pipelined" / "final",
-              "rlfleet_layerwise": workdir / "rlfleet_layerwise" / "final",
-              "trl": trl_model_dir(workdir, False),
-              "trl_one_micro_batch": trl_model_dir(workdir, True)}  # fmt: skip
+    models = {"base": Path(setup["model_dir"]), "rlfleet": workdir / "rlfleet" / "final"}
+    models |= {side: workdir / side / "final" for side in SIDES if side.startswith("rlfleet_")}
+    models |= {
+        trl_side(one, c): trl_model_dir(workdir, one, c) for one in (False, True) for c in (False, True)
+    }
     rows = [json.loads(line) for line in HELDOUT.read_text(encoding="utf-8").splitlines() if line.strip()]
     system = [{"role": "system", "content": setup["system_prompt"]}] if setup["system_prompt"] else []
     tokenizer = AutoTokenizer.from_pretrained(setup["model_dir"], padding_side="left")
@@ -540,7 +560,7 @@ def smoke_check(args: argparse.Namespace) -> int:
 def main() -> int:
     args = parse_args()
     if args.trl_child is not None:
-        return trl_child(args.trl_child, args.one_micro_batch, build_only=args.smoke)
+        return trl_child(args.trl_child, args.one_micro_batch, build_only=args.smoke, compiled=args.compiled)
     if args.eval_child is not None:
         return eval_child(args.eval_child)
     if args.rescore is not None:
@@ -562,9 +582,11 @@ def main() -> int:
         }
         report["setup"]["trl_generation"] = trl_generation(setup)
         runners = {"rlfleet": run_rlfleet, "trl": run_trl,
-                   "trl_one_micro_batch": lambda *a: run_trl(*a, one=True),
-                   "rlfleet_pipelined": lambda *a: run_rlfleet(*a, pipelined=True),
-                   "rlfleet_layerwise": lambda *a: run_rlfleet(*a, layerwise=True)}  # fmt: skip
+                   "trl_one_micro_batch": lambda *a, **k: run_trl(*a, one=True, **k),
+                   "rlfleet_pipelined": lambda *a, **k: run_rlfleet(*a, pipelined=True, **k),
+                   "rlfleet_layerwise": lambda *a, **k: run_rlfleet(*a, layerwise=True, **k)}  # fmt: skip
+        runners |= {n + COMPILED: functools.partial(runners[n], compiled=True)
+                    for n in SIDES if n + COMPILED in SIDES}  # fmt: skip
         report["sides"] = {}
         for name in (args.only,) if args.only else [n for n in args.sides.split(",") if n in runners]:
             print(f"running {name} for {args.steps} steps ...", flush=True)
@@ -593,6 +615,17 @@ def main() -> int:
         if piped.get("s_per_step"):  # beside the like-for-like ratio, not in its place
             ratio = sides[name]["s_per_step"] / piped["s_per_step"]
             report["pipelined_speed_ratio" + suffix] = round(ratio, 2)
+    trl, ours = sides.get("trl_one_micro_batch" + COMPILED, {}), sides.get("rlfleet" + COMPILED, {})
+    for key, side in (
+        ("speed_ratio", ours),
+        ("pipelined_speed_ratio", sides.get("rlfleet_pipelined" + COMPILED, {})),
+    ):
+        if trl.get("s_per_step") and side.get("s_per_step"):  # both trainers compiled, one micro-batch
+            report[key + "_one_micro_batch" + COMPILED] = round(trl["s_per_step"] / side["s_per_step"], 2)
+    if trl.get("peak_gpu_gib") and ours.get("peak_gpu_gib"):
+        report["memory_ratio_gpu_one_micro_batch" + COMPILED] = round(
+            trl["peak_gpu_gib"] / ours["peak_gpu_gib"], 2
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)

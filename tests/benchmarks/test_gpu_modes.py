@@ -119,3 +119,18 @@ def test_rescoring_held_out_answers_measures_similarity_and_answers(tmp_path: Pa
     (first,) = heldout_targets.rescore([{"label": "before", "step": 0, "rows": rows}], data, 50)
     assert first["summary"]["answers"] == 2 and first["summary"]["pass@1"] == 0.5
     assert 0.0 < first["summary"]["similarity"] <= 1.0
+
+
+def test_vs_trl_compiled_sides_compile_each_trainer_and_keep_their_files_apart(tmp_path: Path) -> None:
+    compiled = {"rlfleet_compiled", "rlfleet_pipelined_compiled", "trl_one_micro_batch_compiled"}
+    assert compiled <= set(vs_trl.SIDES) - set(vs_trl.DEFAULT_SIDES)  # only when named
+    files = {vs_trl.trl_steps_file(tmp_path, one, c) for one in (False, True) for c in (False, True)}
+    models = {vs_trl.trl_model_dir(tmp_path, one, c) for one in (False, True) for c in (False, True)}
+    assert len(files) == len(models) == 4
+    assert vs_trl.trl_model_dir(tmp_path, True, True).name == "trl_one_micro_batch_compiled_model"
+    pytest.importorskip("trl")
+    setup = {"settings": {"update": {"temperature": 1.0, "kl_coef": 0.0, "clip_eps": 0.2, "ppo_epochs": 1,
+             "learning_rate": 1e-4, "weight_decay": 0.0, "max_grad_norm": 1.0, "micro_batch_size": 8},
+             "model": {"mixed_precision": "fp32"}}, "device": "cpu", "steps": 2, "seed": 1}  # fmt: skip
+    assert vs_trl.trl_config(setup, tmp_path, True, compiled=True).torch_compile
+    assert not vs_trl.trl_config(setup, tmp_path, True).torch_compile
