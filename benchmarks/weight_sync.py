@@ -10,16 +10,20 @@ weight moves by about the learning rate, as in an RL update). After each, one sy
 does it, with the real parts: the trainer walks its weights in bf16 buckets
 (``iter_weight_buckets``) into its TensorStore (a real gRPC server on localhost), hashes them and
 diffs them against the version before (the trainer's own ``sync_parts``; a trainer on a GPU keeps
-each version's buckets there and compares them there); a receiver pulls over
-gRPC (``ClientPool.fetch_all``, as a rollout worker pulls) either every bucket (full)
-or only the delta, which it writes into its host copy of the version before (``apply_delta``),
-then copies the version into its own bf16 model in place (the HF engine's ``copy_weights``) and
-hashes what it holds. Both ends' fingerprints must agree.
+each version's buckets there and compares them there); a receiver (a bf16 model on the host, as
+the HF engine holds it) pulls over gRPC (``ClientPool.fetch_all``, as a rollout worker pulls)
+either every bucket (``full``: copied into the model in place, the HF engine's ``copy_weights``)
+or only the delta, taken one of two ways: ``delta``, straight into the model's own weights (the HF
+engine's ``load_delta``: ``write_delta_in_place``, which keeps only the elements it overwrites), or
+``delta_host_copy``, written into a host copy of the version before (``apply_delta``) and the whole
+version then copied into the model (the way of an engine that loads whole versions only: vLLM).
+Each hashes what it then holds; both ends' fingerprints must agree.
 
 Reported per side (median over the versions after the first): bytes moved, trainer seconds
-(stage; for delta, plus the diff), receiver seconds (pull, apply, load, hash) and their sum; the
-share of bf16 weights that changed. Target (issue 32): delta sync of the 0.5B model over the host
-path under 0.3 s. The JSON names the machine.
+(stage; for a delta, plus the diff), receiver seconds (pull, apply, load, hash; ``pull_s``,
+``apply_s``, ``hash_s`` beside them) and their sum; the share of bf16 weights that changed.
+Target (issue 32): delta sync of the 0.5B model over the host path under 0.3 s. The JSON names
+the machine.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import smoke  # noqa: E402  (this folder's helper modules)
 from colocated_sync import QWEN25_05B, TINY  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "weight_sync_cpu.json"
+SIDES = ("full", "delta", "delta_host_copy")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,7 +82,7 @@ async def sync_round(
 ) -> dict[str, dict[str, float]]:  # fmt: skip
     """Stage ``version`` in the store, then sync the receiver both ways; each side's figures."""
     from rlfleet.common.tensors.weight_sync import apply_delta, fingerprint
-    from rlfleet.rollout.engines.weights import copy_weights, load_targets
+    from rlfleet.rollout.engines.weights import copy_weights, load_targets, write_delta_in_place
     from rlfleet.trainer.service import sync_parts
     from rlfleet.trainer.weights import iter_weight_buckets, put_version
 
@@ -108,35 +113,48 @@ async def sync_round(
         store.delete(ref.key)
     state["refs"], state["deltas"] = refs, deltas
     targets = load_targets(receiver)
+    names = [name for ref in refs for name in store.get_local(ref.key)]
     sides: dict[str, dict[str, float]] = {}
 
-    t1 = time.perf_counter()  # full: every bucket over gRPC, loaded, hashed
-    items = [item for bucket in await clients.fetch_all(refs) for item in bucket.items()]
-    pulled = time.perf_counter()
-    copy_weights(targets, items)
-    held = dict(items)
-    got = fingerprint(held.items())
-    t2 = time.perf_counter()
-    assert got == published, "the full sync does not hold the published weights"
-    sides["full"] = {"bytes": float(sum(r.nbytes for r in refs)), "stage_s": staged - t0,
-                     "trainer_s": hashed - t0, "pull_s": pulled - t1, "receiver_s": t2 - t1,
-                     "total_s": hashed - t0 + t2 - t1}  # fmt: skip
-    if deltas or state.get("held") is not None:
-        base = state["held"]
-        t3 = time.perf_counter()  # delta: only the change over gRPC, written into the copy held
-        delta_items = {name: t for bucket in await clients.fetch_all(deltas) for name, t in bucket.items()}
+    async def receive(refs: list[Any], load: Any, held: Any) -> dict[str, float]:
+        """Pull ``refs``, ``load`` them, hash what ``held()`` then gives: the receiver's seconds."""
+        t1 = time.perf_counter()
+        items = {name: t for bucket in await clients.fetch_all(refs) for name, t in bucket.items()}
         pulled = time.perf_counter()
-        apply_delta(base, delta_items)
-        copy_weights(targets, list(base.items()))
-        got = fingerprint(base.items())
-        t4 = time.perf_counter()
-        assert got == published, "the delta sync does not hold the published weights bit for bit"
+        load(items)
+        applied = time.perf_counter()
+        got = fingerprint(held())
+        t2 = time.perf_counter()
+        assert got == published, "the receiver does not hold the published weights bit for bit"
+        return {
+            "pull_s": pulled - t1,
+            "apply_s": applied - pulled,
+            "hash_s": t2 - applied,
+            "receiver_s": t2 - t1,
+        }
+
+    if deltas:  # the receiver's model holds the version before: the delta first, each way
         trainer_s = staged - t0 + diffed - hashed  # stage, then hash and diff as a delta publish does
-        sides["delta"] = {"bytes": float(sum(r.nbytes for r in deltas)), "trainer_s": trainer_s,
-                          "hash_and_diff_s": diffed - hashed, "pull_s": pulled - t3, "receiver_s": t4 - t3,
-                          "total_s": trainer_s + t4 - t3,
-                          "changed_frac": changed / max(total, 1)}  # fmt: skip
-    state["held"] = {n: t.clone() for n, t in held.items()}  # the receiver's copy for the next delta
+        common = {"bytes": float(sum(r.nbytes for r in deltas)), "trainer_s": trainer_s,
+                  "hash_and_diff_s": diffed - hashed, "changed_frac": changed / max(total, 1)}  # fmt: skip
+        engine = await receive(deltas, lambda d: write_delta_in_place(targets, d),
+                               lambda: [(n, targets[n]) for n in names])  # fmt: skip
+        base = state["held"]
+
+        def through_copy(delta: dict[str, torch.Tensor]) -> None:
+            apply_delta(base, delta)
+            copy_weights(targets, list(base.items()))
+
+        copied = await receive(deltas, through_copy, lambda: base.items())
+        for name, measured in (("delta", engine), ("delta_host_copy", copied)):
+            sides[name] = {**common, **measured, "total_s": trainer_s + measured["receiver_s"]}
+    full = await receive(
+        refs, lambda items: copy_weights(targets, items), lambda: [(n, targets[n]) for n in names]
+    )
+    sides["full"] = {"bytes": float(sum(r.nbytes for r in refs)), "stage_s": staged - t0,
+                     "trainer_s": hashed - t0, **full,
+                     "total_s": hashed - t0 + full["receiver_s"]}  # fmt: skip
+    state["held"] = {n: targets[n].detach().clone() for n in names}  # the host copy for the next delta
     return sides
 
 
@@ -170,7 +188,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                               "bucket_mb": args.bucket_mb, "versions": args.versions,
                               "rounds": rounds}  # fmt: skip
     timed = [r for r in rounds if "delta" in r] or rounds
-    for name in ("full", "delta"):
+    for name in SIDES:
         values = [r[name] for r in timed if name in r]
         if values:
             report[name] = {k: statistics.median(v[k] for v in values) for k in values[0]}
@@ -186,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     report["command"] = " ".join(["python", *sys.argv])
     print("| side | MB moved | trainer s | receiver s | total s |")
     print("| --- | --- | --- | --- | --- |")
-    for name in ("full", "delta"):
+    for name in SIDES:
         if name in report:
             s = report[name]
             print(

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rlfleet.common.errors import BatchContractError
+from rlfleet.common.tensors import weight_sync
 from rlfleet.common.tensors.weight_sync import INDEX, VALUES, apply_delta, fingerprint, weight_delta
 
 
@@ -59,7 +60,41 @@ def test_the_fingerprint_sees_names_dtypes_shapes_and_bits() -> None:
     flipped = w["b.bias"].clone()
     flipped.view(torch.int32)[3] ^= 1  # one bit
     assert fingerprint({**w, "b.bias": flipped}.items()) != base
-    assert base.startswith("xxh3_128:")
+    assert base.startswith("xxh3_128p:")
+
+
+def test_the_fingerprint_hashes_a_tensor_in_pieces_on_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = _version(0)
+    base = fingerprint(w.items())
+    monkeypatch.setattr(weight_sync, "PIECE_BYTES", 100)  # a.weight's 4096 bytes: 41 pieces
+    pieces = fingerprint(w.items())
+    assert pieces != base  # the piece size is part of the scheme
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert fingerprint(w.items()) == pieces  # however many threads hash them
+    finally:
+        torch.set_num_threads(threads)
+    for element in (0, 49, 50, 2047):  # the first, either side of a piece's edge, the last
+        flipped = w["a.weight"].clone()
+        flipped.view(-1).view(torch.int16)[element] ^= 1
+        assert fingerprint({**w, "a.weight": flipped}.items()) != pieces, element
+    assert weight_sync.verifiable(base, "xxh3_128p:00")
+    assert not weight_sync.verifiable(base, "xxh3_128:00") and not weight_sync.verifiable(base, "")
+
+
+def test_a_delta_written_and_its_overwritten_values_written_back_restore_the_version_before() -> None:
+    old = _version(0)
+    new = _step(old, 0.05)
+    held = {k: v.clone() for k, v in old.items()}
+    plan = weight_sync.check_delta(held, weight_delta(old, new))
+    undo = weight_sync.overwritten(held, plan)
+    assert set(undo.sparse) == {"a.weight"} and set(undo.whole) == {"b.bias"}  # elements kept, not copies
+    assert undo.sparse["a.weight"][1].numel() == plan.sparse["a.weight"][1].numel()
+    weight_sync.write_delta(held, plan)
+    assert fingerprint(held.items()) == fingerprint(new.items())
+    weight_sync.write_delta(held, undo)
+    assert fingerprint(held.items()) == fingerprint(old.items())
 
 
 def test_a_mostly_changed_tensor_travels_whole() -> None:

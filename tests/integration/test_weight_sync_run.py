@@ -82,11 +82,16 @@ def test_a_sync_broken_on_purpose_is_refused_by_name(
         published = fleet.published
         assert published is not None and published.fingerprint and len(published.buckets) > 2
         lost = published.model_copy(update={"buckets": published.buckets[1:]})  # a bucket lost on the way
-        refusal = r"rollout worker rollout-\d loaded weight version 1 with fingerprint xxh3_128:\w+, but"
-        with pytest.raises(WeightSyncMismatch, match=refusal + r" the trainer published xxh3_128:\w+"):
+        refusal = r"rollout worker rollout-\d loaded weight version 1 with fingerprint xxh3_128p:\w+, but"
+        with pytest.raises(WeightSyncMismatch, match=refusal + r" the trainer published xxh3_128p:\w+"):
             trainer.run(fleet.load_weights(lost))
         again = trainer.run(fleet.load_weights(published))  # the whole version: verified again
         assert {r.fingerprint for r in again} == {published.fingerprint}
+        zeros = "0" * 32
+        fleet._check_loaded(again[0].model_copy(update={"fingerprint": f"xxh3_128:{zeros}"}))  # another
+        # scheme (a release that hashed in one stream): nothing to compare, not refused; this one's is
+        with pytest.raises(WeightSyncMismatch):
+            fleet._check_loaded(again[0].model_copy(update={"fingerprint": f"xxh3_128p:{zeros}"}))
         pids = trainer.process_ids
     finally:
         trainer.close()

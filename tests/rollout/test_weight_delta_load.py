@@ -1,7 +1,10 @@
 """A rollout worker's delta loads (issue 32, points 3 and 4): a worker asked to hold its weights
 takes the next version as a delta on them and answers the fingerprint of the result, the published
 version's bit for bit; a delta on a version it does not hold, or one that does not fit, is refused
-and leaves the engine on the version it reports.
+and leaves the engine on the version it reports. Both ways a worker takes a delta: the HF engine
+straight into its weights (a ``DeltaEngine``; no host copy), and an engine that loads whole
+versions only (as vLLM) through the worker's host copy: the HF engine behind a wrapper that takes
+whole loads only.
 
 A real rollout worker (HF engine, tiny model, CPU) on a real nats-server pulls from a real
 TensorStore over gRPC, as from a trainer (the fixtures ``worker``, ``store``, ``control`` of
@@ -23,9 +26,30 @@ from rlfleet.common.errors import RemoteError
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.tensors.server import TensorStoreServer
 from rlfleet.common.tensors.weight_sync import INDEX, fingerprint, weight_delta
+from rlfleet.rollout.engines.base import DeltaEngine
 from rlfleet.rollout.service import RolloutWorker
 
 pytestmark = pytest.mark.timeout(90)
+
+
+class WholeLoadsOnly:
+    """An engine that takes whole versions only (no ``load_delta``, as vLLM): the HF engine inside."""
+
+    def __init__(self, engine: object) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> object:
+        if name == "load_delta":
+            raise AttributeError(name)
+        return getattr(self._engine, name)
+
+
+@pytest.fixture(params=["in_engine", "host_copy"])
+def way(request: pytest.FixtureRequest, worker: RolloutWorker) -> str:
+    """How ``worker`` takes a delta: into the HF engine's weights, or through its host copy."""
+    if request.param == "host_copy":
+        worker.engine = WholeLoadsOnly(worker.engine)  # type: ignore[assignment]
+    return request.param
 
 
 def _buckets(path: Path) -> list[dict[str, torch.Tensor]]:
@@ -64,13 +88,15 @@ async def _load(control: NatsTransport, worker: RolloutWorker, message: LoadWeig
 
 
 async def test_a_delta_on_the_version_held_loads_the_new_version_bit_for_bit(
-    worker: RolloutWorker, store: TensorStoreServer, control: NatsTransport, make_checkpoint
+    worker: RolloutWorker, store: TensorStoreServer, control: NatsTransport, make_checkpoint, way: str
 ) -> None:
     v1 = _buckets(make_checkpoint(seed=0))
     v2 = _nudged(v1)
     first = await _load(control, worker, LoadWeights(weight_version=1, buckets=_stage(store, v1, "v1"),
                                                      hold=True, job_id="l1"))  # fmt: skip
     assert first.fingerprint == fingerprint(item for b in v1 for item in b.items()) and not first.delta
+    assert isinstance(worker.engine, DeltaEngine) == (way == "in_engine")
+    assert (worker._held is None) == (way == "in_engine")  # the HF engine's own weights are the base
     old = {n: t for b in v1 for n, t in b.items()}
     deltas = _stage(store, [weight_delta(old, b) for b in v2], "v2-delta")
     second = await _load(control, worker, LoadWeights(weight_version=2, buckets=[], delta_buckets=deltas,
@@ -78,10 +104,17 @@ async def test_a_delta_on_the_version_held_loads_the_new_version_bit_for_bit(
     assert second.delta and second.fingerprint == fingerprint(item for b in v2 for item in b.items())
     assert worker.weight_version == 2
     _holds(worker.engine.model, v2)
+    v3 = _nudged(v2)  # and the next: a delta on the version the delta made
+    new = {n: t for b in v2 for n, t in b.items()}
+    deltas = _stage(store, [weight_delta(new, b) for b in v3], "v3-delta")
+    third = await _load(control, worker, LoadWeights(weight_version=3, buckets=[], delta_buckets=deltas,
+                                                     delta_from=2, hold=True, job_id="l3"))  # fmt: skip
+    assert third.delta and third.fingerprint == fingerprint(item for b in v3 for item in b.items())
+    _holds(worker.engine.model, v3)
 
 
 async def test_a_delta_it_cannot_apply_is_refused_and_the_engine_keeps_its_version(
-    worker: RolloutWorker, store: TensorStoreServer, control: NatsTransport, make_checkpoint
+    worker: RolloutWorker, store: TensorStoreServer, control: NatsTransport, make_checkpoint, way: str
 ) -> None:
     v1 = _buckets(make_checkpoint(seed=0))
     v2 = _nudged(v1)
@@ -111,7 +144,8 @@ async def test_a_delta_it_cannot_apply_is_refused_and_the_engine_keeps_its_versi
                                                               "job_id": "d3"}))  # fmt: skip
     assert worker.weight_version == 1
     _holds(worker.engine.model, v1)
-    # the delta was checked whole before anything was written: the copy of version 1 is intact
+    # the delta was checked whole before anything was written: version 1 (the copy, or the engine's
+    # own weights) is intact
     good = await _load(control, worker, delta.model_copy(update={"job_id": "d4"}))
     assert good.delta and good.fingerprint == fingerprint(item for b in v2 for item in b.items())
     _holds(worker.engine.model, v2)

@@ -20,11 +20,11 @@ from weight_buckets import weight_buckets  # (this folder's helper module)
 
 from rlfleet.common.control.messages import LoadWeights, SamplingParams, WeightsLoaded
 from rlfleet.common.control.nats_transport import NatsTransport
-from rlfleet.common.errors import RemoteError, RemoteUserError
+from rlfleet.common.errors import BatchContractError, RemoteError, RemoteUserError
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.tensors.server import TensorStoreServer
 from rlfleet.rollout.engines import HFEngine
-from rlfleet.rollout.engines.weights import copy_weights, load_targets
+from rlfleet.rollout.engines.weights import TiedPair, copy_weights, load_targets, write_delta_in_place
 from rlfleet.rollout.errors import IncompleteWeights, WeightsTorn
 from rlfleet.rollout.service import RolloutWorker
 
@@ -101,6 +101,34 @@ def test_a_copy_that_fails_partway_puts_back_what_it_overwrote() -> None:
         copy_weights(targets, bucket)
     for name, tensor in targets.items():
         assert torch.equal(tensor, old[name]), f"{name} kept the failed load's value"
+
+
+@pytest.mark.timeout(30)
+def test_a_delta_that_fails_partway_in_the_engine_puts_back_what_it_overwrote() -> None:
+    """A delta goes straight into the live weights (the HF engine's ``load_delta``): the whole
+    tensor it wrote before a sparse write failed is put back, and so are tied names."""
+    module = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 2)})
+    targets = load_targets(module)
+    old = {name: t.detach().clone() for name, t in targets.items()}
+    delta = {
+        "a.weight": torch.randn(4, 4),  # whole: written first
+        "b.weight@idx": torch.tensor([0, 5], dtype=torch.int32),
+        "b.weight@val": torch.empty(2, device="meta"),  # passes the checks; its write fails
+    }
+    with pytest.raises(NotImplementedError, match="meta"):
+        write_delta_in_place(targets, delta)
+    for name, tensor in targets.items():
+        assert torch.equal(tensor, old[name]), f"{name} kept the failed delta's value"
+    with pytest.raises(BatchContractError, match="an index outside"):  # checked whole: nothing written
+        write_delta_in_place(targets, {"a.bias": torch.randn(4), "b.bias@idx": torch.tensor([2]),
+                                       "b.bias@val": torch.zeros(1)})  # fmt: skip
+    assert torch.equal(targets["a.bias"], old["a.bias"])
+    twin = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "c": torch.nn.Linear(4, 4)})  # untied storage
+    both = load_targets(twin)
+    changed = write_delta_in_place(both, {"a.weight@idx": torch.tensor([3]), "a.weight@val": torch.ones(1)},
+                                   (TiedPair("a.weight", "c.weight"),))  # fmt: skip
+    assert changed == ["a.weight"] and torch.equal(both["c.weight"], both["a.weight"])
+    assert both["a.weight"].view(-1)[3] == 1
 
 
 # --- vLLM (CPU build) -------------------------------------------------------------------------

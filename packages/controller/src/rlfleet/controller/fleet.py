@@ -66,6 +66,7 @@ from rlfleet.common.errors import NoResponders, RemoteError, RemoteUserError, Re
 from rlfleet.common.schema.carriers import CarrierSetting, WeightCarrier, carrier_for
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.common.tensors.weight_sync import verifiable
 from rlfleet.controller.errors import (
     NoWorkerServed,
     RetriesExhausted,
@@ -539,11 +540,13 @@ class Fleet:
 
     def _check_loaded(self, reply: WeightsLoaded) -> None:
         """Raise :class:`WeightSyncMismatch` when ``reply``'s fingerprint is not the published one
-        (either empty: not computed on that side, nothing to compare)."""
+        (either empty: not computed on that side, or of another scheme, from a release before or
+        after this one's: nothing to compare)."""
         published = self.published
         if published is None or published.weight_version != reply.weight_version:
             return
-        if published.fingerprint and reply.fingerprint and reply.fingerprint != published.fingerprint:
+        mine, theirs = published.fingerprint, reply.fingerprint
+        if verifiable(mine, theirs) and theirs != mine:
             raise WeightSyncMismatch(reply.worker_id, reply.weight_version, published.fingerprint,
                                      reply.fingerprint)  # fmt: skip
 

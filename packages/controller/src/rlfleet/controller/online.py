@@ -81,6 +81,7 @@ from rlfleet.common.control.messages import (
 )
 from rlfleet.common.errors import ConfigError
 from rlfleet.common.schema.trainer import StepSettings
+from rlfleet.common.tensors.weight_sync import verifiable
 from rlfleet.controller.agent_rollout import AgentFn, AgentRollout
 from rlfleet.controller.config import (
     AdaptiveKL,
@@ -322,7 +323,9 @@ def publish_metrics(published: WeightsPublished, loaded: list[WeightsLoaded]) ->
         "publish/mb_s": mb / max(published.seconds, 1e-9),
         "publish/delta_mb": published.delta_nbytes / 2**20,  # 0: no delta staged (delta sync off, an anchor)
         "publish/delta_workers": float(sum(r.delta for r in loaded)),
-        "publish/verified_workers": float(sum(bool(r.fingerprint and published.fingerprint) for r in loaded)),
+        "publish/verified_workers": float(
+            sum(verifiable(r.fingerprint, published.fingerprint) for r in loaded)
+        ),
         "publish/adapter": float(published.adapter is not None),  # 1: a LoRA run's adapter alone
     }
 

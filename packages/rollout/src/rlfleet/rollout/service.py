@@ -66,7 +66,7 @@ from rlfleet.common.tensors.weight_sync import apply_delta
 from rlfleet.common.tensors.weight_sync import fingerprint as weights_fingerprint
 from rlfleet.rollout.catch_up import catch_up
 from rlfleet.rollout.chat_turns import ChatTurns
-from rlfleet.rollout.engines.base import Completion
+from rlfleet.rollout.engines.base import Completion, DeltaEngine
 from rlfleet.rollout.engines.registry import make_engine, resolve_engine_name
 from rlfleet.rollout.episodes import EnvClient, EpisodeDriver, Episodes
 from rlfleet.rollout.errors import (
@@ -220,7 +220,10 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         )
         self.data_address = self.store.address
         self._batches: list[tuple[int, str]] = []  # (weight version, key) of the batches in the store
-        self._held: dict[str, torch.Tensor] | None = None  # a host copy of the weights, for deltas (hold)
+        # the version the next delta applies to (hold): a host copy of it, or (a DeltaEngine) the
+        # engine's own weights under these names
+        self._held: dict[str, torch.Tensor] | None = None
+        self._held_names: list[str] | None = None
         self._held_version = -1
         self._stores = ClientPool(cfg.tensor_plane)  # one client per trainer store the weights come from
         self._gpu = asyncio.Lock()  # one engine call at a time: generation and weight loads never overlap
@@ -456,11 +459,15 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         restores what it overwrote, while the vLLM engine refuses to generate until a full load
         succeeds. The price: the version's buckets are held in host memory while they load.
 
-        Delta sync (``delta_from``): a worker asked to ``hold`` keeps its last gRPC load as a host
-        copy; a delta on that version is written into the copy and the whole version loaded from it
-        (only the delta crosses the network). A delta on any other version raises
-        :class:`DeltaBaseMissing` (the controller then sends the whole version). Every gRPC load
-        answers the fingerprint of the weights loaded (:mod:`rlfleet.common.tensors.weight_sync`).
+        Delta sync (``delta_from``): a worker asked to ``hold`` keeps its last gRPC load for the next
+        delta (only the delta crosses the network). An engine that holds its weights under the
+        trainer's names (:class:`~rlfleet.rollout.engines.base.DeltaEngine`: the HF engine) takes
+        the delta straight into them and needs no copy; otherwise (vLLM) the worker keeps a host
+        copy, writes the delta into it and loads the whole version from it. A delta on any other
+        version raises :class:`DeltaBaseMissing` (the controller then sends the whole version).
+        Every gRPC load answers the fingerprint of the weights loaded
+        (:mod:`rlfleet.common.tensors.weight_sync`): after a delta in the engine, of the engine's
+        own tensors.
 
         A LoRA adapter (``adapter``, over gRPC) replaces the adapter the engine serves on its base
         (``Engine.load_adapter``); its fingerprint is the adapter's.
@@ -472,22 +479,15 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         async with self._gpu:
             if message.adapter is not None:  # a LoRA adapter, applied to the base the engine holds
                 items = await self._fetch_version(message)
-                self._held = None
+                self._forget_held()
                 await asyncio.to_thread(self.engine.load_adapter, items, message.adapter, version)
                 fingerprint = await asyncio.to_thread(weights_fingerprint, items)
             elif carrier == "cuda_ipc":
+                self._forget_held()
                 await asyncio.to_thread(self.engine.load_ipc, message.ipc_buckets, version)
             else:
-                items = await self._fetch_version(message)
-                try:
-                    await asyncio.to_thread(self.engine.load_weights, items, version)
-                except BaseException:
-                    self._held = None  # a delta applied to it, or the engine's state unknown: next load whole
-                    raise
-                held = dict(items)
-                self._held = held if message.hold else None
-                self._held_version = version
-                fingerprint = await asyncio.to_thread(weights_fingerprint, held.items())
+                items = await self._load_grpc(message)
+                fingerprint = await asyncio.to_thread(weights_fingerprint, items)
             self.weight_version = version
             keep = message.keep_from_version
             self._release_older_batches(min(keep, version) if keep >= 0 else version)
@@ -496,6 +496,45 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         return WeightsLoaded(worker_id=self.worker_id, weight_version=message.weight_version, seconds=seconds,
                              carrier=carrier, fingerprint=fingerprint,
                              delta=carrier == "grpc" and message.delta_from >= 0)  # fmt: skip
+
+    def _forget_held(self) -> None:
+        self._held, self._held_names = None, None
+
+    async def _load_grpc(self, message: LoadWeights) -> list[tuple[str, torch.Tensor]]:
+        """Load the version ``message`` names by gRPC, whole or as a delta (in the engine when it
+        takes one, else through the host copy); the version as now loaded, held for the next delta
+        when ``message.hold`` says so."""
+        version, in_engine = message.weight_version, isinstance(self.engine, DeltaEngine)
+        if message.delta_from >= 0 and in_engine:
+            names = self._held_names
+            served = self.engine.weight_version  # the engine's weights are the base: it serves that version
+            if names is None or not message.delta_from == self._held_version == served:
+                raise DeltaBaseMissing(self.worker_id, self._held_version if names is not None else None,
+                                       message.delta_from)  # fmt: skip
+            delta = await self._fetch_delta(message)
+            assert isinstance(self.engine, DeltaEngine)
+            # all or nothing: on an error the engine still serves the version held, the base kept
+            items = await asyncio.to_thread(self.engine.load_delta, delta, names, version)
+        else:
+            items = await self._fetch_version(message)  # a delta that does not fit: refused, copy intact
+            try:
+                await asyncio.to_thread(self.engine.load_weights, items, version)
+            except BaseException:
+                self._forget_held()  # a delta written into the copy, or the engine's state unknown
+                raise
+        self._held_version = version
+        if message.hold and in_engine:
+            self._held_names = [name for name, _ in items]
+        elif message.hold:
+            self._held = dict(items)
+        return items
+
+    async def _fetch_delta(self, message: LoadWeights) -> dict[str, torch.Tensor]:
+        return {
+            name: t
+            for bucket in await self._stores.fetch_all(message.delta_buckets)
+            for name, t in bucket.items()
+        }
 
     async def _fetch_version(self, message: LoadWeights) -> list[tuple[str, torch.Tensor]]:
         """The whole version ``message`` names, as ``(name, tensor)``: its buckets, or (a delta on the
@@ -508,11 +547,7 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         if held is None or self._held_version != message.delta_from:
             raise DeltaBaseMissing(self.worker_id, self._held_version if held is not None else None,
                                    message.delta_from)  # fmt: skip
-        delta = {
-            name: t
-            for bucket in await self._stores.fetch_all(message.delta_buckets)
-            for name, t in bucket.items()
-        }
+        delta = await self._fetch_delta(message)
         await asyncio.to_thread(apply_delta, held, delta)  # checked whole first: a refusal leaves the copy
         self._held = None  # written into: the new version's, held again once the engine has it
         return list(held.items())

@@ -40,6 +40,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
@@ -277,13 +278,14 @@ def sync_parts(
     the delta buckets (delta sync): the change from ``base``, bucket by bucket, compared on the
     trainer's ``device`` when it is a GPU (:func:`~rlfleet.common.tensors.weight_sync.weight_delta`).
     ``on_device``: the version before's buckets and this version's (those of ``refs``, bucket for
-    bucket) kept on that GPU, compared there without a copy up."""
+    bucket) kept on that GPU, compared there without a copy up. The fingerprint hashes the host
+    buckets on a thread while the delta is found."""
     if not refs:
         return "", []
     buckets = [store.get_local(ref.key) for ref in refs]
-    fingerprint = weights_fingerprint(item for bucket in buckets for item in bucket.items())
+    items = [item for bucket in buckets for item in bucket.items()]
     if not base:
-        return fingerprint, []
+        return weights_fingerprint(items), []
     gpu = device if device is not None and device.type == "cuda" else None
     if on_device is not None and len(on_device[1]) == len(buckets):  # compared where they are
         old = {name: t for bucket in on_device[0] for name, t in bucket.items()}
@@ -291,11 +293,13 @@ def sync_parts(
     else:
         old = {name: t for ref in base for name, t in store.get_local(ref.key).items()}
     deltas = []
-    for i, bucket in enumerate(buckets):
-        delta = weight_delta(old, bucket, device=gpu)
-        if delta:
-            deltas.append(store.put_local(f"weights/v{version}/delta{i}", delta))
-    return fingerprint, deltas
+    with ThreadPoolExecutor(1, thread_name_prefix="fingerprint") as pool:
+        fingerprint = pool.submit(weights_fingerprint, items)
+        for i, bucket in enumerate(buckets):
+            delta = weight_delta(old, bucket, device=gpu)
+            if delta:
+                deltas.append(store.put_local(f"weights/v{version}/delta{i}", delta))
+        return fingerprint.result(), deltas
 
 
 # --- rank 0: the NATS service ---------------------------------------------------------------------

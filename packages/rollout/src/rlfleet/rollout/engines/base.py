@@ -14,7 +14,7 @@ so the importance ratio is 1 at the same weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -99,4 +99,20 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Free the model; later calls raise ``EngineClosed``."""
+        ...
+
+
+@runtime_checkable
+class DeltaEngine(Protocol):
+    """An engine that holds its weights under the trainer's names and takes a weight delta straight
+    into them (the HF engine). A worker on one keeps no host copy of the version for delta sync: the
+    engine's own weights are the version the next delta applies to. (vLLM holds some weights fused
+    under other names; its worker writes a delta into a host copy and loads the whole version.)"""
+
+    def load_delta(
+        self, delta: Mapping[str, torch.Tensor], names: Sequence[str], version: int | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Write ``delta`` (:mod:`rlfleet.common.tensors.weight_sync`'s form) on the version served
+        into the live weights, all or nothing; set the version if given. Returns the version's
+        weights ``names`` as now served (the engine's own tensors, for the fingerprint)."""
         ...

@@ -49,7 +49,7 @@ from transformers import (
 )
 
 from rlfleet.common.control.messages import SamplingParams
-from rlfleet.common.errors import ConfigError
+from rlfleet.common.errors import BatchContractError, ConfigError
 from rlfleet.common.schema.batch import pad_left
 from rlfleet.common.schema.carriers import IpcBucket
 from rlfleet.common.schema.trainer import LoraSettings
@@ -57,7 +57,13 @@ from rlfleet.rollout.engines.base import Completion, WeightsInput
 from rlfleet.rollout.engines.checkpoint import load_tokenizer
 from rlfleet.rollout.engines.cuda_ipc import device_uuid, load_and_release, meta_items
 from rlfleet.rollout.engines.lora_adapter import merged, parse_adapter, scale
-from rlfleet.rollout.engines.weights import TiedPair, copy_weights, load_targets, validate
+from rlfleet.rollout.engines.weights import (
+    TiedPair,
+    copy_weights,
+    load_targets,
+    validate,
+    write_delta_in_place,
+)
 from rlfleet.rollout.errors import DeadlinePassed, EngineClosed, InvalidPrompt, IpcUnavailable
 
 logger = logging.getLogger(__name__)
@@ -205,6 +211,25 @@ class HFEngine:
         if version is not None:
             self.set_weight_version(version)
         logger.debug("loaded %d weights into %s", len(names), self.model_id)
+
+    def load_delta(
+        self, delta: Mapping[str, torch.Tensor], names: Sequence[str], version: int | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Write a weight delta on the version served straight into the live parameters
+        (:class:`~rlfleet.rollout.engines.base.DeltaEngine`): checked whole first, the elements it
+        overwrites kept until it is in (:func:`~rlfleet.rollout.engines.weights.write_delta_in_place`).
+        Returns the version's weights ``names`` as now served."""
+        self._check_open()
+        unknown = [name for name in names if name not in self._targets]
+        if unknown:
+            raise BatchContractError(unknown[0], f"not a weight of {self.model_id}")
+        with self._lock:
+            if self._adapter_base:
+                raise BatchContractError("delta", "a LoRA adapter is applied: a delta needs whole weights")
+            write_delta_in_place(self._targets, delta, self._tied)
+        if version is not None:
+            self.set_weight_version(version)
+        return [(name, self._targets[name]) for name in names]
 
     def load_adapter(self, weights: WeightsInput, settings: LoraSettings, version: int | None = None) -> None:
         """Apply a published LoRA adapter (PEFT's names; see :mod:`.lora_adapter`) in place of the one

@@ -7,6 +7,9 @@ is validated as a whole before anything is copied, so a bad bucket leaves the mo
 and each tensor about to be overwritten is kept (a copy on the CPU) until the whole bucket is in,
 so a copy that fails partway puts every overwritten tensor back: the model holds the old weights
 or the new ones, never a mix. The price is a CPU copy of the bucket's targets while it loads.
+
+A weight delta (delta sync) goes straight into the live tensors the same way
+(:func:`write_delta_in_place`): checked whole first, and only the elements it overwrites are kept.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlfleet.common.tensors.weight_sync import check_delta, overwritten, write_delta
 from rlfleet.rollout.engines.base import WeightsInput
 from rlfleet.rollout.errors import UnknownWeight, WeightDtypeMismatch, WeightShapeMismatch
 
@@ -92,6 +96,31 @@ def copy_weights(
             raise
     logger.debug("loaded %d tensors in place", len(items))
     return [name for name, _ in items]
+
+
+def write_delta_in_place(
+    targets: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor], tied: tuple[TiedPair, ...] = ()
+) -> list[str]:
+    """Write a weight delta on the version ``targets`` hold into them in place; return the names
+    changed. The delta is checked whole first (``BatchContractError`` for a part that does not fit,
+    nothing written); the elements it overwrites are kept and written back when a write raises. A
+    tied pair that does not share storage gets the changed tensor copied into its other name."""
+    plan = check_delta(targets, delta)
+    undo = overwritten(targets, plan)
+    changed = set(plan.names)
+    copies = [(source, dest) for source, dest in (_tie_direction(pair, changed) for pair in tied)
+              if source and targets[source].data_ptr() != targets[dest].data_ptr()]  # fmt: skip
+    undo.whole.update({dest: targets[dest].detach().to("cpu", copy=True) for _, dest in copies})
+    with torch.no_grad():
+        try:
+            write_delta(targets, plan)
+            for source, dest in copies:
+                targets[dest].data.copy_(targets[source].data)
+        except BaseException:
+            write_delta(targets, undo)
+            logger.warning("a weight delta failed partway: its %d weight(s) restored", len(changed))
+            raise
+    return plan.names
 
 
 def _keep(kept: dict[str, torch.Tensor], name: str, target: torch.Tensor) -> None:
