@@ -29,9 +29,9 @@ it instead (``weight_delta(..., device=)``); a receiver's copy held off the host
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -235,8 +235,16 @@ def overwritten(held: Mapping[str, Tensor], plan: DeltaPlan) -> DeltaPlan:
     """What writing ``plan`` into ``held`` overwrites, as a plan that writes it back: the whole
     weights' old values (on the host) and the sparse weights' old elements at the same indices."""
     whole = {name: held[name].detach().to("cpu", copy=True) for name in plan.whole}
-    sparse = {name: (index, _gather(held[name].detach(), index)) for name, (index, _) in plan.sparse.items()}
+    gathered = _on_threads(lambda name: _gather(held[name].detach(), plan.sparse[name][0]), plan.sparse)
+    sparse = {name: (plan.sparse[name][0], old) for name, old in zip(plan.sparse, gathered, strict=True)}
     return DeltaPlan(whole, sparse)
+
+
+def _on_threads(work: Callable[[str], Any], names: Iterable[str]) -> list[Any]:
+    """``work`` on each name, a tensor a task, on torch's thread count (torch gathers scattered
+    elements on one thread; a many-core host has the memory bandwidth for several)."""
+    with ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="delta-write") as pool:
+        return list(pool.map(work, names))
 
 
 def _gather(tensor: Tensor, index: Tensor) -> Tensor:
@@ -244,17 +252,17 @@ def _gather(tensor: Tensor, index: Tensor) -> Tensor:
 
 
 def write_delta(held: Mapping[str, Tensor], plan: DeltaPlan) -> None:
-    """Write a checked ``plan`` into ``held`` in place (tensors on the host or a device), by torch's
-    indexing (on the host it spreads over torch's threads; numpy's ``put`` runs on one)."""
-    with torch.no_grad():
-        for name, tensor in plan.whole.items():
-            held[name].detach().copy_(tensor)
-        for name, (index, values) in plan.sparse.items():
-            target = held[name].detach()
-            where, new = index.to(target.device), values.to(target.device)
-            if target.is_contiguous():
-                target.view(-1)[where] = new
-            else:  # no flat view of it: written flat, then copied back
-                flat = target.reshape(-1).clone()
-                flat[where] = new
-                target.copy_(flat.view(target.shape))
+    """Write a checked ``plan`` into ``held`` in place (tensors on the host or a device) by torch's
+    indexing (on the host, torch spreads each scattered write over its threads). A write that raises
+    leaves the ones before it written (:func:`overwritten` is how a caller puts them back)."""
+    for name, tensor in plan.whole.items():
+        held[name].detach().copy_(tensor)
+    for name, (index, values) in plan.sparse.items():
+        target = held[name].detach()
+        where, new = index.to(target.device), values.to(target.device)
+        if target.is_contiguous():
+            target.view(-1)[where] = new
+        else:  # no flat view of it: written flat, then copied back
+            flat = target.reshape(-1).clone()
+            flat[where] = new
+            target.copy_(flat.view(target.shape))
