@@ -149,6 +149,17 @@ async def test_a_delta_it_cannot_apply_is_refused_and_the_engine_keeps_its_versi
     good = await _load(control, worker, delta.model_copy(update={"job_id": "d4"}))
     assert good.delta and good.fingerprint == fingerprint(item for b in v2 for item in b.items())
     _holds(worker.engine.model, v2)
+    # a whole load without hold drops what was held before it: a delta on the new version is
+    # refused, never written into the copy of the older one
+    await _load(control, worker, LoadWeights(weight_version=1, buckets=_stage(store, v1, "v1c"), hold=True,
+                                             job_id="l3"))  # fmt: skip
+    await _load(control, worker, LoadWeights(weight_version=2, buckets=_stage(store, v2, "v2c"), job_id="l4"))
+    new = {n: t for b in v2 for n, t in b.items()}
+    on_v2 = _stage(store, [weight_delta(new, b) for b in _nudged(v2)], "v3-delta")
+    with pytest.raises(RemoteError, match="holds no copy of its weights; the delta applies to version 2"):
+        await _load(control, worker, LoadWeights(weight_version=3, buckets=[], delta_buckets=on_v2,
+                                                 delta_from=2, job_id="d5"))  # fmt: skip
+    _holds(worker.engine.model, v2)
 
 
 async def test_a_bucket_missing_among_many_fails_the_load_by_name_and_keeps_the_version(

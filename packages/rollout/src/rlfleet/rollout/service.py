@@ -504,17 +504,17 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         """Load the version ``message`` names by gRPC, whole or as a delta (in the engine when it
         takes one, else through the host copy); the version as now loaded, held for the next delta
         when ``message.hold`` says so."""
-        version, in_engine = message.weight_version, isinstance(self.engine, DeltaEngine)
-        if message.delta_from >= 0 and in_engine:
+        version, engine = message.weight_version, self.engine
+        in_engine = isinstance(engine, DeltaEngine)
+        if message.delta_from >= 0 and isinstance(engine, DeltaEngine):
             names = self._held_names
-            served = self.engine.weight_version  # the engine's weights are the base: it serves that version
+            served = engine.weight_version  # the engine's weights are the base: it serves that version
             if names is None or not message.delta_from == self._held_version == served:
                 raise DeltaBaseMissing(self.worker_id, self._held_version if names is not None else None,
                                        message.delta_from)  # fmt: skip
             delta = await self._fetch_delta(message)
-            assert isinstance(self.engine, DeltaEngine)
             # all or nothing: on an error the engine still serves the version held, the base kept
-            items = await asyncio.to_thread(self.engine.load_delta, delta, names, version)
+            items = await asyncio.to_thread(engine.load_delta, delta, names, version)
         else:
             items = await self._fetch_version(message)  # a delta that does not fit: refused, copy intact
             try:
@@ -522,11 +522,9 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
             except BaseException:
                 self._forget_held()  # a delta written into the copy, or the engine's state unknown
                 raise
-        self._held_version = version
-        if message.hold and in_engine:
-            self._held_names = [name for name, _ in items]
-        elif message.hold:
-            self._held = dict(items)
+        self._held_version = version  # held for the next delta only when asked: any older copy dropped
+        self._held = dict(items) if message.hold and not in_engine else None
+        self._held_names = [name for name, _ in items] if message.hold and in_engine else None
         return items
 
     async def _fetch_delta(self, message: LoadWeights) -> dict[str, torch.Tensor]:

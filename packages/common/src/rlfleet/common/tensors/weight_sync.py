@@ -21,10 +21,12 @@ engine that holds its weights by these names takes the delta straight into them,
 :func:`check_delta` checks it whole first, :func:`overwritten` keeps what it will overwrite (the
 changed elements only) and :func:`write_delta` writes either.
 
-Both run on host tensors through numpy, a chunk of :data:`CHUNK` elements at a time (the comparison's
+The comparison runs on host tensors through numpy, a chunk of :data:`CHUNK` elements at a time (the
 mask stays in cache): about five times faster than torch's ``nonzero`` over a whole tensor on the
 host, where a sync spends most of its time finding what changed. A trainer on a GPU may compare on
-it instead (``weight_delta(..., device=)``); a receiver's copy held off the host is written by torch.
+it instead (``weight_delta(..., device=)``). The writes go through torch's indexing, on the host
+or a device (on the host torch spreads a scattered write over its threads; the gathers of
+:func:`overwritten` go one tensor a task on threads).
 """
 
 from __future__ import annotations
