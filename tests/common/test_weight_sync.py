@@ -79,6 +79,10 @@ def test_the_fingerprint_hashes_a_tensor_in_pieces_on_threads(monkeypatch: pytes
         flipped = w["a.weight"].clone()
         flipped.view(-1).view(torch.int16)[element] ^= 1
         assert fingerprint({**w, "a.weight": flipped}.items()) != pieces, element
+    monkeypatch.setattr(weight_sync, "COPIES_BYTES", 1)  # every copy hashed before the next is made
+    transposed = w["a.weight"].t().contiguous().t()  # not contiguous: hashed from a copy, same bytes
+    assert not transposed.is_contiguous()
+    assert fingerprint({**w, "a.weight": transposed}.items()) == pieces
     assert weight_sync.verifiable(base, "xxh3_128p:00")
     assert not weight_sync.verifiable(base, "xxh3_128:00") and not weight_sync.verifiable(base, "")
 

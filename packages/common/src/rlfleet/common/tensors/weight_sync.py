@@ -31,8 +31,9 @@ or a device (on the host torch spreads a scattered write over its threads; the g
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -52,6 +53,8 @@ CHUNK = 1 << 20
 
 PIECE_BYTES = 16 << 20
 """Bytes of a tensor hashed as one piece by :func:`fingerprint` (part of the scheme: fixed)."""
+COPIES_BYTES = 256 << 20
+"""Host copies (of tensors off the host) that :func:`fingerprint` keeps waiting for their hash."""
 SCHEME = "xxh3_128p"
 """:func:`fingerprint`'s scheme, the prefix of its value (``xxh3_128`` hashed each tensor's bytes
 in one stream, before wire 2.9's pieces)."""
@@ -59,17 +62,27 @@ in one stream, before wire 2.9's pieces)."""
 
 def fingerprint(items: Iterable[tuple[str, Tensor]]) -> str:
     """``xxh3_128p:<hex>``: xxHash3-128 over each tensor's name, dtype and shape line and the
-    xxHash3-128 digests of its bytes in pieces of :data:`PIECE_BYTES`, in name order. Tensors off
-    the host are copied to it one at a time; the pieces hash on threads."""
+    xxHash3-128 digests of its bytes in pieces of :data:`PIECE_BYTES`, in name order. The pieces
+    hash on threads; tensors off the host (or not contiguous) are copied to it one at a time, at
+    most :data:`COPIES_BYTES` of copies waiting for their hash at once."""
     digest = xxhash.xxh3_128()
     with ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="fingerprint") as pool:
-        parts = []
+        parts, copies, waiting = [], deque(), 0
         for name, tensor in sorted(items, key=lambda item: item[0]):
             flat = tensor.detach().to("cpu").contiguous().reshape(-1)
             line = f"{name}|{str(flat.dtype).removeprefix('torch.')}|{tuple(tensor.shape)}\n".encode()
             data = flat.view(torch.uint8).numpy()
             starts = range(0, max(data.size, 1), PIECE_BYTES)
-            parts.append((line, [pool.submit(_piece_digest, data, start) for start in starts]))
+            pieces = [pool.submit(_piece_digest, data, start) for start in starts]
+            parts.append((line, pieces))
+            if flat.data_ptr() != tensor.data_ptr() or tensor.device.type != "cpu":  # a copy
+                copies.append((data.nbytes, pieces))
+                waiting += data.nbytes
+            while waiting > COPIES_BYTES:  # the oldest copies hashed (and freed) first
+                nbytes, hashed = copies.popleft()
+                wait(hashed)
+                waiting -= nbytes
+            del flat, data
         for line, pieces in parts:
             digest.update(line)
             for piece in pieces:
