@@ -13,17 +13,19 @@ diffs them against the version before (the trainer's own ``sync_parts``; a train
 each version's buckets there and compares them there); a receiver (a bf16 model on the host, as
 the HF engine holds it) pulls over gRPC (``ClientPool.fetch_all``, as a rollout worker pulls)
 either every bucket (``full``: copied into the model in place, the HF engine's ``copy_weights``)
-or only the delta, taken one of two ways: ``delta``, straight into the model's own weights (the HF
-engine's ``load_delta``: ``write_delta_in_place``, which keeps only the elements it overwrites), or
+or only the delta, taken one of two ways: ``delta``, straight into the model's own weights, each
+bucket as it arrives while the next is pulled (the HF engine's ``load_delta`` as the rollout worker
+calls it: ``ClientPool.fetch_into`` and ``write_delta_in_place``, which keeps only the elements it
+overwrites), or
 ``delta_host_copy``, written into a host copy of the version before (``apply_delta``) and the whole
 version then copied into the model (the way of an engine that loads whole versions only: vLLM).
 Each hashes what it then holds; both ends' fingerprints must agree.
 
 Reported per side (median over the versions after the first): bytes moved, trainer seconds
-(stage; for a delta, plus the diff), receiver seconds (pull, apply, load, hash; ``pull_s``,
-``apply_s``, ``hash_s`` beside them) and their sum; the share of bf16 weights that changed.
-Target (issue 32): delta sync of the 0.5B model over the host path under 0.3 s. The JSON names
-the machine.
+(stage; for a delta, plus the diff), receiver seconds (pull, apply, load, hash; ``pull_s`` and
+``apply_s``, for ``delta`` ``pull_and_apply_s``, and ``hash_s`` beside them) and their sum; the
+share of bf16 weights that changed. Target (issue 32): delta sync of the 0.5B model over the host
+path under 0.3 s. The JSON names the machine.
 """
 
 from __future__ import annotations
@@ -116,41 +118,44 @@ async def sync_round(
     names = [name for ref in refs for name in store.get_local(ref.key)]
     sides: dict[str, dict[str, float]] = {}
 
-    async def receive(refs: list[Any], load: Any, held: Any) -> dict[str, float]:
-        """Pull ``refs``, ``load`` them, hash what ``held()`` then gives: the receiver's seconds."""
+    async def receive(refs: list[Any], load: Any, held: Any, as_they_come: bool = False) -> dict[str, float]:
+        """Pull ``refs`` and ``load`` them (an iterable of buckets), then hash what ``held()`` gives:
+        the receiver's seconds. ``as_they_come``: each bucket loaded as it arrives, while the next is
+        pulled (``ClientPool.fetch_into``, as the rollout worker loads a delta into its engine), so
+        the pull and the load are one figure."""
         t1 = time.perf_counter()
-        items = {name: t for bucket in await clients.fetch_all(refs) for name, t in bucket.items()}
-        pulled = time.perf_counter()
-        load(items)
-        applied = time.perf_counter()
+        if as_they_come:
+            await clients.fetch_into(refs, load)
+            pulled = applied = time.perf_counter()
+            split = {"pull_and_apply_s": applied - t1}
+        else:
+            buckets = await clients.fetch_all(refs)
+            pulled = time.perf_counter()
+            load(buckets)
+            applied = time.perf_counter()
+            split = {"pull_s": pulled - t1, "apply_s": applied - pulled}
         got = fingerprint(held())
         t2 = time.perf_counter()
         assert got == published, "the receiver does not hold the published weights bit for bit"
-        return {
-            "pull_s": pulled - t1,
-            "apply_s": applied - pulled,
-            "hash_s": t2 - applied,
-            "receiver_s": t2 - t1,
-        }
+        return {**split, "hash_s": t2 - applied, "receiver_s": t2 - t1}
 
     if deltas:  # the receiver's model holds the version before: the delta first, each way
         trainer_s = staged - t0 + diffed - hashed  # stage, then hash and diff as a delta publish does
         common = {"bytes": float(sum(r.nbytes for r in deltas)), "trainer_s": trainer_s,
                   "hash_and_diff_s": diffed - hashed, "changed_frac": changed / max(total, 1)}  # fmt: skip
-        engine = await receive(deltas, lambda d: write_delta_in_place(targets, d),
-                               lambda: [(n, targets[n]) for n in names])  # fmt: skip
+        engine = await receive(deltas, lambda buckets: write_delta_in_place(targets, buckets),
+                               lambda: [(n, targets[n]) for n in names], as_they_come=True)  # fmt: skip
         base = state["held"]
 
-        def through_copy(delta: dict[str, torch.Tensor]) -> None:
-            apply_delta(base, delta)
+        def through_copy(buckets: list[dict[str, torch.Tensor]]) -> None:
+            apply_delta(base, {name: t for bucket in buckets for name, t in bucket.items()})
             copy_weights(targets, list(base.items()))
 
         copied = await receive(deltas, through_copy, lambda: base.items())
         for name, measured in (("delta", engine), ("delta_host_copy", copied)):
             sides[name] = {**common, **measured, "total_s": trainer_s + measured["receiver_s"]}
-    full = await receive(
-        refs, lambda items: copy_weights(targets, items), lambda: [(n, targets[n]) for n in names]
-    )
+    full = await receive(refs, lambda buckets: copy_weights(targets, [i for b in buckets for i in b.items()]),
+                         lambda: [(n, targets[n]) for n in names])  # fmt: skip
     sides["full"] = {"bytes": float(sum(r.nbytes for r in refs)), "stage_s": staged - t0,
                      "trainer_s": hashed - t0, **full,
                      "total_s": hashed - t0 + full["receiver_s"]}  # fmt: skip

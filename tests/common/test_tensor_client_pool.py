@@ -89,3 +89,36 @@ async def test_fetch_all_keeps_the_order_and_raises_the_first_failure_as_it_came
     with pytest.raises(ValueError, match="at_once must be at least 1"):
         await pool.fetch_all(refs, at_once=0)
     await pool.close()
+
+
+async def test_fetch_into_hands_each_ref_over_as_it_comes_and_stops_on_a_failure(
+    stores: list[TensorStoreServer],
+) -> None:
+    """``fetch_into`` runs its consumer on a thread over the refs' tensors as they come: every ref
+    once; a ref gone from its store reaches the consumer as the store's own error (after the refs
+    that came); a consumer that stops early ends the call with its own error."""
+    from rlfleet.common.errors import UnknownKey
+
+    pool = ClientPool(TensorPlaneSettings())
+    refs = [stores[i % 3].put_local(f"b{i}", {"x": torch.full((4,), float(i))}) for i in range(9)]
+    got = await pool.fetch_into(refs, lambda buckets: sorted(float(b["x"][0]) for b in buckets), at_once=2)
+    assert got == [float(i) for i in range(9)]
+    stores[1].delete(refs[4].key)
+    seen: list[float] = []
+
+    def keep(buckets: object) -> None:
+        for bucket in buckets:  # type: ignore[attr-defined]
+            seen.append(float(bucket["x"][0]))
+
+    with pytest.raises(UnknownKey, match=refs[4].key):
+        await pool.fetch_into(refs, keep, at_once=1)
+    assert 4.0 not in seen and len(seen) < 9
+
+    def first_only(buckets: object) -> None:
+        next(iter(buckets))  # type: ignore[call-overload]
+        raise RuntimeError("the consumer refused the bucket")
+
+    with pytest.raises(RuntimeError, match="refused the bucket"):
+        await pool.fetch_into(refs[:4], first_only)
+    assert len(await pool.fetch_all(refs[:4])) == 4  # the pool serves the next call
+    await pool.close()

@@ -105,27 +105,42 @@ def test_a_copy_that_fails_partway_puts_back_what_it_overwrote() -> None:
 
 @pytest.mark.timeout(30)
 def test_a_delta_that_fails_partway_in_the_engine_puts_back_what_it_overwrote() -> None:
-    """A delta goes straight into the live weights (the HF engine's ``load_delta``): the whole
-    tensor it wrote before a sparse write failed is put back, and so are tied names."""
+    """A delta goes straight into the live weights (the HF engine's ``load_delta``), bucket by
+    bucket as they come: a write, a later bucket's check or the pull of a later bucket that fails
+    puts back everything written before it; tied names without shared storage follow."""
     module = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 2)})
     targets = load_targets(module)
     old = {name: t.detach().clone() for name, t in targets.items()}
-    delta = {
-        "a.weight": torch.randn(4, 4),  # whole: written first
+
+    def unchanged() -> None:
+        for name, tensor in targets.items():
+            assert torch.equal(tensor, old[name]), f"{name} kept the failed delta's value"
+
+    first = {"a.weight": torch.randn(4, 4), "a.bias@idx": torch.tensor([1, 3]), "a.bias@val": torch.ones(2)}
+    broken_write = {
         "b.weight@idx": torch.tensor([0, 5], dtype=torch.int32),
         "b.weight@val": torch.empty(2, device="meta"),  # passes the checks; its write fails
     }
     with pytest.raises(NotImplementedError, match="meta"):
-        write_delta_in_place(targets, delta)
-    for name, tensor in targets.items():
-        assert torch.equal(tensor, old[name]), f"{name} kept the failed delta's value"
-    with pytest.raises(BatchContractError, match="an index outside"):  # checked whole: nothing written
-        write_delta_in_place(targets, {"a.bias": torch.randn(4), "b.bias@idx": torch.tensor([2]),
-                                       "b.bias@val": torch.zeros(1)})  # fmt: skip
-    assert torch.equal(targets["a.bias"], old["a.bias"])
+        write_delta_in_place(targets, [{**first, **broken_write}])
+    unchanged()
+    out_of_range = {"b.bias@idx": torch.tensor([2]), "b.bias@val": torch.zeros(1)}
+    with pytest.raises(BatchContractError, match="an index outside"):  # the second bucket's check
+        write_delta_in_place(targets, [first, out_of_range])
+    unchanged()
+
+    def pulled_then_lost() -> Iterator[dict[str, torch.Tensor]]:
+        yield first
+        raise ConnectionError("the store went away")  # as a failed pull reaches the engine
+
+    with pytest.raises(ConnectionError, match="went away"):
+        write_delta_in_place(targets, pulled_then_lost())
+    unchanged()
+    assert write_delta_in_place(targets, [first]) == ["a.weight", "a.bias"]
+    assert torch.equal(targets["a.weight"], first["a.weight"]) and targets["a.bias"][1] == 1
     twin = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "c": torch.nn.Linear(4, 4)})  # untied storage
     both = load_targets(twin)
-    changed = write_delta_in_place(both, {"a.weight@idx": torch.tensor([3]), "a.weight@val": torch.ones(1)},
+    changed = write_delta_in_place(both, [{"a.weight@idx": torch.tensor([3]), "a.weight@val": torch.ones(1)}],
                                    (TiedPair("a.weight", "c.weight"),))  # fmt: skip
     assert changed == ["a.weight"] and torch.equal(both["c.weight"], both["a.weight"])
     assert both["a.weight"].view(-1)[3] == 1

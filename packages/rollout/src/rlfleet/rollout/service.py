@@ -512,9 +512,11 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
             if names is None or not message.delta_from == self._held_version == served:
                 raise DeltaBaseMissing(self.worker_id, self._held_version if names is not None else None,
                                        message.delta_from)  # fmt: skip
-            delta = await self._fetch_delta(message)
-            # all or nothing: on an error the engine still serves the version held, the base kept
-            items = await asyncio.to_thread(engine.load_delta, delta, names, version)
+            # each bucket written as it comes, while the next is pulled; all or nothing: on an error
+            # (a pull's too) the engine still serves the version held, the base kept
+            items = await self._stores.fetch_into(
+                message.delta_buckets, lambda deltas: engine.load_delta(deltas, names, version)
+            )
         else:
             items = await self._fetch_version(message)  # a delta that does not fit: refused, copy intact
             try:
@@ -527,13 +529,6 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         self._held_names = [name for name, _ in items] if message.hold and in_engine else None
         return items
 
-    async def _fetch_delta(self, message: LoadWeights) -> dict[str, torch.Tensor]:
-        return {
-            name: t
-            for bucket in await self._stores.fetch_all(message.delta_buckets)
-            for name, t in bucket.items()
-        }
-
     async def _fetch_version(self, message: LoadWeights) -> list[tuple[str, torch.Tensor]]:
         """The whole version ``message`` names, as ``(name, tensor)``: its buckets, or (a delta on the
         version this worker holds a copy of) that copy with the delta buckets written into it."""
@@ -545,7 +540,11 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         if held is None or self._held_version != message.delta_from:
             raise DeltaBaseMissing(self.worker_id, self._held_version if held is not None else None,
                                    message.delta_from)  # fmt: skip
-        delta = await self._fetch_delta(message)
+        delta = {
+            name: t
+            for bucket in await self._stores.fetch_all(message.delta_buckets)
+            for name, t in bucket.items()
+        }
         await asyncio.to_thread(apply_delta, held, delta)  # checked whole first: a refusal leaves the copy
         self._held = None  # written into: the new version's, held again once the engine has it
         return list(held.items())

@@ -23,8 +23,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import TypeVar
+import queue
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from typing import Any, TypeVar
 
 import grpc
 
@@ -56,6 +66,7 @@ from rlfleet.common.tensors.tls import channel_credentials
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 DEFAULT_TIMEOUT_S = 300.0
 UNARY_TIMEOUT_S = 30.0
@@ -434,6 +445,47 @@ class ClientPool:
         """Every ref's tensors, in ``refs``' order, ``at_once`` streams at a time (a bucket of many
         small tensors, a weight delta's above all, costs more in per-message work than in bytes).
         The first failure cancels the others and is raised as it came."""
+        tasks = self._fetch_tasks(refs, at_once)
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            await _cancel(tasks)
+
+    async def fetch_into(
+        self,
+        refs: Sequence[TensorRef],
+        consume: Callable[[Iterator[dict[str, Tensor]]], R],
+        at_once: int = FETCHES_AT_ONCE,
+    ) -> R:
+        """``consume`` run on a thread over the refs' tensors, each ref's as soon as it has come (in
+        the order they come), so that its work on one overlaps the pull of the next; its result.
+        A failed pull reaches ``consume`` as the error its iterator raises; ``consume`` ending early
+        (or this call cancelled) cancels the pulls left, and the iterator then raises too."""
+        tasks = self._fetch_tasks(refs, at_once)
+        came: queue.SimpleQueue[dict[str, Tensor] | BaseException | None] = queue.SimpleQueue()
+
+        async def pull() -> None:
+            try:
+                for done in asyncio.as_completed(tasks):
+                    came.put(await done)
+                came.put(None)
+            except BaseException as exc:  # a failed pull, or cancelled: the consumer stops on it
+                came.put(exc)
+
+        def each() -> Iterator[dict[str, Tensor]]:
+            while (item := came.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+
+        feeder = asyncio.create_task(pull())
+        try:
+            return await asyncio.to_thread(consume, each())
+        finally:
+            await _cancel([feeder, *tasks])
+
+    def _fetch_tasks(self, refs: Sequence[TensorRef], at_once: int) -> list[asyncio.Task[dict[str, Tensor]]]:
+        """One task a ref, ``at_once`` of them pulling at a time."""
         if at_once < 1:
             raise ValueError(f"at_once must be at least 1, got {at_once}")
         gate = asyncio.Semaphore(at_once)
@@ -442,14 +494,7 @@ class ClientPool:
             async with gate:
                 return await self.fetch(ref)
 
-        tasks = [asyncio.create_task(one(ref)) for ref in refs]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        return [asyncio.create_task(one(ref)) for ref in refs]
 
     def _close_later(self, address: str, client: TensorStoreClient) -> None:
         task = asyncio.create_task(client.close(), name=f"close-store-client-{address}")
@@ -462,6 +507,13 @@ class ClientPool:
         for client in clients:
             await client.close()
         await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+async def _cancel(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    """Cancel the tasks still running and wait for all of them (their errors are their owners')."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _initial_metadata(call: grpc.aio.StreamUnaryCall) -> tuple[tuple[str, str | bytes], ...]:

@@ -110,9 +110,10 @@ class DeltaEngine(Protocol):
     under other names; its worker writes a delta into a host copy and loads the whole version.)"""
 
     def load_delta(
-        self, delta: Mapping[str, torch.Tensor], names: Sequence[str], version: int | None = None
+        self, deltas: Iterable[Mapping[str, torch.Tensor]], names: Sequence[str], version: int | None = None
     ) -> list[tuple[str, torch.Tensor]]:
-        """Write ``delta`` (:mod:`rlfleet.common.tensors.weight_sync`'s form) on the version served
-        into the live weights, all or nothing; set the version if given. Returns the version's
-        weights ``names`` as now served (the engine's own tensors, for the fingerprint)."""
+        """Write a delta (:mod:`rlfleet.common.tensors.weight_sync`'s form), bucket by bucket as
+        ``deltas`` yields them (the next may still be on its way), on the version served into the
+        live weights, all or nothing; set the version if given. Returns the version's weights
+        ``names`` as now served (the engine's own tensors, for the fingerprint)."""
         ...

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import difflib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from rlfleet.common.tensors.weight_sync import check_delta, overwritten, write_delta
+from rlfleet.common.tensors.weight_sync import DeltaPlan, check_delta, overwritten, write_delta
 from rlfleet.rollout.engines.base import WeightsInput
 from rlfleet.rollout.errors import UnknownWeight, WeightDtypeMismatch, WeightShapeMismatch
 
@@ -99,28 +99,39 @@ def copy_weights(
 
 
 def write_delta_in_place(
-    targets: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor], tied: tuple[TiedPair, ...] = ()
+    targets: Mapping[str, torch.Tensor],
+    deltas: Iterable[Mapping[str, torch.Tensor]],
+    tied: tuple[TiedPair, ...] = (),
 ) -> list[str]:
-    """Write a weight delta on the version ``targets`` hold into them in place; return the names
-    changed. The delta is checked whole first (``BatchContractError`` for a part that does not fit,
-    nothing written); the elements it overwrites are kept and written back when a write raises. A
+    """Write a weight delta on the version ``targets`` hold into them in place, bucket by bucket as
+    ``deltas`` yields them (a bucket may still be on its way while the one before is written);
+    return the names changed. All or nothing over every bucket: each is checked whole before it is
+    written (``BatchContractError`` for a part that does not fit), the elements each overwrites are
+    kept, and when a check, a write or ``deltas`` itself raises, everything written is put back. A
     tied pair that does not share storage gets the changed tensor copied into its other name."""
-    plan = check_delta(targets, delta)
-    undo = overwritten(targets, plan)
-    changed = set(plan.names)
-    copies = [(source, dest) for source, dest in (_tie_direction(pair, changed) for pair in tied)
-              if source and targets[source].data_ptr() != targets[dest].data_ptr()]  # fmt: skip
-    undo.whole.update({dest: targets[dest].detach().to("cpu", copy=True) for _, dest in copies})
-    with torch.no_grad():
-        try:
+    undone: list[DeltaPlan] = []
+    names: list[str] = []
+    try:
+        for delta in deltas:
+            plan = check_delta(targets, delta)
+            undo = overwritten(targets, plan)
+            changed = set(plan.names)
+            copies = [(source, dest) for source, dest in (_tie_direction(pair, changed) for pair in tied)
+                      if source and targets[source].data_ptr() != targets[dest].data_ptr()]  # fmt: skip
+            undo.whole.update({dest: targets[dest].detach().to("cpu", copy=True) for _, dest in copies})
+            undone.append(undo)
             write_delta(targets, plan)
-            for source, dest in copies:
-                targets[dest].data.copy_(targets[source].data)
-        except BaseException:
+            with torch.no_grad():
+                for source, dest in copies:
+                    targets[dest].data.copy_(targets[source].data)
+            names += plan.names
+    except BaseException:
+        for undo in reversed(undone):
             write_delta(targets, undo)
-            logger.warning("a weight delta failed partway: its %d weight(s) restored", len(changed))
-            raise
-    return plan.names
+        if undone:
+            logger.warning("a weight delta failed partway: the %d bucket(s) written put back", len(undone))
+        raise
+    return names
 
 
 def _keep(kept: dict[str, torch.Tensor], name: str, target: torch.Tensor) -> None:
