@@ -138,11 +138,6 @@ def _delta_on(
     return [(name + INDEX, changed.to(index_dtype).cpu()), (name + VALUES, values.cpu())]
 
 
-def _take(tensor: Tensor, index: Tensor) -> Tensor:
-    """Host ``tensor``'s elements at the flat ``index``, as a new contiguous tensor of its dtype."""
-    return torch.from_numpy(np.take(_bits(tensor).numpy(), index.numpy())).view(tensor.dtype)
-
-
 def weight_delta(
     old: Mapping[str, Tensor], new: Mapping[str, Tensor], *, device: torch.device | str | None = None
 ) -> dict[str, Tensor]:
@@ -185,7 +180,7 @@ def _tensor_delta(
         return []
     if changed.numel() > DENSE_FRACTION * tensor.numel():
         return [(name, tensor)]
-    return [(name + INDEX, changed), (name + VALUES, _take(tensor, changed))]
+    return [(name + INDEX, changed), (name + VALUES, _gather(tensor, changed))]
 
 
 class DeltaPlan(NamedTuple):
@@ -263,6 +258,7 @@ def _on_threads(work: Callable[[str], Any], names: Iterable[str]) -> list[Any]:
 
 
 def _gather(tensor: Tensor, index: Tensor) -> Tensor:
+    """``tensor``'s elements at the flat ``index``, a new contiguous tensor of its dtype and device."""
     return tensor.reshape(-1).index_select(0, index.to(tensor.device))
 
 
