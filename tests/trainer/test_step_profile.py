@@ -3,6 +3,7 @@ others and a run without the variable write nothing, a malformed step list is na
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -57,7 +58,8 @@ def test_a_profiled_step_writes_its_operator_table(
             metrics = run_step(actor, None, make_batch([3, 5], [4, 2]), [1.0, 0.0], settings)
         assert metrics["time/plan_s"] <= metrics["time/update_s"]
     written = sorted(p.name for p in folder.iterdir())
-    assert written == ["trainer-step-4-rank0.txt"]  # step 3 was not asked for
-    text = (folder / written[0]).read_text()
+    assert written == ["trainer-step-4-rank0.trace.json", "trainer-step-4-rank0.txt"]  # not step 3
+    text = (folder / written[1]).read_text()
+    assert json.loads((folder / written[0]).read_text())["traceEvents"]  # the timeline
     assert "trainer step 4, rank 0, cpu" in text
     assert "aten::mm" in text or "aten::addmm" in text or "aten::linear" in text  # the model's matmuls

@@ -5,8 +5,9 @@ the steps named by ``RLFLEET_PROFILE_STEPS`` (comma-separated step numbers, ``2,
 first step warms caches and kernels up) run under the profiler, CPU and (on a GPU) CUDA activity.
 Each writes ``trainer-step-<N>-rank<R>.txt`` into that folder: the operators by their own time on
 the device (CUDA) or on the host (CPU), then by their total host time (what the Python side spends
-launching them). Every other step, and every step without the variable, runs as it would without
-this module (one environment lookup).
+launching them); beside it ``trainer-step-<N>-rank<R>.trace.json``, the step's timeline (Chrome's
+trace format: open it in Perfetto to see where the device waits on the host). Every other step,
+and every step without the variable, runs as it would without this module (one environment lookup).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def maybe_profiled(step: int, rank: int, device: torch.device) -> Iterator[None]
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
+        prof.export_chrome_trace(str(target.with_suffix(".trace.json")))
     except OSError as exc:
         logger.warning("could not write the profile of step %d to %s: %s", step, target, exc)
         return
