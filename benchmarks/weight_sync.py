@@ -17,8 +17,9 @@ or only the delta, taken one of two ways: ``delta``, straight into the model's o
 bucket as it arrives while the next is pulled (the HF engine's ``load_delta`` as the rollout worker
 calls it: ``ClientPool.fetch_into`` and ``write_delta_in_place``, which keeps only the elements it
 overwrites), or
-``delta_host_copy``, written into a host copy of the version before (``apply_delta``) and the whole
-version then copied into the model (the way of an engine that loads whole versions only: vLLM).
+``delta_host_copy``, written into a host copy of the version before (``write_delta_in_place``, as
+the rollout worker writes its copy) and the whole version then copied into the model (the way of an
+engine that loads whole versions only: vLLM).
 Each hashes what it then holds; both ends' fingerprints must agree.
 
 Reported per side (median over the versions after the first): bytes moved, trainer seconds
@@ -83,7 +84,7 @@ async def sync_round(
     version: int, bucket_bytes: int,
 ) -> dict[str, dict[str, float]]:  # fmt: skip
     """Stage ``version`` in the store, then sync the receiver both ways; each side's figures."""
-    from rlfleet.common.tensors.weight_sync import apply_delta, fingerprint
+    from rlfleet.common.tensors.weight_sync import Fingerprinter, fingerprint
     from rlfleet.rollout.engines.weights import copy_weights, load_targets, write_delta_in_place
     from rlfleet.trainer.service import sync_parts
     from rlfleet.trainer.weights import iter_weight_buckets, put_version
@@ -122,11 +123,14 @@ async def sync_round(
         """Pull ``refs`` and ``load`` them (an iterable of buckets), then hash what ``held()`` gives:
         the receiver's seconds. ``as_they_come``: each bucket loaded as it arrives, while the next is
         pulled (``ClientPool.fetch_into``, as the rollout worker loads a delta into its engine), so
-        the pull and the load are one figure."""
+        the pull and the load are one figure, and ``load`` hands each bucket's weights once written
+        to the hash (its second argument), whose ``hash_s`` is then what is left of it at the end."""
         t1 = time.perf_counter()
-        if as_they_come:
-            await clients.fetch_into(refs, load)
-            pulled = applied = time.perf_counter()
+        if as_they_come:  # and each bucket's weights hashed once written, as the rollout worker does
+            with Fingerprinter() as hashes:
+                await clients.fetch_into(refs, lambda buckets: load(buckets, hashes.add_all))
+                applied = time.perf_counter()
+                got = hashes.value(held())
             split = {"pull_and_apply_s": applied - t1}
         else:
             buckets = await clients.fetch_all(refs)
@@ -134,7 +138,7 @@ async def sync_round(
             load(buckets)
             applied = time.perf_counter()
             split = {"pull_s": pulled - t1, "apply_s": applied - pulled}
-        got = fingerprint(held())
+            got = fingerprint(held())
         t2 = time.perf_counter()
         assert got == published, "the receiver does not hold the published weights bit for bit"
         return {**split, "hash_s": t2 - applied, "receiver_s": t2 - t1}
@@ -143,12 +147,12 @@ async def sync_round(
         trainer_s = staged - t0 + diffed - hashed  # stage, then hash and diff as a delta publish does
         common = {"bytes": float(sum(r.nbytes for r in deltas)), "trainer_s": trainer_s,
                   "hash_and_diff_s": diffed - hashed, "changed_frac": changed / max(total, 1)}  # fmt: skip
-        engine = await receive(deltas, lambda buckets: write_delta_in_place(targets, buckets),
+        engine = await receive(deltas, lambda got, written: write_delta_in_place(targets, got, (), written),
                                lambda: [(n, targets[n]) for n in names], as_they_come=True)  # fmt: skip
         base = state["held"]
 
         def through_copy(buckets: list[dict[str, torch.Tensor]]) -> None:
-            apply_delta(base, {name: t for bucket in buckets for name, t in bucket.items()})
+            write_delta_in_place(base, buckets)  # as the rollout worker writes its host copy
             copy_weights(targets, list(base.items()))
 
         copied = await receive(deltas, through_copy, lambda: base.items())

@@ -1,6 +1,7 @@
 """A weight version's fingerprint and the delta between two versions (issue 32, points 3 and 4):
-a delta applied to the version before gives the new version bit for bit, and a delta that does not
-fit what the receiver holds is refused before anything is written."""
+a delta applied to the version before gives the new version bit for bit, its changed elements travel
+packed (and the per-weight form before wire 2.10 is still read), and a delta that does not fit what
+the receiver holds, or whose packing is malformed, is refused before anything is written."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ import torch
 
 from rlfleet.common.errors import BatchContractError
 from rlfleet.common.tensors import weight_sync
-from rlfleet.common.tensors.weight_sync import INDEX, VALUES, apply_delta, fingerprint, weight_delta
+from rlfleet.common.tensors.weight_sync import (
+    COUNTS,
+    INDEX,
+    NAMES,
+    VALUES,
+    apply_delta,
+    delta_parts,
+    fingerprint,
+    weight_delta,
+)
 
 
 def _version(seed: int) -> dict[str, torch.Tensor]:
@@ -37,12 +47,13 @@ def test_a_delta_applied_to_the_version_before_is_the_new_version_bit_for_bit() 
     old = _version(0)
     new = _step(old, 0.02)
     delta = weight_delta(old, new)
-    assert set(delta) == {"a.weight" + INDEX, "a.weight" + VALUES, "b.bias"}  # c.step unchanged: left out
-    assert (
-        delta["a.weight" + INDEX].dtype == torch.int32 and delta["a.weight" + VALUES].dtype == torch.bfloat16
-    )
+    assert set(delta) == {INDEX, VALUES, NAMES, COUNTS, "b.bias"}  # c.step unchanged: left out
+    whole, sparse = delta_parts(delta)
+    assert set(whole) == {"b.bias"} and set(sparse) == {"a.weight"}
+    index, values = sparse["a.weight"]
+    assert index.dtype == torch.int32 and values.dtype == torch.bfloat16
     changed = int((new["a.weight"].view(torch.int16) != old["a.weight"].view(torch.int16)).sum())
-    assert delta["a.weight" + INDEX].numel() == changed and 0 < changed < 0.05 * old["a.weight"].numel()
+    assert index.numel() == changed and 0 < changed < 0.05 * old["a.weight"].numel()
     held = {k: v.clone() for k, v in old.items()}
     assert sorted(apply_delta(held, delta)) == ["a.weight", "b.bias"]
     for name in new:
@@ -87,6 +98,19 @@ def test_the_fingerprint_hashes_a_tensor_in_pieces_on_threads(monkeypatch: pytes
     assert not weight_sync.verifiable(base, "xxh3_128:00") and not weight_sync.verifiable(base, "")
 
 
+def test_a_fingerprint_built_a_tensor_at_a_time_is_the_whole_ones() -> None:
+    """A :class:`Fingerprinter` fed in any order, a name fed again counting as last fed, gives
+    :func:`fingerprint`'s value; ``value(items)`` covers exactly those names (one never fed hashed
+    then, one fed but not among them left out)."""
+    w = _version(0)
+    with weight_sync.Fingerprinter() as hashes:
+        hashes.add("b.bias", torch.zeros(3))  # replaced below
+        hashes.add("z.extra", torch.ones(2))  # not among the items: left out
+        hashes.add_all([("b.bias", w["b.bias"]), ("a.weight", w["a.weight"])])
+        assert hashes.value(w.items()) == fingerprint(w.items())  # c.step hashed at the end
+        assert hashes.value() == fingerprint([*w.items(), ("z.extra", torch.ones(2))])
+
+
 def test_a_delta_written_and_its_overwritten_values_written_back_restore_the_version_before() -> None:
     old = _version(0)
     new = _step(old, 0.05)
@@ -105,19 +129,35 @@ def test_a_mostly_changed_tensor_travels_whole() -> None:
     old = _version(0)
     new = _step(old, 0.9)
     delta = weight_delta(old, new)
-    assert "a.weight" in delta and "a.weight" + INDEX not in delta
+    assert "a.weight" in delta and "a.weight" not in delta_parts(delta).sparse
 
 
 def test_a_delta_that_does_not_fit_is_refused_before_anything_is_written() -> None:
     old = _version(0)
     delta = weight_delta(old, _step(old, 0.02))
+    index, values = delta_parts(delta).sparse["a.weight"]
+    legacy = {"b.bias": delta["b.bias"], "a.weight" + INDEX: index, "a.weight" + VALUES: values}
+    names = delta[NAMES]
     bad = [
-        ({**delta, "a.weight" + INDEX: delta["a.weight" + INDEX] + 10_000}, "an index outside 0..2047"),
-        ({**delta, "a.weight" + VALUES: delta["a.weight" + VALUES][:-1]}, "expected .* values"),
-        ({**delta, "a.weight" + VALUES: delta["a.weight" + VALUES].float()}, "expected .* values"),
-        ({k: v for k, v in delta.items() if k != "a.weight" + VALUES}, "no a.weight@val beside it"),
-        ({**delta, "x" + VALUES: torch.zeros(1)}, "values without their indices"),
-        ({**delta, "nope" + INDEX: torch.zeros(1, dtype=torch.int32), "nope" + VALUES: torch.zeros(1)},
+        ({**delta, INDEX: delta[INDEX] + 10_000}, "'a.weight@idx': an index outside 0..2047"),
+        ({**delta, VALUES: delta[VALUES].float()}, "'a.weight@val': expected .* values"),
+        ({**delta, VALUES: delta[VALUES][:-1]}, "'@val': expected 1-dim, .* elements"),
+        ({**delta, COUNTS: delta[COUNTS] + 1}, "'@idx': expected 1-dim, .* elements"),
+        ({**delta, COUNTS: -delta[COUNTS]}, "a negative count"),
+        ({**delta, COUNTS: delta[COUNTS].int()}, "expected 1 int64 counts"),
+        ({k: v for k, v in delta.items() if k != NAMES}, "a packed delta needs all of"),
+        ({**delta, NAMES: torch.tensor([0xFF, 0xFE], dtype=torch.uint8)}, "not UTF-8"),
+        ({**delta, NAMES: names.int()}, "expected 1-dim uint8"),
+        ({**delta, NAMES: torch.tensor(list(b"a.weight\na.weight"), dtype=torch.uint8),
+          COUNTS: torch.tensor([1, index.numel() - 1])}, "an empty, repeated or '@' name"),
+        ({**delta, "a.weight": old["a.weight"]}, "'a.weight': in the delta twice"),
+        ({**delta, **{k: v for k, v in legacy.items() if k != "b.bias"}}, "'a.weight': in the delta twice"),
+        ({**delta, "a.weight" + VALUES: values}, "values without their indices"),
+        ({**legacy, "a.weight" + INDEX: index + 10_000}, "an index outside 0..2047"),
+        ({**legacy, "a.weight" + VALUES: values[:-1]}, "expected .* values"),
+        ({k: v for k, v in legacy.items() if k != "a.weight" + VALUES}, "no a.weight@val beside it"),
+        ({**legacy, "x" + VALUES: torch.zeros(1)}, "values without their indices"),
+        ({**legacy, "nope" + INDEX: torch.zeros(1, dtype=torch.int32), "nope" + VALUES: torch.zeros(1)},
          "a delta for a weight not held"),
         ({**delta, "b.bias": torch.zeros(3)}, "does not match the weights held"),
     ]  # fmt: skip
@@ -126,6 +166,28 @@ def test_a_delta_that_does_not_fit_is_refused_before_anything_is_written() -> No
         with pytest.raises(BatchContractError, match=match):
             apply_delta(held, broken)
         assert all(torch.equal(held[k], old[k]) for k in old), "nothing written"
+
+
+def test_the_form_before_packing_is_still_read_and_odd_dtypes_travel_per_weight() -> None:
+    """A delta in the per-weight form (a trainer before wire 2.10) writes the same version; a bucket
+    whose sparse weights have two dtypes packs the most common one and sends the other per weight."""
+    old = _version(0)
+    new = _step(old, 0.02)
+    index, values = delta_parts(weight_delta(old, new)).sparse["a.weight"]
+    held = {k: v.clone() for k, v in old.items()}
+    apply_delta(held, {"b.bias": new["b.bias"], "a.weight" + INDEX: index, "a.weight" + VALUES: values})
+    assert fingerprint(held.items()) == fingerprint(new.items())
+    g = torch.Generator().manual_seed(5)
+    mixed_old = {"x": torch.randn(100, generator=g).to(torch.bfloat16), "y": torch.randn(90, generator=g),
+                 "z": torch.randn(80, generator=g).to(torch.bfloat16)}  # fmt: skip
+    mixed_new = {k: v.clone() for k, v in mixed_old.items()}
+    for name in mixed_new:
+        mixed_new[name][[3, 7]] += 1.0
+    delta = weight_delta(mixed_old, mixed_new)
+    assert bytes(delta[NAMES].numpy()).decode().split("\n") == ["x", "z"]
+    assert delta[COUNTS].tolist() == [2, 2] and {"y" + INDEX, "y" + VALUES} <= set(delta)
+    apply_delta(mixed_old, delta)
+    assert fingerprint(mixed_old.items()) == fingerprint(mixed_new.items())
 
 
 def test_the_host_delta_finds_every_change_across_its_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,11 +211,12 @@ def test_the_host_delta_finds_every_change_across_its_chunks(monkeypatch: pytest
     new["int8"][[63, 64, 199]] += 1
     new["flag"][[64, 129]] = True
     delta = weight_delta(old, new)
+    sparse = delta_parts(delta).sparse
     for name in old:
         want = (weight_sync._bits(new[name]) != weight_sync._bits(old[name])).nonzero().reshape(-1)
-        assert torch.equal(delta[name + INDEX].long(), want), name
-        assert delta[name + INDEX].dtype == torch.int32
-        assert torch.equal(delta[name + VALUES], new[name].reshape(-1)[want])
+        index, values = sparse[name]
+        assert torch.equal(index.long(), want) and index.dtype == torch.int32, name
+        assert torch.equal(values, new[name].reshape(-1)[want])
     held = {k: v.clone() for k, v in old.items()}
     held["fp32"] = old["fp32"].t().contiguous().t()  # the same values, not contiguous
     assert not held["fp32"].is_contiguous()

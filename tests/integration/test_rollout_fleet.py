@@ -7,7 +7,9 @@ model, CPU) and drives them with the controller's :class:`Fleet`:
   completes and every prompt's samples come back exactly once (``group_index`` coverage);
 - join: a worker started after a weight publish loads that version before it announces, and the
   controller admits it (stale workers are sent the published buckets first);
-- leave: SIGTERM makes a worker say goodbye; no job is sent to it afterwards.
+- leave: SIGTERM makes a worker say goodbye; no job is sent to it afterwards;
+- wire skew under delta sync: a worker that announces a wire before packed deltas (2.10) is sent
+  the whole version while the others take the delta.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ from rlfleet.common.control.messages import (
     LatestWeights,
     SamplingParams,
     WeightsPublished,
+    speaks,
 )
 from rlfleet.common.control.nats_transport import NatsTransport
 from rlfleet.common.control.transport import subject
 from rlfleet.common.tensors.store import TensorStoreClient, TensorStoreServer
+from rlfleet.common.tensors.weight_sync import NAMES, PACKED_SINCE, fingerprint, weight_delta
 from rlfleet.controller.fleet import Fleet
 
 CLUSTER = "fleet-test"
@@ -240,3 +244,54 @@ async def test_late_worker_loads_current_version_before_joining_and_leaver_gets_
 async def _gone(fleet: Fleet, worker_id: str) -> None:
     while fleet.registry.get("rollout", worker_id) is not None:
         await asyncio.sleep(0.02)
+
+
+def test_wire_versions_compare_as_numbers() -> None:
+    assert speaks("2.10", PACKED_SINCE) and speaks("2.11", "2.10") and speaks("2.9", "2.9")
+    assert not speaks("2.9", "2.10") and not speaks("3.10", "2.10") and not speaks("2", "2.10")
+    assert not speaks("2.x", "2.10") and not speaks("", "2.10")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_a_worker_before_packed_deltas_loads_the_version_whole(
+    workers: Workers, fleet: Fleet, tiny_model_dir: Path
+) -> None:
+    """Since wire 2.10 a delta bucket's changed elements travel packed, which a worker of an older
+    release cannot read: the controller sends a delta only to workers whose announce says 2.10 or
+    later, the others load the same version whole, and every load is verified against the published
+    fingerprint (the older worker is the controller's record of its announce set back to 2.9)."""
+    workers.start("rollout-new")
+    workers.start("rollout-old")
+    await fleet.wait_ready({"rollout": 2}, timeout=120)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    v1 = {n: t.clone() for n, t in model.state_dict().items() if n != "lm_head.weight"}
+    v2 = {n: t.clone() for n, t in v1.items()}
+    g = torch.Generator().manual_seed(1)
+    for tensor in v2.values():  # 1% of each weight moved: a sparse delta
+        picked = torch.randperm(tensor.numel(), generator=g)[: max(1, tensor.numel() // 100)]
+        tensor.view(-1)[picked] += 0.5
+    store = TensorStoreServer(capacity_bytes=1 << 28, ttl_s=600)
+    await store.start()
+    try:
+        delta = weight_delta(v1, v2)
+        assert NAMES in delta  # packed
+        first = WeightsPublished(weight_version=1, buckets=[store.put_local("w/v1", v1)], nbytes=1,
+                                 seconds=0.0, fingerprint=fingerprint(v1.items()))  # fmt: skip
+        loaded = await fleet.load_weights(first, hold=True)
+        assert sorted(r.worker_id for r in loaded) == ["rollout-new", "rollout-old"]
+        old = fleet.registry.get("rollout", "rollout-old")
+        assert old is not None
+        old.announce.protocol = "2.9"  # as a worker of that release announces itself
+        staged = store.put_local("w/v2-delta", delta)
+        second = WeightsPublished(weight_version=2, buckets=[store.put_local("w/v2", v2)], nbytes=1,
+                                  seconds=0.0, fingerprint=fingerprint(v2.items()), delta_buckets=[staged],
+                                  delta_from=1)  # fmt: skip
+        loaded = await fleet.load_weights(second, hold=True)  # each verified against the fingerprint
+    finally:
+        await store.stop()
+    by_id = {r.worker_id: r for r in loaded}
+    assert by_id["rollout-new"].delta and not by_id["rollout-old"].delta
+    assert {r.fingerprint for r in loaded} == {second.fingerprint}

@@ -140,10 +140,14 @@ def test_a_delta_that_fails_partway_in_the_engine_puts_back_what_it_overwrote() 
     assert torch.equal(targets["a.weight"], first["a.weight"]) and targets["a.bias"][1] == 1
     twin = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "c": torch.nn.Linear(4, 4)})  # untied storage
     both = load_targets(twin)
-    changed = write_delta_in_place(both, [{"a.weight@idx": torch.tensor([3]), "a.weight@val": torch.ones(1)}],
-                                   (TiedPair("a.weight", "c.weight"),))  # fmt: skip
-    assert changed == ["a.weight"] and torch.equal(both["c.weight"], both["a.weight"])
+    seen: list[list[str]] = []  # each bucket's weights handed on once written (the worker hashes them)
+    changed = write_delta_in_place(both, [{"a.weight@idx": torch.tensor([3]), "a.weight@val": torch.ones(1)},
+                                          {"a.bias@idx": torch.tensor([0]), "a.bias@val": torch.ones(1)}],
+                                   (TiedPair("a.weight", "c.weight"),),
+                                   lambda items: seen.append([name for name, _ in items]))  # fmt: skip
+    assert changed == ["a.weight", "a.bias"] and torch.equal(both["c.weight"], both["a.weight"])
     assert both["a.weight"].view(-1)[3] == 1
+    assert seen == [["a.weight", "c.weight"], ["a.bias"]]  # the tied copy too
 
 
 # --- vLLM (CPU build) -------------------------------------------------------------------------

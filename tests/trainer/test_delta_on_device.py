@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from rlfleet.common.tensors.store import TensorStoreServer
-from rlfleet.common.tensors.weight_sync import apply_delta, fingerprint
+from rlfleet.common.tensors.weight_sync import apply_delta, delta_parts, fingerprint
 from rlfleet.trainer.service import sync_parts
 
 
@@ -50,7 +50,7 @@ def test_versions_kept_on_the_device_give_the_hosts_delta() -> None:
     assert printed == printed_too
     assert len(by_host) == len(on_device) == 2
     hosts = _deltas(store, by_host)
-    assert "a.weight@idx" in hosts[0] and "c.norm" in hosts[1]  # a sparse change, and a dense one whole
+    assert "a.weight" in delta_parts(hosts[0]).sparse and "c.norm" in delta_parts(hosts[1]).whole
     for host, dev in zip(hosts, _deltas(store, on_device), strict=True):
         assert host.keys() == dev.keys()
         for key in host:

@@ -59,6 +59,7 @@ from rlfleet.common.control.messages import (
     TrainStepResult,
     WeightsLoaded,
     WeightsPublished,
+    speaks,
 )
 from rlfleet.common.control.messages.rollout import EpisodeSpec
 from rlfleet.common.control.transport import Transport, subject
@@ -66,7 +67,7 @@ from rlfleet.common.errors import NoResponders, RemoteError, RemoteUserError, Re
 from rlfleet.common.schema.carriers import CarrierSetting, WeightCarrier, carrier_for
 from rlfleet.common.schema.refs import TensorRef
 from rlfleet.common.schema.trainer import StepSettings
-from rlfleet.common.tensors.weight_sync import verifiable
+from rlfleet.common.tensors.weight_sync import PACKED_SINCE, verifiable
 from rlfleet.controller.errors import (
     NoWorkerServed,
     RetriesExhausted,
@@ -525,6 +526,10 @@ class Fleet:
         applies to; the whole version when it turns out to hold no copy of it."""
         published = self.published
         if published is None or not published.delta_buckets or worker.weight_version != published.delta_from:
+            return await self._load_request(worker, message)
+        if not speaks(worker.announce.protocol, PACKED_SINCE):  # reads only the per-weight form
+            logger.info("rollout worker %s speaks wire %s, before packed deltas: it loads version %d whole",
+                        worker.worker_id, worker.announce.protocol, message.weight_version)  # fmt: skip
             return await self._load_request(worker, message)
         delta = message.model_copy(update={"delta_buckets": published.delta_buckets,
                                            "delta_from": published.delta_from,

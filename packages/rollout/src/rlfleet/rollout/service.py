@@ -62,12 +62,13 @@ from rlfleet.common.schema.batch import pack_texts, pad_left, pad_right
 from rlfleet.common.schema.connection import NatsConnection, mask_url
 from rlfleet.common.schema.rollout import GenerateLimits, RolloutWorkerConfig
 from rlfleet.common.tensors.store import ClientPool, TensorStoreServer, worker_store
-from rlfleet.common.tensors.weight_sync import apply_delta
+from rlfleet.common.tensors.weight_sync import Fingerprinter
 from rlfleet.common.tensors.weight_sync import fingerprint as weights_fingerprint
 from rlfleet.rollout.catch_up import catch_up
 from rlfleet.rollout.chat_turns import ChatTurns
 from rlfleet.rollout.engines.base import Completion, DeltaEngine
 from rlfleet.rollout.engines.registry import make_engine, resolve_engine_name
+from rlfleet.rollout.engines.weights import write_delta_in_place
 from rlfleet.rollout.episodes import EnvClient, EpisodeDriver, Episodes
 from rlfleet.rollout.errors import (
     DeadlinePassed,
@@ -486,8 +487,7 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
                 self._forget_held()
                 await asyncio.to_thread(self.engine.load_ipc, message.ipc_buckets, version)
             else:
-                items = await self._load_grpc(message)
-                fingerprint = await asyncio.to_thread(weights_fingerprint, items)
+                fingerprint = await self._load_grpc(message)
             self.weight_version = version
             keep = message.keep_from_version
             self._release_older_batches(min(keep, version) if keep >= 0 else version)
@@ -500,10 +500,11 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
     def _forget_held(self) -> None:
         self._held, self._held_names = None, None
 
-    async def _load_grpc(self, message: LoadWeights) -> list[tuple[str, torch.Tensor]]:
+    async def _load_grpc(self, message: LoadWeights) -> str:
         """Load the version ``message`` names by gRPC, whole or as a delta (in the engine when it
-        takes one, else through the host copy); the version as now loaded, held for the next delta
-        when ``message.hold`` says so."""
+        takes one, else through the host copy), held for the next delta when ``message.hold`` says
+        so; the fingerprint of the version as now loaded (of a delta in the engine, each bucket's
+        weights hashed as soon as they are written, while the next is pulled)."""
         version, engine = message.weight_version, self.engine
         in_engine = isinstance(engine, DeltaEngine)
         if message.delta_from >= 0 and isinstance(engine, DeltaEngine):
@@ -514,9 +515,12 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
                                        message.delta_from)  # fmt: skip
             # each bucket written as it comes, while the next is pulled; all or nothing: on an error
             # (a pull's too) the engine still serves the version held, the base kept
-            items = await self._stores.fetch_into(
-                message.delta_buckets, lambda deltas: engine.load_delta(deltas, names, version)
-            )
+            with Fingerprinter() as hashes:
+                items = await self._stores.fetch_into(
+                    message.delta_buckets,
+                    lambda deltas: engine.load_delta(deltas, names, version, hashes.add_all),
+                )
+                fingerprint = await asyncio.to_thread(hashes.value, items)
         else:
             items = await self._fetch_version(message)  # a delta that does not fit: refused, copy intact
             try:
@@ -524,10 +528,11 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
             except BaseException:
                 self._forget_held()  # a delta written into the copy, or the engine's state unknown
                 raise
+            fingerprint = await asyncio.to_thread(weights_fingerprint, items)
         self._held_version = version  # held for the next delta only when asked: any older copy dropped
         self._held = dict(items) if message.hold and not in_engine else None
         self._held_names = [name for name, _ in items] if message.hold and in_engine else None
-        return items
+        return fingerprint
 
     async def _fetch_version(self, message: LoadWeights) -> list[tuple[str, torch.Tensor]]:
         """The whole version ``message`` names, as ``(name, tensor)``: its buckets, or (a delta on the
@@ -540,12 +545,9 @@ class RolloutWorker(Worker[RolloutWorkerConfig]):
         if held is None or self._held_version != message.delta_from:
             raise DeltaBaseMissing(self.worker_id, self._held_version if held is not None else None,
                                    message.delta_from)  # fmt: skip
-        delta = {
-            name: t
-            for bucket in await self._stores.fetch_all(message.delta_buckets)
-            for name, t in bucket.items()
-        }
-        await asyncio.to_thread(apply_delta, held, delta)  # checked whole first: a refusal leaves the copy
+        deltas = await self._stores.fetch_all(message.delta_buckets)
+        # each bucket checked whole before it is written, all put back on a refusal: the copy intact
+        await asyncio.to_thread(write_delta_in_place, held, deltas)
         self._held = None  # written into: the new version's, held again once the engine has it
         return list(held.items())
 

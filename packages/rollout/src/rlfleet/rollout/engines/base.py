@@ -14,7 +14,7 @@ so the importance ratio is 1 at the same weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -110,10 +110,15 @@ class DeltaEngine(Protocol):
     under other names; its worker writes a delta into a host copy and loads the whole version.)"""
 
     def load_delta(
-        self, deltas: Iterable[Mapping[str, torch.Tensor]], names: Sequence[str], version: int | None = None
+        self,
+        deltas: Iterable[Mapping[str, torch.Tensor]],
+        names: Sequence[str],
+        version: int | None = None,
+        written: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None,
     ) -> list[tuple[str, torch.Tensor]]:
         """Write a delta (:mod:`rlfleet.common.tensors.weight_sync`'s form), bucket by bucket as
         ``deltas`` yields them (the next may still be on its way), on the version served into the
         live weights, all or nothing; set the version if given. Returns the version's weights
-        ``names`` as now served (the engine's own tensors, for the fingerprint)."""
+        ``names`` as now served (the engine's own tensors, for the fingerprint); ``written`` is
+        given each bucket's weights as soon as they are written (the worker hashes them meanwhile)."""
         ...

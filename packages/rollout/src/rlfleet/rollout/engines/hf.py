@@ -33,7 +33,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -213,13 +213,17 @@ class HFEngine:
         logger.debug("loaded %d weights into %s", len(names), self.model_id)
 
     def load_delta(
-        self, deltas: Iterable[Mapping[str, torch.Tensor]], names: Sequence[str], version: int | None = None
+        self,
+        deltas: Iterable[Mapping[str, torch.Tensor]],
+        names: Sequence[str],
+        version: int | None = None,
+        written: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None,
     ) -> list[tuple[str, torch.Tensor]]:
         """Write a weight delta on the version served straight into the live parameters, bucket by
         bucket as ``deltas`` yields them (:class:`~rlfleet.rollout.engines.base.DeltaEngine`): each
         checked whole before it is written, the elements they overwrite kept until all are in
-        (:func:`~rlfleet.rollout.engines.weights.write_delta_in_place`). Returns the version's
-        weights ``names`` as now served."""
+        (:func:`~rlfleet.rollout.engines.weights.write_delta_in_place`, which gives ``written``
+        each bucket's weights once written). Returns the version's weights ``names`` as now served."""
         self._check_open()
         unknown = [name for name in names if name not in self._targets]
         if unknown:
@@ -227,7 +231,7 @@ class HFEngine:
         with self._lock:
             if self._adapter_base:
                 raise BatchContractError("delta", "a LoRA adapter is applied: a delta needs whole weights")
-            write_delta_in_place(self._targets, deltas, self._tied)
+            write_delta_in_place(self._targets, deltas, self._tied, written)
         if version is not None:
             self.set_weight_version(version)
         return [(name, self._targets[name]) for name in names]

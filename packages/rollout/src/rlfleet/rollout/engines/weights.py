@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import difflib
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -102,13 +102,16 @@ def write_delta_in_place(
     targets: Mapping[str, torch.Tensor],
     deltas: Iterable[Mapping[str, torch.Tensor]],
     tied: tuple[TiedPair, ...] = (),
+    written: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None,
 ) -> list[str]:
     """Write a weight delta on the version ``targets`` hold into them in place, bucket by bucket as
     ``deltas`` yields them (a bucket may still be on its way while the one before is written);
     return the names changed. All or nothing over every bucket: each is checked whole before it is
     written (``BatchContractError`` for a part that does not fit), the elements each overwrites are
     kept, and when a check, a write or ``deltas`` itself raises, everything written is put back. A
-    tied pair that does not share storage gets the changed tensor copied into its other name."""
+    tied pair that does not share storage gets the changed tensor copied into its other name.
+    ``written``: called after each bucket with the weights it wrote, as now held (a receiver hashes
+    them while the next bucket comes; after a failure what it was given is void)."""
     undone: list[DeltaPlan] = []
     names: list[str] = []
     try:
@@ -125,6 +128,8 @@ def write_delta_in_place(
                 for source, dest in copies:
                     targets[dest].data.copy_(targets[source].data)
             names += plan.names
+            if written is not None:
+                written([(name, targets[name]) for name in [*plan.names, *(dest for _, dest in copies)]])
     except BaseException:
         for undo in reversed(undone):
             write_delta(targets, undo)

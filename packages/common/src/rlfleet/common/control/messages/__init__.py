@@ -20,6 +20,7 @@ from rlfleet.common.control.messages.base import (
     Message,
     Shutdown,
     Tier,
+    speaks,
 )
 from rlfleet.common.control.messages.codec import MESSAGES, AnyMessage, check_protocol, decode, encode
 from rlfleet.common.control.messages.environment import EnvClose, EnvObservation, EnvReset, EnvStep
@@ -62,5 +63,5 @@ __all__ = [
     "PublishWeights", "RewardSpecSet", "RewardStats", "RewardStatsRequest", "SamplingParams",
     "SaveCheckpoint", "Saved", "ScoreRequest", "ScoreResult", "SetRewardSpec", "Shutdown", "Tier",
     "TrainStepRequest", "TrainStepResult", "TrainerConfigure", "TrainerConfigured", "WeightsLoaded",
-    "WeightsPublished", "WorkerAnnounce", "WorkerLeave", "check_protocol", "decode", "encode",
+    "WeightsPublished", "WorkerAnnounce", "WorkerLeave", "check_protocol", "decode", "encode", "speaks",
 ]  # fmt: skip

@@ -18,8 +18,19 @@ from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 
 from rlfleet.common.schema.config import legacy_dump
 
-PROTOCOL = "2.9"
+PROTOCOL = "2.10"
 """The wire schema version this code speaks: bump MINOR for additive changes, MAJOR otherwise."""
+
+
+def speaks(protocol: str, version: str) -> bool:
+    """Whether a peer that announced wire ``protocol`` ("MAJOR.MINOR") reads what came in ``version``
+    of the same MAJOR (numbers compared: 2.10 comes after 2.9); a malformed one does not."""
+    try:
+        major, minor = (int(part) for part in protocol.split("."))
+        since_major, since_minor = (int(part) for part in version.split("."))
+    except ValueError:
+        return False
+    return major == since_major and minor >= since_minor
 
 
 def _settings_set(settings: BaseModel) -> dict[str, Any]:
