@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="where the trainer's model lives (cpu, cuda)")
     p.add_argument("--versions", type=int, default=4, help="optimizer steps, one sync after each")
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate of the steps")
-    p.add_argument("--bucket-mb", type=float, default=256.0)
+    p.add_argument("--bucket-mb", type=float, default=64.0, help="a publish's bucket size (the default's)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--smoke", action="store_true", help=smoke.HELP)
     return smoke.parse(p, argv, {"preset": "tiny", "versions": 2, "bucket_mb": 1.0})

@@ -182,8 +182,8 @@ def _delta_on(
     device: torch.device, tensor: Tensor, before: Tensor, index_dtype: torch.dtype
 ) -> Tensor | tuple[Tensor, Tensor] | None:
     """:func:`_tensor_delta` by torch on ``device``: the pair copied there unless it lives there
-    already (a trainer's buckets kept on its GPU), the indices and values gathered there, the
-    result on the host."""
+    already (a trainer's buckets kept on its GPU), the indices and values gathered there (and left
+    there: :func:`_packed` brings a bucket's down at once), a whole tensor on the host."""
     here = tensor.to(device, non_blocking=True)
     changed = (_bits(here) != _bits(before.to(device, non_blocking=True))).nonzero().reshape(-1)
     if not changed.numel():
@@ -191,7 +191,7 @@ def _delta_on(
     if changed.numel() > DENSE_FRACTION * tensor.numel():
         return tensor.cpu()
     values = here.reshape(-1).index_select(0, changed)
-    return changed.to(index_dtype).cpu(), values.cpu()
+    return changed.to(index_dtype), values
 
 
 def weight_delta(
@@ -222,7 +222,8 @@ def weight_delta(
 
 def _packed(sparse: list[tuple[str, Tensor, Tensor]]) -> dict[str, Tensor]:
     """The sparse weights' ``(name, indices, values)`` as the packed tensors, those whose values have
-    another dtype than the most common one as their own pairs (the form before wire 2.10)."""
+    another dtype than the most common one as their own pairs (the form before wire 2.10); on the
+    host (runs found on a device are joined there and come down in one copy each)."""
     if not sparse:
         return {}
     dtype = Counter(values.dtype for _, _, values in sparse).most_common(1)[0][0]
@@ -230,10 +231,10 @@ def _packed(sparse: list[tuple[str, Tensor, Tensor]]) -> dict[str, Tensor]:
     index_dtype = torch.int64 if any(index.dtype == torch.int64 for _, index, _ in runs) else torch.int32
     names = "\n".join(name for name, _, _ in runs).encode()
     return {
-        **{key: t for name, index, values in sparse if values.dtype != dtype
+        **{key: t.cpu() for name, index, values in sparse if values.dtype != dtype
            for key, t in ((name + INDEX, index), (name + VALUES, values))},
-        INDEX: torch.cat([index.to(index_dtype) for _, index, _ in runs]),
-        VALUES: torch.cat([values for _, _, values in runs]),
+        INDEX: torch.cat([index.to(index_dtype) for _, index, _ in runs]).cpu(),
+        VALUES: torch.cat([values for _, _, values in runs]).cpu(),
         NAMES: torch.frombuffer(bytearray(names), dtype=torch.uint8),
         COUNTS: torch.tensor([index.numel() for _, index, _ in runs], dtype=torch.int64),
     }  # fmt: skip
