@@ -72,8 +72,8 @@ class Actor(Trainable):
         reshard_after_forward: FSDP frees each block's gathered weights after its forward (ZeRO-3);
             False keeps them for backward (more memory, one all-gather less per block and micro-batch).
         compile: ``torch.compile`` the decoder blocks (the policy's and the reference's) and the
-            logprob reduction (the first steps compile, and each new sequence shape may compile
-            again); None: the settings' ``compile``.
+            logprob reduction, with dynamic shapes (the first step compiles each variant once; new
+            sequence lengths and row counts reuse it); None: the settings' ``compile``.
         logprob_chunk_rows: tokens per chunk of the logprob reduction.
     """
 

@@ -431,8 +431,28 @@ def _chunk_logprob_entropy(
 
 @functools.cache
 def _compiled_chunk() -> Callable[[Tensor, Tensor, float, bool, bool], tuple[Tensor, Tensor]]:
-    """``_chunk_logprob_entropy`` under ``torch.compile``, built on first use."""
-    return torch.compile(_chunk_logprob_entropy)  # type: ignore[return-value]
+    """``_chunk_logprob_entropy`` under ``torch.compile``, built on first use.
+
+    A chunk's rows (dim 0 of the logits and labels) are a symbol from the first call, so a chunk of
+    another length reuses the graph (compiled for the first length it met, torch compiled again for
+    the second); the vocabulary stays a constant. The labels go in as a fresh copy (C int64s): a
+    view of the batch's ids has a stride and an offset that change with the sequence length, and
+    torch compiled again for those. Grad on and off, the entropy asked for or not, and a chunk of a
+    single row (torch treats sizes 0 and 1 apart, and then the chunk's offset in the logits too) are
+    graphs of their own, each compiled once.
+    """
+    compiled = torch.compile(_chunk_logprob_entropy)
+
+    def reduce(
+        logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool, entropy_grad: bool = True
+    ) -> tuple[Tensor, Tensor]:
+        labels = labels.clone()
+        # a hint, not a demand (mark_dynamic): a chunk of one row is compiled for that size
+        torch._dynamo.maybe_mark_dynamic(logits, 0)
+        torch._dynamo.maybe_mark_dynamic(labels, 0)
+        return compiled(logits, labels, temperature, with_entropy, entropy_grad)
+
+    return reduce
 
 
 def logprobs_from_logits(
