@@ -39,13 +39,16 @@ COMPARED = ("loss", "entropy", "kl", "grad_norm")
 
 
 @pytest.fixture
-def fresh_dynamo(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """No graph of an earlier test reused; the torch settings that compiling sets are put back after."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
-    monkeypatch.setattr(torch._dynamo.config, "specialize_float", torch._dynamo.config.specialize_float)
-    monkeypatch.setattr(shape_config, "use_duck_shape", shape_config.use_duck_shape)
+def fresh_dynamo() -> Iterator[None]:
+    """No graph of an earlier test reused; the torch settings that compiling sets are torch's
+    defaults before and after (through their own ``patch``: pytest's monkeypatch deletes a torch
+    config on undo, which hides it)."""
     torch._dynamo.reset()
-    yield
+    with (
+        torch._dynamo.config.patch(recompile_limit=8, specialize_float=False),
+        shape_config.patch(use_duck_shape=True),
+    ):
+        yield
     torch._dynamo.reset()
 
 
