@@ -24,6 +24,7 @@ from rlfleet.common.control.messages import (
     WorkerAnnounce,
     decode,
     encode,
+    speaks,
 )
 from rlfleet.common.control.nats_transport import NatsTransport
 from rlfleet.common.control.transport import membership_subject, worker_subject
@@ -109,3 +110,9 @@ def test_config_models_in_messages_travel_without_their_defaults() -> None:
     assert b'"model":{}' in encode(plain) and decode(encode(plain)) == plain
     trusting = TrainerConfigure(model=ModelSettings(trust_remote_code=True), device="cpu", critic=False)
     assert b'"model":{"trust_remote_code":true}' in encode(trusting) and decode(encode(trusting)) == trusting
+
+
+def test_wire_versions_compare_as_numbers() -> None:
+    assert speaks("2.10", "2.10") and speaks("2.11", "2.10") and speaks("2.9", "2.9")
+    assert not speaks("2.9", "2.10") and not speaks("3.10", "2.10") and not speaks("2", "2.10")
+    assert not speaks("2.x", "2.10") and not speaks("", "2.10")
