@@ -512,6 +512,23 @@ def machine() -> dict[str, Any]:
             CPU_BF16_ENV: os.environ.get(CPU_BF16_ENV)}  # fmt: skip
 
 
+def ratios(sides: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each rlfleet side against each TRL side that finished, keyed ``"<rlfleet side> vs <TRL side>"``:
+    ``speed`` is TRL's s/step over rlfleet's (above 1: rlfleet is faster), ``gpu_memory`` and ``rss``
+    TRL's peak over rlfleet's (above 1: rlfleet holds less). Every pair is kept, so a reader sees the
+    like-for-like one (synchronous against TRL) beside the pipelined one, never one in the other's place."""
+    out: dict[str, dict[str, float]] = {}
+    finished = {name: side for name, side in sides.items() if side.get("s_per_step")}
+    for trl_name, trl in ((n, s) for n, s in finished.items() if n.startswith("trl")):
+        for name, ours in ((n, s) for n, s in finished.items() if n.startswith("rlfleet")):
+            ratio = {"speed": round(trl["s_per_step"] / ours["s_per_step"], 2)}
+            for key, field in (("gpu_memory", "peak_gpu_gib"), ("rss", "peak_rss_gib")):
+                if trl.get(field) and ours.get(field):
+                    ratio[key] = round(trl[field] / ours[field], 2)
+            out[f"{name} vs {trl_name}"] = ratio
+    return out
+
+
 def print_table(report: dict[str, Any]) -> None:
     sides = report["sides"]
     rows = [("s/step (steps 2..N)", "s_per_step"), ("first step s", "first_step_s"), ("wall s", "wall_s"),
@@ -524,12 +541,11 @@ def print_table(report: dict[str, Any]) -> None:
     print("| --- |" + " --- |" * len(sides))
     for label, key in rows:
         print(f"| {label} | " + " | ".join(str(side.get(key)) for side in sides.values()) + " |")
-    print(f"GPU memory ratio (TRL / rlfleet): {report.get('memory_ratio_gpu')}, one micro-batch: "
-          f"{report.get('memory_ratio_gpu_one_micro_batch')}")  # fmt: skip
+    for pair, ratio in report.get("ratios", {}).items():
+        print(f"{pair}: TRL's s/step / rlfleet's {ratio['speed']}x, TRL's card peak / rlfleet's "
+              f"{ratio.get('gpu_memory')}, TRL's RSS / rlfleet's {ratio.get('rss')}")  # fmt: skip
     m = report["machine"]
-    print(f"speed ratio (TRL s/step / rlfleet s/step): {report.get('speed_ratio')}, one micro-batch: "
-          f"{report.get('speed_ratio_one_micro_batch')}; "
-          f"machine: {m['cpu_count']} cores, {m['cpu']}, {m['memory_gib']} GiB")  # fmt: skip
+    print(f"machine: {m['cpu_count']} cores, {m['cpu']}, {m['memory_gib']} GiB, GPU {m.get('gpu')}")
 
 
 def smoke_check(args: argparse.Namespace) -> int:
@@ -601,31 +617,7 @@ def main() -> int:
             if (workdir / "heldout.json").exists():
                 report["heldout_answers"] = json.loads((workdir / "heldout.json").read_text())
     report["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
-    sides = report["sides"]
-    ours = sides.get("rlfleet", {})
-    for name in (
-        n for n in TRL_SIDES if n in sides and ours.get("s_per_step") and sides[n].get("s_per_step")
-    ):
-        suffix = "" if name == "trl" else "_one_micro_batch"  # trl: the keys earlier results have
-        report["speed_ratio" + suffix] = round(sides[name]["s_per_step"] / ours["s_per_step"], 2)
-        report["memory_ratio_rss" + suffix] = round(sides[name]["peak_rss_gib"] / ours["peak_rss_gib"], 2)
-        if ours.get("peak_gpu_gib") and sides[name].get("peak_gpu_gib"):
-            report["memory_ratio_gpu" + suffix] = round(sides[name]["peak_gpu_gib"] / ours["peak_gpu_gib"], 2)
-        piped = sides.get("rlfleet_pipelined", {})
-        if piped.get("s_per_step"):  # beside the like-for-like ratio, not in its place
-            ratio = sides[name]["s_per_step"] / piped["s_per_step"]
-            report["pipelined_speed_ratio" + suffix] = round(ratio, 2)
-    trl, ours = sides.get("trl_one_micro_batch" + COMPILED, {}), sides.get("rlfleet" + COMPILED, {})
-    for key, side in (
-        ("speed_ratio", ours),
-        ("pipelined_speed_ratio", sides.get("rlfleet_pipelined" + COMPILED, {})),
-    ):
-        if trl.get("s_per_step") and side.get("s_per_step"):  # both trainers compiled, one micro-batch
-            report[key + "_one_micro_batch" + COMPILED] = round(trl["s_per_step"] / side["s_per_step"], 2)
-    if trl.get("peak_gpu_gib") and ours.get("peak_gpu_gib"):
-        report["memory_ratio_gpu_one_micro_batch" + COMPILED] = round(
-            trl["peak_gpu_gib"] / ours["peak_gpu_gib"], 2
-        )
+    report["ratios"] = ratios(report["sides"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)

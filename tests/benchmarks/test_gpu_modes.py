@@ -134,3 +134,21 @@ def test_vs_trl_compiled_sides_compile_each_trainer_and_keep_their_files_apart(t
              "model": {"mixed_precision": "fp32"}}, "device": "cpu", "steps": 2, "seed": 1}  # fmt: skip
     assert vs_trl.trl_config(setup, tmp_path, True, compiled=True).torch_compile
     assert not vs_trl.trl_config(setup, tmp_path, True).torch_compile
+
+
+def test_vs_trl_ratios_pair_every_rlfleet_side_with_every_trl_side() -> None:
+    sides = {
+        "trl_one_micro_batch": {"s_per_step": 0.54, "peak_gpu_gib": 13.05, "peak_rss_gib": 3.0},
+        "rlfleet_compiled": {"s_per_step": 0.39, "peak_gpu_gib": 12.8, "peak_rss_gib": 6.0},
+        "rlfleet_pipelined_compiled": {"s_per_step": 0.27, "peak_gpu_gib": 14.5},
+        "rlfleet": {"error": "exit 1"},  # a side that failed is in no pair
+    }
+    got = vs_trl.ratios(sides)
+    assert set(got) == {
+        "rlfleet_compiled vs trl_one_micro_batch",
+        "rlfleet_pipelined_compiled vs trl_one_micro_batch",
+    }
+    assert got["rlfleet_compiled vs trl_one_micro_batch"] == {"speed": 1.38, "gpu_memory": 1.02, "rss": 0.5}
+    piped = got["rlfleet_pipelined_compiled vs trl_one_micro_batch"]
+    assert piped == {"speed": 2.0, "gpu_memory": 0.9}  # more card memory than TRL: the ratio says so
+    assert vs_trl.ratios({"rlfleet": {"s_per_step": 1.0}}) == {}
