@@ -25,8 +25,10 @@ Each hashes what it then holds; both ends' fingerprints must agree.
 Reported per side (median over the versions after the first): bytes moved, trainer seconds
 (stage; for a delta, plus the diff), receiver seconds (pull, apply, load, hash; ``pull_s`` and
 ``apply_s``, for ``delta`` ``pull_and_apply_s``, and ``hash_s`` beside them) and their sum; the
-share of bf16 weights that changed. Target (issue 32): delta sync of the 0.5B model over the host
-path under 0.3 s. The JSON names the machine.
+share of bf16 weights that changed. ``--breakdown`` adds, per delta side, the seconds spent in each
+function of the sync (``Parts``: the trainer's diff and fingerprint, the receiver's check, gather,
+write and hash). Target (issue 32): delta sync of the 0.5B model over the host path under 0.3 s.
+The JSON names the machine.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate of the steps")
     p.add_argument("--bucket-mb", type=float, default=64.0, help="a publish's bucket size (the default's)")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--breakdown", action="store_true", help="also time each part of both ends (see Parts)")
     p.add_argument("--smoke", action="store_true", help=smoke.HELP)
     return smoke.parse(p, argv, {"preset": "tiny", "versions": 2, "bucket_mb": 1.0})
 
@@ -79,9 +82,50 @@ def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+class Parts:
+    """``--breakdown``: seconds spent in each named function of the sync's own modules, summed over
+    calls and threads (the trainer's fingerprint runs beside its diff, the receiver's check, gather
+    of what it overwrites, write and hash submission one bucket after another on its thread, so a
+    part's seconds say where the time goes, not what adds up to the total). Each function is
+    wrapped in the module that calls it, for the run; :meth:`take` returns the sums since the last."""
+
+    WRAPPED = (
+        ("rlfleet.trainer.service", ("weights_fingerprint", "weight_delta")),
+        ("rlfleet.common.tensors.weight_sync", ("_packed", "_delta_on")),
+        ("rlfleet.rollout.engines.weights", ("check_delta", "overwritten", "write_delta")),
+    )
+
+    def __init__(self) -> None:
+        import importlib
+        import threading
+
+        self.seconds: dict[str, float] = {}
+        self._lock = threading.Lock()
+        for module_name, names in self.WRAPPED:
+            module = importlib.import_module(module_name)
+            for name in names:
+                setattr(module, name, self._timed(name, getattr(module, name)))
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        with self._lock:
+            taken, self.seconds = self.seconds, {}
+        return {f"{name}_s": round(v, 4) for name, v in sorted(taken.items())}
+
+
 async def sync_round(
     model: torch.nn.Module, receiver: torch.nn.Module, store: Any, clients: Any, state: dict[str, Any],
-    version: int, bucket_bytes: int,
+    version: int, bucket_bytes: int, parts: Parts | None = None,
 ) -> dict[str, dict[str, float]]:  # fmt: skip
     """Stage ``version`` in the store, then sync the receiver both ways; each side's figures."""
     from rlfleet.common.tensors.weight_sync import Fingerprinter, fingerprint
@@ -99,11 +143,13 @@ async def sync_round(
     hashed = time.perf_counter()
     deltas: list[Any] = []
     changed = total = 0
+    trainer_parts = parts.take() if parts else {}  # the whole version's publish left out
     if state.get("refs"):  # delta sync's publish: the fingerprint and the delta from the version before
         pairs = (state["kept"], kept) if kept and state.get("kept") else None
         again, deltas = sync_parts(store, version, refs, state["refs"], model.device, pairs)
     state["kept"] = kept
     diffed = time.perf_counter()
+    trainer_parts = parts.take() if parts else {}
     if deltas:
         assert again == published
         for ref in deltas:
@@ -125,13 +171,18 @@ async def sync_round(
         pulled (``ClientPool.fetch_into``, as the rollout worker loads a delta into its engine), so
         the pull and the load are one figure, and ``load`` hands each bucket's weights once written
         to the hash (its second argument), whose ``hash_s`` is then what is left of it at the end."""
+        if parts:
+            parts.take()
         t1 = time.perf_counter()
         if as_they_come:  # and each bucket's weights hashed once written, as the rollout worker does
             with Fingerprinter() as hashes:
-                await clients.fetch_into(refs, lambda buckets: load(buckets, hashes.add_all))
+                hash_add = parts._timed("hash_add", hashes.add_all) if parts else hashes.add_all
+                consume = parts._timed("consume", lambda buckets: load(buckets, hash_add)) if parts else (
+                    lambda buckets: load(buckets, hash_add))  # fmt: skip
+                await clients.fetch_into(refs, consume)
                 applied = time.perf_counter()
                 got = hashes.value(held())
-            split = {"pull_and_apply_s": applied - t1}
+            split = {"pull_and_apply_s": applied - t1, **(parts.take() if parts else {})}
         else:
             buckets = await clients.fetch_all(refs)
             pulled = time.perf_counter()
@@ -146,7 +197,9 @@ async def sync_round(
     if deltas:  # the receiver's model holds the version before: the delta first, each way
         trainer_s = staged - t0 + diffed - hashed  # stage, then hash and diff as a delta publish does
         common = {"bytes": float(sum(r.nbytes for r in deltas)), "trainer_s": trainer_s,
-                  "hash_and_diff_s": diffed - hashed, "changed_frac": changed / max(total, 1)}  # fmt: skip
+                  "stage_s": staged - t0, "hash_and_diff_s": diffed - hashed,
+                  "changed_frac": changed / max(total, 1),
+                  **{"trainer_" + k: v for k, v in trainer_parts.items()}}  # fmt: skip
         engine = await receive(deltas, lambda got, written: write_delta_in_place(targets, got, (), written),
                                lambda: [(n, targets[n]) for n in names], as_they_come=True)  # fmt: skip
         base = state["held"]
@@ -178,12 +231,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     store = await worker_store(plane, capacity_bytes=16 * 2**30, ttl_s=3600.0)
     clients = ClientPool(plane)
     state: dict[str, Any] = {}
+    parts = Parts() if args.breakdown else None
     rounds = []
     try:
         for version in range(1, args.versions + 1):
             step(model, optimizer)
             sides = await sync_round(model, receiver, store, clients, state, version,
-                                     int(args.bucket_mb * 2**20))  # fmt: skip
+                                     int(args.bucket_mb * 2**20), parts)  # fmt: skip
             print(f"version {version}: " + "; ".join(
                 f"{name} {s['bytes'] / 2**20:.1f} MB in {s['total_s']:.3f} s ("
                 + ", ".join(f"{k} {v:.3f}" for k, v in s.items() if k.endswith("_s") and k != "total_s") + ")"

@@ -224,6 +224,29 @@ def test_the_host_delta_finds_every_change_across_its_chunks(monkeypatch: pytest
     assert fingerprint(held.items()) == fingerprint(new.items())
 
 
+def test_a_bucket_of_one_dtype_compared_at_once_on_a_device_equals_the_hosts() -> None:
+    """A bucket whose weights share a dtype (a trainer's bf16 buckets) is compared whole on the device
+    (one search, one count a weight): its delta is the host's key for key and bit for bit, with a
+    weight mostly changed travelling whole, unchanged ones left out and the runs in the bucket's
+    order; a bucket of mixed dtypes or one with a weight the version before lacks falls back."""
+    g = torch.Generator().manual_seed(7)
+    shapes = {"e.weight": (64, 16), "same": (5,), "q.weight": (16, 16), "mostly": (40,), "k.bias": (16,)}
+    old = {name: torch.randn(*shape, generator=g).to(torch.bfloat16) for name, shape in shapes.items()}
+    new = {k: v.clone() for k, v in old.items()}
+    for name, share in (("e.weight", 0.03), ("q.weight", 0.1), ("mostly", 0.8), ("k.bias", 0.2)):
+        flat = new[name].view(-1)
+        hit = torch.randperm(flat.numel(), generator=g)[: max(1, int(share * flat.numel()))]
+        flat[hit] = (flat[hit].float() + 1).to(torch.bfloat16)
+    host, at_once = weight_delta(old, new), weight_sync._bucket_delta(old, new, torch.device("cpu"))
+    assert at_once is not None and list(host) == list(at_once) and "mostly" in at_once
+    for key in host:
+        assert host[key].dtype == at_once[key].dtype and torch.equal(host[key], at_once[key]), key
+    assert bytes(at_once[NAMES].tolist()).decode().split("\n") == ["e.weight", "q.weight", "k.bias"]
+    assert weight_sync._bucket_delta(old, old, torch.device("cpu")) == {}
+    assert weight_sync._bucket_delta(_version(0), _step(_version(0), 0.1), torch.device("cpu")) is None
+    assert weight_sync._bucket_delta({}, new, torch.device("cpu")) is None
+
+
 def test_a_delta_compared_by_torch_on_a_device_equals_the_hosts() -> None:
     """``device=`` (a trainer on a GPU compares there) gives the host's delta, key for key and bit for
     bit; here on the CPU device, which takes the same torch path as a GPU's."""
