@@ -104,9 +104,9 @@ class Parts:
         for module_name, names in self.WRAPPED:
             module = importlib.import_module(module_name)
             for name in names:
-                setattr(module, name, self._timed(name, getattr(module, name)))
+                setattr(module, name, self.timed(name, getattr(module, name)))
 
-    def _timed(self, name: str, fn: Any) -> Any:
+    def timed(self, name: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
             t = time.perf_counter()
             try:
@@ -143,7 +143,8 @@ async def sync_round(
     hashed = time.perf_counter()
     deltas: list[Any] = []
     changed = total = 0
-    trainer_parts = parts.take() if parts else {}  # the whole version's publish left out
+    if parts:
+        parts.take()  # the whole version's publish left out
     if state.get("refs"):  # delta sync's publish: the fingerprint and the delta from the version before
         pairs = (state["kept"], kept) if kept and state.get("kept") else None
         again, deltas = sync_parts(store, version, refs, state["refs"], model.device, pairs)
@@ -176,8 +177,8 @@ async def sync_round(
         t1 = time.perf_counter()
         if as_they_come:  # and each bucket's weights hashed once written, as the rollout worker does
             with Fingerprinter() as hashes:
-                hash_add = parts._timed("hash_add", hashes.add_all) if parts else hashes.add_all
-                consume = parts._timed("consume", lambda buckets: load(buckets, hash_add)) if parts else (
+                hash_add = parts.timed("hash_add", hashes.add_all) if parts else hashes.add_all
+                consume = parts.timed("consume", lambda buckets: load(buckets, hash_add)) if parts else (
                     lambda buckets: load(buckets, hash_add))  # fmt: skip
                 await clients.fetch_into(refs, consume)
                 applied = time.perf_counter()

@@ -253,25 +253,14 @@ def _bucket_delta(
         keep = ~torch.tensor(dense, device=device)[weight]
         changed, weight = changed[keep], weight[keep]
     starts = ends - torch.tensor(sizes, device=device)
-    runs = [
-        (name, count)
-        for (name, _), count, whole in zip(items, counts, dense, strict=True)
-        if count and not whole
-    ]
-    packed = {}
-    if runs:
-        packed = {
-            INDEX: (changed - starts[weight]).to(torch.int32).cpu(),
-            VALUES: bits[changed].view(dtype).cpu(),
-            NAMES: torch.frombuffer(
-                bytearray("\n".join(name for name, _ in runs).encode()), dtype=torch.uint8
-            ),
-            COUNTS: torch.tensor([count for _, count in runs], dtype=torch.int64),
-        }
-    return {
-        **{name: tensor.cpu() for (name, tensor), whole in zip(items, dense, strict=True) if whole},
-        **packed,
-    }
+    index, values = (changed - starts[weight]).to(torch.int32), bits[changed].view(dtype)
+    runs = [(name, count) for (name, _), count, whole in zip(items, counts, dense, strict=True)
+            if count and not whole]  # fmt: skip
+    lengths = [count for _, count in runs]
+    sparse = [(name, i, v) for (name, _), i, v in
+              zip(runs, index.split(lengths), values.split(lengths), strict=True)]  # fmt: skip
+    whole = {name: tensor.cpu() for (name, tensor), is_whole in zip(items, dense, strict=True) if is_whole}
+    return {**whole, **_packed(sparse)}
 
 
 def _packed(sparse: list[tuple[str, Tensor, Tensor]]) -> dict[str, Tensor]:
