@@ -224,26 +224,28 @@ def _pairs(vocab: int) -> dict[str, torch.Tensor]:
 async def test_two_ranks_split_dpo_pairs_and_step_like_one_process(
     tmp_path: Path, tiny_model_dir: Path, procs
 ) -> None:
-    """DPO over two gloo ranks: each rank takes its share of the pairs; the step equals one process's."""
+    """DPO over two gloo ranks: each rank takes its share of the pairs; two steps equal one process's.
+
+    At step 1 the policy is the reference, so each pair's margin is float noise (ranks pad their pairs
+    otherwise than one process does) and ``dpo/accuracy`` counts the noise's sign: it is compared at
+    step 2, where one update has moved the policy off the reference."""
     vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
     settings = worker_settings(tiny_model_dir, "dpo")
     batch = _pairs(vocab)
+    own = StepSettings.of(TrainerWorkerConfig(**settings))
+    results = []
     async with TwoRanks(tmp_path / "fleet", settings, batch) as ranks:
-        own = StepSettings.of(TrainerWorkerConfig(**settings))
-        request = TrainStepRequest(step=1, rollouts=[ranks.ref], scores=[], settings=own)
-        result = await ranks.ask("step", request)
-        assert isinstance(result, TrainStepResult), result
+        for step in (1, 2):
+            request = TrainStepRequest(step=step, rollouts=[ranks.ref], scores=[], settings=own)
+            results.append(await ranks.ask("step", request))
+            assert isinstance(results[-1], TrainStepResult), results[-1]
         ranks.fleet.check()
     assert procs.survivors(ranks.pids) == []
 
     _, actor, critic = build_models(TrainerWorkerConfig(**settings))
-    expected = run_step(actor, critic, merge_batch("dpo", [batch]), request.scores, request.settings)
-    for key in (
-        "loss",
-        "grad_norm",
-        "dpo/chosen_reward",
-        "dpo/rejected_reward",
-        "dpo/accuracy",
-        "dpo/margin",
-    ):
-        assert result.metrics[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+    keys = ("loss", "grad_norm", "dpo/chosen_reward", "dpo/rejected_reward", "dpo/margin", "dpo/accuracy")
+    for step, result in enumerate(results, start=1):
+        expected = run_step(actor, critic, merge_batch("dpo", [batch]), [], own)
+        for key in keys[:-1] if step == 1 else keys:
+            assert result.metrics[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), (step, key)
+    assert abs(results[1].metrics["dpo/margin"]) > 1e-4, "step 2's margins are past float noise"
