@@ -47,7 +47,6 @@ def _agent(seen: dict[str, list[dict[str, Any]]]) -> Any:
     return agent
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_openai_client_agent_trains_on_exactly_the_recorded_tokens(tmp_path: Path, tiny_model_dir: Path,
                                                                        procs: Any) -> None:  # fmt: skip

@@ -25,9 +25,15 @@ DATA = REPO / "examples" / "data" / "tiny_digits.jsonl"
 RANK, STEPS = 16, 16
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize(("engine", "adapter"), [("hf", True), ("vllm", True), ("hf", False)])
+@pytest.mark.parametrize(  # the HF engine with the adapter is the suite's LoRA run; the others are slow
+    ("engine", "adapter"),
+    [
+        ("hf", True),
+        pytest.param("vllm", True, marks=pytest.mark.slow),
+        pytest.param("hf", False, marks=pytest.mark.slow),
+    ],
+)
 def test_lora_training_raises_the_reward(
     tmp_path: Path, tiny_model_dir: Path, procs: Any, engine: str, adapter: bool
 ) -> None:

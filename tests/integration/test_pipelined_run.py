@@ -74,10 +74,16 @@ def _trained(trainer: OnlineTrainer, max_steps: int, after_step: Any = None) -> 
     return trained
 
 
-@pytest.mark.slow
+SLOW_BOUNDS = [("grpo", 2), ("ppo", 1), ("reinforce_pp", 1), ("rloo", 1)]
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    ("algorithm", "k"), [("grpo", 1), ("grpo", 2), ("ppo", 1), ("reinforce_pp", 1), ("rloo", 1)]
+@pytest.mark.parametrize(  # grpo at a bound of 1 is the suite's pipelined run; the others are slow
+    ("algorithm", "k"),
+    [
+        ("grpo", 1),
+        *(pytest.param(*case, marks=pytest.mark.slow) for case in SLOW_BOUNDS),
+    ],
 )
 def test_the_bound_holds_every_step_and_every_batch_is_trained_once(
     tmp_path: Path, tiny_model_dir: Path, procs: Any, algorithm: str, k: int

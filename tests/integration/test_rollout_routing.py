@@ -104,6 +104,7 @@ def strict(item):
 """
 
 
+@pytest.mark.slow  # the routing itself: test_a_rollout_fn_routes_prompts_to_named_pools_or_answers_them
 @pytest.mark.timeout(300)
 def test_the_routed_example_runs_from_its_job_file(tmp_path: Path, venv_script, cli_env, procs) -> None:
     """``rlfleet train examples/tiny_routed.yaml`` from the repository root: two pools from the job

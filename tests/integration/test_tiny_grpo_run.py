@@ -30,7 +30,6 @@ PROGRESS = re.compile(
 )
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_tiny_grpo_example_learns_through_real_processes(
     tmp_path: Path, venv_script, cli_env, tiny_model_dir, procs
