@@ -53,10 +53,8 @@ def slow_share(nodeids: list[str], k: int, n: int) -> set[str]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     spec = config.getoption("--slow-share")
     share = share_of(spec) if spec is not None else None
-    if config.option.markexpr and share is None:
-        return  # the run's own -m expression decides
-    if config.getoption("--slow") and share is None:
-        return
+    if share is None and (config.option.markexpr or config.getoption("--slow")):
+        return  # the run's own -m expression decides, or --slow takes every test
     slow = [item.nodeid for item in items if item.get_closest_marker("slow") is not None]
     dropped = set(slow) - (slow_share(slow, *share) if share is not None else set())
     if dropped:
