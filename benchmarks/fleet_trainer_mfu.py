@@ -48,6 +48,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
 import smoke  # noqa: E402  (this folder's helper module)
+from async_pipeline import machine  # noqa: E402
 from trainer import PEAK_BF16, PRESETS, matmul_tflops, sync, update_flops, write_model  # noqa: E402
 
 from rlfleet.common.schema.batch import RolloutBatch  # noqa: E402
@@ -87,7 +88,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--workdir", default="/tmp/rlfleet-bench")
     p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--profile", default="", help="model:variant: profile one more step (table beside --out)")
+    p.add_argument(
+        "--profile",
+        default="",
+        help="comma list of model:variant: profile one more step of each (tables beside --out)",
+    )
     p.add_argument("--smoke", action="store_true", help=smoke.HELP)
     return smoke.parse(p, argv, SMOKE)
 
@@ -198,7 +203,7 @@ def run_variant(
         "metrics": {k: round(metrics[k], 5) for k in ("loss", "pg_loss", "entropy", "grad_norm", "kl")
                     if k in metrics},
     }  # fmt: skip
-    if args.profile == f"{model}:{name}":
+    if f"{model}:{name}" in args.profile.split(","):
         profile_step(args, actor, critic, batch, scores, settings, ctx, f"{model}_{name}")
     del actor, critic
     return result, ctx
@@ -236,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "transformers": transformers.__version__,
         "date": datetime.date.today().isoformat(), "rows": args.rows, "group": args.group,
         "seq_len": args.seq_len, "prompt_len": args.prompt_len, "peak_bf16_tflops": PEAK_BF16 / 1e12,
-        "matmul_tflops_measured": matmul_tflops(device), "results": [],
+        "matmul_tflops_measured": matmul_tflops(device), "machine": machine(args.device), "results": [],
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for model in args.models.split(","):
